@@ -1,0 +1,393 @@
+"""Benchmark the attention kernels: SDPA (flash and default), Triton FlashAttention-2, and the CUDA extension.
+
+    python experiments/bench_attention.py                 # GPU: full grid, bf16
+    python experiments/bench_attention.py --quick         # GPU: a few shapes
+    python experiments/bench_attention.py                 # CPU: tiny fp32 shapes through the Triton interpreter
+
+Shapes (GPU): causal prefill with GQA 4:1 (32 q heads / 8 kv heads), head dim 64 and 128, sequence 512..16k
+with the batch chosen so that batch * seq ~ 16k tokens; and decode (q_len 1) against 1k..16k cached keys with
+batch 8 and 32. Every backend is first checked against SDPA on the shape (max abs error), then timed: a
+warm-up (Triton autotuning happens there), then the median of many runs timed with CUDA events, rotating
+among several pre-allocated input sets so that L2 residency does not flatter small shapes.
+
+FLOPs: 4 * B * Hq * D * (attended query-key pairs). For square causal prefill the usual convention
+Lq * Lk / 2 pairs is used; otherwise the pairs are counted exactly (bottom-right causal alignment, as in the
+kernel contract: query i attends keys j <= Lk - Lq + i).
+
+Writes ``experiments/results/bench_attention_<device>.json`` (device name, torch/triton versions, every
+measurement). On a CPU the timings only show that the code paths run: they are NOT performance numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Without a GPU the Triton kernels can only run under the interpreter, which Triton picks when the kernel
+# module is imported; set it before anything imports kernels_triton.flash_attn.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULTS_DIR = ROOT / "experiments" / "results"
+
+Shape = dict[str, Any]
+Inputs = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------------- shapes
+def gpu_shapes(args: argparse.Namespace) -> list[Shape]:
+    shapes: list[Shape] = []
+    for d in args.head_dims:
+        for seq in args.prefill_seqs:
+            batch = max(1, args.prefill_tokens // seq)
+            shapes.append(dict(kind="prefill", B=batch, Hq=args.q_heads, Hkv=args.kv_heads, Lq=seq, Lk=seq, D=d))
+    for d in args.head_dims:
+        for kv in args.decode_kv:
+            for batch in args.decode_batches:
+                shapes.append(dict(kind="decode", B=batch, Hq=args.q_heads, Hkv=args.kv_heads, Lq=1, Lk=kv, D=d))
+    return shapes
+
+
+def cpu_shapes() -> list[Shape]:
+    # Tiny on purpose: the Triton interpreter executes every program instance in Python.
+    return [
+        dict(kind="prefill", B=1, Hq=4, Hkv=1, Lq=64, Lk=64, D=32),
+        dict(kind="decode", B=2, Hq=4, Hkv=1, Lq=1, Lk=96, D=32),
+    ]
+
+
+def quick_gpu_shapes(args: argparse.Namespace) -> list[Shape]:
+    return [
+        dict(kind="prefill", B=4, Hq=args.q_heads, Hkv=args.kv_heads, Lq=4096, Lk=4096, D=128),
+        dict(kind="decode", B=16, Hq=args.q_heads, Hkv=args.kv_heads, Lq=1, Lk=4096, D=128),
+    ]
+
+
+def attended_pairs(lq: int, lk: int) -> float:
+    """Query-key pairs a bottom-right-aligned causal mask keeps (square: the Lq*Lk/2 convention)."""
+    if lq == lk:
+        return lq * lk / 2
+    # query i attends keys 0 .. lk - lq + i
+    return lq * (lk - lq) + lq * (lq + 1) / 2
+
+
+def flops(shape: Shape) -> float:
+    return 4.0 * shape["B"] * shape["Hq"] * shape["D"] * attended_pairs(shape["Lq"], shape["Lk"])
+
+
+def bytes_moved(shape: Shape, elem: int) -> int:
+    """Minimum HBM traffic: read q, k, v once, write out once (what bounds decode)."""
+    b, hq, hkv, lq, lk, d = (shape[k] for k in ("B", "Hq", "Hkv", "Lq", "Lk", "D"))
+    return elem * b * d * (2 * hq * lq + 2 * hkv * lk)
+
+
+def describe(shape: Shape) -> str:
+    return (
+        f"{shape['kind']:<7} B={shape['B']:<3} H={shape['Hq']}/{shape['Hkv']} "
+        f"Lq={shape['Lq']:<5} Lk={shape['Lk']:<5} D={shape['D']}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- backends
+def _sdpa(inp: Inputs, causal: bool) -> torch.Tensor:
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    if q.shape[1] != k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def make_backends(device: torch.device) -> tuple[dict[str, Callable[[Inputs, bool], torch.Tensor]], dict[str, str]]:
+    """name -> fn(inputs, causal); plus name -> reason for backends that cannot run here."""
+    backends: dict[str, Callable[[Inputs, bool], torch.Tensor]] = {}
+    skipped: dict[str, str] = {}
+
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa_flash(inp: Inputs, causal: bool) -> torch.Tensor:
+            return _sdpa(inp, causal)
+
+        # The backend choice is a context, entered once around all runs of this backend (see bench_shape)
+        # so that its Python overhead does not show up in the microsecond-scale decode timings.
+        sdpa_flash.context = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # type: ignore[attr-defined]
+        backends["sdpa_flash"] = sdpa_flash
+    backends["sdpa"] = _sdpa  # torch's default dispatch
+
+    try:
+        from kernels_triton.flash_attn import flash_attn_forward
+
+        def triton_fa(inp: Inputs, causal: bool) -> torch.Tensor:
+            return flash_attn_forward(inp["q"], inp["k"], inp["v"], causal=causal)
+
+        backends["triton"] = triton_fa
+    except Exception as exc:  # report, keep benchmarking the others
+        skipped["triton"] = f"{type(exc).__name__}: {exc}"
+
+    if device.type == "cuda":
+        try:
+            from kvboost.attention.cuda_ext import cuda_flash_attn_forward, load_cuda_extension
+
+            load_cuda_extension()
+
+            def cuda_fa(inp: Inputs, causal: bool) -> torch.Tensor:
+                return cuda_flash_attn_forward(
+                    inp["q"], inp["k"], inp["v"], causal=causal, sm_scale=None, kv_start=None, kv_len=None
+                )
+
+            backends["cuda"] = cuda_fa
+        except Exception as exc:
+            skipped["cuda"] = f"{type(exc).__name__}: {exc}"
+    else:
+        skipped["cuda"] = "no CUDA device"
+    return backends, skipped
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def make_inputs(shape: Shape, n_sets: int, dtype: torch.dtype, device: torch.device, seed: int) -> list[Inputs]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, hq, hkv, lq, lk, d = (shape[k] for k in ("B", "Hq", "Hkv", "Lq", "Lk", "D"))
+    sets = []
+    for _ in range(n_sets):
+        sets.append(
+            {
+                "q": torch.randn(b, hq, lq, d, generator=gen, device=device, dtype=dtype),
+                "k": torch.randn(b, hkv, lk, d, generator=gen, device=device, dtype=dtype),
+                "v": torch.randn(b, hkv, lk, d, generator=gen, device=device, dtype=dtype),
+            }
+        )
+    return sets
+
+
+def rotation_sets(shape: Shape, elem: int, target_bytes: int, max_sets: int) -> int:
+    """Enough input sets that one rotation touches ``target_bytes`` (several times the L2), within limits."""
+    per_set = bytes_moved(shape, elem)
+    return int(min(max_sets, max(2, math.ceil(target_bytes / max(per_set, 1)))))
+
+
+def time_fn(fn: Callable[[Inputs], Any], sets: list[Inputs], iters: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds per run: warm-up, then ``iters`` runs, cycling through ``sets``."""
+    for i in range(max(warmup, len(sets))):
+        fn(sets[i % len(sets)])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            inp = sets[i % len(sets)]
+            starts[i].record()
+            fn(inp)
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(sets[i % len(sets)])
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def bench_shape(
+    shape: Shape,
+    backends: dict[str, Callable[[Inputs, bool], torch.Tensor]],
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Any]:
+    causal = True  # prefill: causal; decode: q_len 1 at the end of the keys (causal = sees all keys)
+    elem = torch.finfo(dtype).bits // 8
+    n_sets = rotation_sets(shape, elem, args.rotate_mib * 2**20, args.max_sets)
+    sets = make_inputs(shape, n_sets, dtype, device, args.seed)
+    # SDPA's is_causal is top-left aligned; for a single query the bottom-right causal row is "all keys".
+    sdpa_causal = causal and shape["Lq"] == shape["Lk"]
+
+    def call(name: str, inp: Inputs) -> torch.Tensor:
+        return backends[name](inp, sdpa_causal if name.startswith("sdpa") else causal)
+
+    reference = call("sdpa", sets[0]).float()
+    row: dict[str, Any] = {
+        **shape,
+        "causal": causal,
+        "dtype": str(dtype).removeprefix("torch."),
+        "flops": flops(shape),
+        "min_bytes": bytes_moved(shape, elem),
+        "input_sets": n_sets,
+        "backends": {},
+    }
+    for name in backends:
+        entry: dict[str, Any] = {}
+        context = getattr(backends[name], "context", contextlib.nullcontext)
+        try:
+            with context():
+                out = call(name, sets[0])
+                times = time_fn(lambda inp, n=name: call(n, inp), sets, args.iters, args.warmup, device)
+            entry["max_abs_err_vs_sdpa"] = (out.float() - reference).abs().max().item()
+            ms = statistics.median(times)
+            entry.update(
+                ms=ms,
+                ms_p10=percentile(times, 0.1),
+                ms_p90=percentile(times, 0.9),
+                runs=len(times),
+                tflops=row["flops"] / (ms * 1e-3) / 1e12,
+                gbps=row["min_bytes"] / (ms * 1e-3) / 1e9,
+            )
+        except Exception as exc:  # one failing backend must not end the sweep
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        row["backends"][name] = entry
+    baseline = row["backends"].get("sdpa_flash", {}).get("ms") or row["backends"].get("sdpa", {}).get("ms")
+    row["baseline"] = "sdpa_flash" if "sdpa_flash" in backends else "sdpa"
+    for entry in row["backends"].values():
+        if "ms" in entry and baseline:
+            entry["speedup_vs_sdpa"] = baseline / entry["ms"]
+    del sets
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def print_row(row: dict[str, Any], tol: float) -> None:
+    print(describe(row))
+    for name, e in row["backends"].items():
+        if "error" in e:
+            print(f"    {name:<11} ERROR {e['error']}")
+            continue
+        err = e["max_abs_err_vs_sdpa"]
+        flag = "ok" if err <= tol else "MISMATCH"
+        print(
+            f"    {name:<11} {e['ms']:10.4f} ms  {e['tflops']:9.3g} TFLOP/s  {e['gbps']:9.3g} GB/s  "
+            f"x{e.get('speedup_vs_sdpa', float('nan')):5.2f} vs {row['baseline']}  "
+            f"max|err| {err:.2e} {flag}"
+        )
+
+
+def device_slug(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["sm_count"] = props.multi_processor_count
+        env["capability"] = f"{props.major}.{props.minor}"
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--quick", action="store_true", help="GPU: two shapes only")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--prefill-seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--prefill-tokens", type=int, default=16384, help="batch * seq for prefill shapes")
+    p.add_argument("--decode-kv", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--iters", type=int, default=None, help="timed runs per backend (default 100 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 10 GPU, 1 CPU)")
+    p.add_argument("--rotate-mib", type=int, default=512, help="bytes one rotation of input sets should touch")
+    p.add_argument("--max-sets", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default experiments/results/...)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    args.iters = args.iters or (100 if on_gpu else 3)
+    args.warmup = args.warmup if args.warmup is not None else (10 if on_gpu else 1)
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+
+    if on_gpu:
+        shapes = quick_gpu_shapes(args) if args.quick else gpu_shapes(args)
+    else:
+        shapes = cpu_shapes()
+        print(
+            "NOTE: no GPU -- tiny fp32 shapes through the Triton CPU interpreter. These CPU timings are NOT "
+            "performance numbers; they only show that every path runs and agrees with SDPA."
+        )
+
+    backends, skipped = make_backends(device)
+    for name, why in skipped.items():
+        print(f"skipping backend {name}: {why}")
+    env = environment(device, dtype)
+    print(f"device {env['device']}  torch {env['torch']}  triton {env['triton']}  dtype {env['dtype']}")
+
+    rows = []
+    for shape in shapes:
+        row = bench_shape(shape, backends, args, dtype, device)
+        print_row(row, tol)
+        rows.append(row)
+
+    result = {
+        "environment": env,
+        "note": None if on_gpu else "CPU run through the Triton interpreter: NOT performance numbers",
+        "flops_convention": "4*B*Hq*D*pairs; square causal pairs = Lq*Lk/2, otherwise exact bottom-right count",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "skipped_backends": skipped,
+        "error_tolerance": tol,
+        "results": rows,
+    }
+    out = args.out or RESULTS_DIR / f"bench_attention_{device_slug(device)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""ShareGPT multi-turn replay: real conversations, one request per turn, every mode on the same prompt.
+
+Per turn t the prompt is the chat history (system prompt if any, then turns 1..t-1 as user/assistant
+messages) plus the new user message, in the model's chat template with the generation prompt. The
+history's assistant messages are the dataset's own (``history_source="dataset"``: the engine never saw
+them, so only the earlier prompt is reusable) or the baseline's greedy answers
+(``history_source="model"``: a real chat, where the answer's KV is reusable too). Using the baseline's
+answer, not each mode's own, keeps every mode's prompts identical, so TTFTs compare like for like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from experiments.sharegpt_data import Conversation, load_conversations
+
+HISTORY_SOURCES = ("dataset", "model")
+
+
+@dataclass
+class ReplayRequest:
+    conversation_id: str
+    turn: int  # 1-based
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class SharegptReplayConfig:
+    num_conversations: int = 4
+    max_turns: int = 4
+    min_turns: int = 2
+    max_new_tokens: int = 32
+    seed: int = 0
+    history_source: str = "dataset"
+    max_user_chars: int | None = 2000
+    max_assistant_chars: int | None = 3000
+    max_prompt_tokens: int | None = 2048
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.history_source not in HISTORY_SOURCES:
+            raise ValueError(f"history_source must be one of {HISTORY_SOURCES}, got {self.history_source!r}")
+        for name in ("num_conversations", "max_turns", "min_turns", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
+        if self.min_turns > self.max_turns:
+            self.min_turns = self.max_turns
+
+
+class SharegptReplay:
+    """Yields the requests of the sampled conversations, turn by turn.
+
+    The caller reports each turn's baseline answer through ``answer(...)`` before asking for the next
+    turn (needed when ``history_source="model"``); ``count_tokens`` lets the replay stop a
+    conversation once its prompt would exceed ``max_prompt_tokens``.
+    """
+
+    def __init__(self, cfg: SharegptReplayConfig, count_tokens: Callable[[list[dict[str, str]]], int]) -> None:
+        self.cfg = cfg
+        self.count_tokens = count_tokens
+        # ~4 characters per token in English: conversations that fit in characters mostly fit in tokens too;
+        # the exact token check happens per turn in requests().
+        max_prompt_chars = cfg.max_prompt_tokens * 4 if cfg.max_prompt_tokens else None
+        self.conversations: list[Conversation] = load_conversations(
+            min_turns=cfg.min_turns,
+            max_turns=cfg.max_turns,
+            num_conversations=cfg.num_conversations,
+            seed=cfg.seed,
+            max_user_chars=cfg.max_user_chars,
+            max_assistant_chars=cfg.max_assistant_chars,
+            max_prompt_chars=max_prompt_chars,
+        )
+        self._answers: dict[tuple[str, int], str] = {}
+        self.skipped_turns = 0
+
+    def num_requests_upper_bound(self) -> int:
+        return sum(len(c.turns) for c in self.conversations)
+
+    def answer(self, conversation_id: str, turn: int, text: str) -> None:
+        """Record the baseline's answer to a turn (the history of the next turn with history_source=model)."""
+        self._answers[(conversation_id, turn)] = text
+
+    def requests(self) -> Iterator[ReplayRequest]:
+        for conv in self.conversations:
+            system = self.cfg.system_prompt if self.cfg.system_prompt is not None else conv.system
+            history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+            for t, turn in enumerate(conv.turns, start=1):
+                messages = history + [{"role": "user", "content": turn.user}]
+                if self.cfg.max_prompt_tokens and self.count_tokens(messages) > self.cfg.max_prompt_tokens:
+                    self.skipped_turns += len(conv.turns) - t + 1
+                    break
+                yield ReplayRequest(conv.id, t, messages)
+                if self.cfg.history_source == "model":
+                    assistant = self._answers.get((conv.id, t))
+                    if assistant is None:
+                        raise RuntimeError(f"no answer recorded for {conv.id} turn {t} (history_source=model)")
+                else:
+                    assistant = turn.assistant
+                history = messages + [{"role": "assistant", "content": assistant}]
+
+
+def build_sharegpt_replay(cfg: dict[str, Any], count_tokens: Callable[[list[dict[str, str]]], int]) -> SharegptReplay:
+    fields = {k: v for k, v in cfg.items() if k in SharegptReplayConfig.__dataclass_fields__}
+    return SharegptReplay(SharegptReplayConfig(**fields), count_tokens)

@@ -1,0 +1,20 @@
+"""Triton kernels for kvboost, one file per kernel, each with a plain-torch reference beside it.
+
+Attention contract shared by every attention kernel in the project (Triton here, CUDA in ``csrc/``)::
+
+    out = flash_attn_forward(
+        q,                      # [B, Hq,  Lq, D]   fp16 / bf16 / fp32 (fp64 for the reference only)
+        k,                      # [B, Hkv, Lk, D]   Hq % Hkv == 0 (grouped-query attention, K/V never repeated)
+        v,                      # [B, Hkv, Lk, D]
+        causal=True,            # False: every query sees every valid key
+        sm_scale=None,          # default 1 / sqrt(D)
+        q_positions=None,       # [B, Lq] or [Lq] int: the key index each query sits at; with causal=True a query
+                                # attends keys j <= q_positions[b, i].  Default: Lk - Lq + i (bottom-right aligned,
+                                # i.e. the queries are the last Lq tokens of the key sequence: cached prefix + new).
+                                # Arbitrary (sorted or not) positions serve CacheBlend's selected-token recompute.
+        kv_start=None,          # [B] int: first valid key of each row (left padding); default 0
+        kv_len=None,            # [B] int: one past the last valid key of each row (right padding); default Lk
+    ) -> out                    # [B, Hq, Lq, D], dtype of q; a query with no valid key gets zeros
+
+Valid keys of row b for query i: ``kv_start[b] <= j < kv_len[b]`` and (if causal) ``j <= q_positions[b, i]``.
+"""

@@ -1,0 +1,36 @@
+"""Attention backends (``ATTENTION`` registry): sdpa, eager, triton, cuda.
+
+Importing this package registers the built-ins; kernels and extensions are imported lazily, only when a
+backend is checked or installed, so this import never needs triton, a GPU or a compiler. Usage::
+
+    from kvboost.registry import ATTENTION
+
+    backend = ATTENTION.build("triton")     # or {"name": "triton"} from configs/attn/triton.yaml
+    backend.install(model)                  # raises RuntimeError with a clear message if it cannot run here
+    model(input_ids)
+    backend.stats()                         # {"backend": "triton", "kernel_calls": ..., "fallback_calls": ...}
+"""
+
+from kvboost.attention.base import (
+    AttentionBackend,
+    FlashKernelBackend,
+    KernelMaskParams,
+    allowed_from_mask,
+    mask_to_kernel_params,
+)
+from kvboost.attention.cuda import CudaBackend
+from kvboost.attention.eager import EagerBackend
+from kvboost.attention.sdpa import SdpaBackend
+from kvboost.attention.triton import TritonBackend
+
+__all__ = [
+    "AttentionBackend",
+    "CudaBackend",
+    "EagerBackend",
+    "FlashKernelBackend",
+    "KernelMaskParams",
+    "SdpaBackend",
+    "TritonBackend",
+    "allowed_from_mask",
+    "mask_to_kernel_params",
+]

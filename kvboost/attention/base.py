@@ -1,0 +1,497 @@
+"""Attention backends: the interface, the transformers glue, and the mask translation shared by kernels.
+
+An attention backend replaces the score/softmax/value part of every attention layer of a HuggingFace model
+(projections, RoPE and the KV-cache update stay in the model's own code). ``install(model)`` registers the
+backend in transformers' ``AttentionInterface`` under ``kvboost_<name>`` (plus the matching mask builder in
+``AttentionMaskInterface``) and switches the model to it with ``model.set_attn_implementation``.
+
+What a backend receives per layer call (transformers 5.x)::
+
+    query           [B, Hq,  Lq, D]   after RoPE
+    key, value      [B, Hkv, Lk, D]   already concatenated with the KV cache by the layer (Lk >= Lq)
+    attention_mask  None, or a 4D mask [B, 1, Lq, Lk]: bool (True = attend) from ``sdpa_mask``, or float
+                    (0 = attend, dtype-min = masked) from ``eager_mask``
+
+and it must return ``(attn_output [B, Lq, Hq, D] contiguous, attn_weights or None)``.
+
+Kernel backends (triton, cuda) take the shared kernel contract of ``kernels_triton`` instead of a dense mask:
+``causal``, per-query ``q_positions``, and per-row ``kv_start`` / ``kv_len``. :func:`mask_to_kernel_params`
+translates a transformers mask into those parameters and verifies that they reproduce the mask exactly;
+:class:`FlashKernelBackend` falls back to transformers' SDPA for masks the contract cannot express.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Attribute set on a model's attention modules by ``install`` so that the interface function registered
+#: under ``kvboost_<name>`` routes each call to the backend instance installed on *that* model (two engines
+#: with two instances of the same backend keep separate counters).
+MODULE_BACKEND_ATTR = "_kvboost_attention_backend"
+
+#: Attribute set on an installed model: the attention implementation it had before, for ``uninstall``.
+PREVIOUS_IMPL_ATTR = "_kvboost_previous_attn_implementation"
+
+# Latest instance installed per implementation key; serves modules that were created after install().
+_LATEST_BACKEND: dict[str, AttentionBackend] = {}
+
+
+class AttentionBackend(ABC):
+    """Interface of an attention backend plugin (registered in ``kvboost.registry.ATTENTION``).
+
+    Attributes:
+        name: the registry key (``"sdpa"``, ``"triton"``, ...); the transformers implementation name is
+            ``f"kvboost_{name}"``.
+        kernel_calls: number of attention-layer calls that really ran this backend's own kernel (a forward of
+            an N-layer model adds N). Calls served by a fallback are not counted here.
+    """
+
+    name: ClassVar[str] = "base"
+
+    #: Name of the transformers mask builder registered for this backend's implementation key:
+    #: ``"sdpa"`` gives bool masks (or None where SDPA's ``is_causal`` suffices), ``"eager"`` additive floats.
+    mask_kind: ClassVar[str] = "sdpa"
+
+    def __init__(self) -> None:
+        self.kernel_calls = 0
+
+    # ------------------------------------------------------------------ to implement
+    @abstractmethod
+    def check_available(self) -> None:
+        """Raise RuntimeError with a clear, actionable message if this backend cannot run here."""
+
+    @abstractmethod
+    def attention_forward(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One attention-layer call, in transformers' attention-interface convention.
+
+        Args:
+            module: the calling attention layer (``num_key_value_groups``, ``is_causal``, ``training``...).
+            query: ``[B, Hq, Lq, D]``.
+            key, value: ``[B, Hkv, Lk, D]``, cached prefix included.
+            attention_mask: None or a 4D mask ``[B, 1, Lq, Lk]`` (bool or additive float, see ``mask_kind``).
+            scaling: softmax scale; None means ``1/sqrt(D)``.
+            dropout: attention dropout probability (transformers passes 0.0 outside training).
+            **kwargs: everything else transformers forwards (``is_causal``, ``sliding_window``, ...).
+
+        Returns:
+            ``(attn_output [B, Lq, Hq, D] contiguous, attn_weights or None)``.
+        """
+
+    # ------------------------------------------------------------------ transformers glue
+    @property
+    def impl_name(self) -> str:
+        """The key this backend is registered under in transformers' attention interfaces."""
+        return f"kvboost_{self.name}"
+
+    def mask_function(self) -> Callable[..., Any]:
+        """The transformers mask builder whose output this backend's ``attention_forward`` expects."""
+        from transformers.masking_utils import eager_mask, sdpa_mask
+
+        return {"sdpa": sdpa_mask, "eager": eager_mask}[self.mask_kind]
+
+    def register(self) -> str:
+        """Register this backend in transformers' attention and mask interfaces; returns the key.
+
+        Registration is global in transformers; the registered function routes each call to the backend
+        instance installed on the calling module's model, so registering is idempotent.
+        """
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        key = self.impl_name
+        AttentionInterface.register(key, _make_dispatcher(key))
+        # Without a mask builder under our key, transformers' mask preprocessing treats the implementation as
+        # "needs no mask" and hands the layers None, which would silently drop padding.
+        AttentionMaskInterface.register(key, self.mask_function())
+        _LATEST_BACKEND[key] = self
+        return key
+
+    def install(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make ``model`` run its attention through this backend; returns the model.
+
+        Checks availability first (a backend that cannot run here fails now, with its clear message, not in
+        the middle of a generate call), registers the backend, tags the model's modules so calls are
+        counted on this instance, and switches the model with ``model.set_attn_implementation``.
+        """
+        self.check_available()
+        key = self.register()
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "set_attn_implementation"):
+            raise TypeError(
+                f"attention backend {self.name!r}: install() needs a transformers PreTrainedModel, "
+                f"got {type(model).__name__}"
+            )
+        previous = getattr(config, "_attn_implementation", None)
+        if previous != key and not hasattr(model, PREVIOUS_IMPL_ATTR):
+            setattr(model, PREVIOUS_IMPL_ATTR, previous)
+        for sub in model.modules():
+            setattr(sub, MODULE_BACKEND_ATTR, self)
+        model.set_attn_implementation(key)
+        # set_attn_implementation only *warns* for model classes that do not use the attention interface;
+        # running such a model would silently bypass the backend (and its counters), so fail instead.
+        if getattr(config, "_attn_implementation", None) != key:
+            raise RuntimeError(
+                f"attention backend {self.name!r}: {type(model).__name__} did not switch to {key!r} (its "
+                "attention layers do not dispatch through transformers' AttentionInterface)"
+            )
+        return model
+
+    def uninstall(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Switch ``model`` back to the attention implementation it had before ``install``."""
+        previous = getattr(model, PREVIOUS_IMPL_ATTR, None) or "sdpa"
+        model.set_attn_implementation(previous)
+        for sub in model.modules():
+            if getattr(sub, MODULE_BACKEND_ATTR, None) is self:
+                delattr(sub, MODULE_BACKEND_ATTR)
+        if hasattr(model, PREVIOUS_IMPL_ATTR):
+            delattr(model, PREVIOUS_IMPL_ATTR)
+        return model
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """Counters for results: ``{"backend": name, "kernel_calls": n, ...}``."""
+        return {"backend": self.name, "kernel_calls": self.kernel_calls}
+
+    def reset_stats(self) -> None:
+        """Zero the counters."""
+        self.kernel_calls = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _make_dispatcher(key: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """The function registered in transformers' AttentionInterface for ``key``."""
+
+    def kvboost_attention(module, query, key_states, value_states, attention_mask, **kwargs):
+        backend = getattr(module, MODULE_BACKEND_ATTR, None)
+        if backend is None or backend.impl_name != key:
+            backend = _LATEST_BACKEND[key]
+        return backend.attention_forward(module, query, key_states, value_states, attention_mask, **kwargs)
+
+    kvboost_attention.__name__ = f"{key}_attention_forward"
+    kvboost_attention.__qualname__ = kvboost_attention.__name__
+    return kvboost_attention
+
+
+# ====================================================================== mask translation
+@dataclass(frozen=True)
+class KernelMaskParams:
+    """A transformers attention mask expressed in the kernel contract (see ``kernels_triton``).
+
+    Attributes:
+        causal: whether a query attends only keys ``j <= q_positions[b, i]``.
+        q_positions: ``[B, Lq]`` int32, or None for the contract's default (``Lk - Lq + i``, bottom-right).
+        kv_start: ``[B]`` int32 first valid key per row (left padding), or None for 0.
+        kv_len: ``[B]`` int32 one past the last valid key per row, or None for ``Lk``.
+        key_len: when not None, only the first ``key_len`` keys take part (key/value are sliced to it);
+            used for transformers' upper-left-aligned ``is_causal`` case.
+    """
+
+    causal: bool
+    q_positions: torch.Tensor | None = None
+    kv_start: torch.Tensor | None = None
+    kv_len: torch.Tensor | None = None
+    key_len: int | None = None
+
+
+def allowed_from_mask(mask: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """A 4D transformers mask -> bool ``[B, Lq, Lk]`` (True = attend), or None if it is not a pure mask.
+
+    Float masks are additive: 0 means attend and a very negative value (the dtype's minimum, or -inf) means
+    masked. Any other value is a bias (ALiBi, relative positions) that no boolean kernel mask can express.
+    Masks that differ across heads are not expressible either.
+    """
+    if mask.dim() != 4:
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask == 0
+        # Half the dtype minimum: exp() of it underflows to exactly 0 in every float format, so such
+        # entries contribute nothing in eager attention either; anything between is a real bias.
+        masked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((allowed | masked).all()):
+            return None
+    else:
+        return None
+    if allowed.shape[1] != 1:
+        if not bool((allowed == allowed[:, :1]).all()):
+            return None
+    allowed = allowed[:, 0]
+    if allowed.shape[0] != batch:
+        if allowed.shape[0] != 1:
+            return None
+        allowed = allowed.expand(batch, -1, -1)
+    return allowed
+
+
+def mask_to_kernel_params(
+    attention_mask: torch.Tensor | None,
+    *,
+    batch: int,
+    q_len: int,
+    k_len: int,
+    is_causal: bool = True,
+    allow_q_positions: bool = True,
+) -> KernelMaskParams | None:
+    """Translate a transformers attention mask into kernel-contract parameters, verified exactly.
+
+    ``attention_mask=None`` follows transformers' SDPA semantics: with ``is_causal`` and ``Lq == Lk`` (or
+    ``Lq == 1``) plain causal attention; with ``1 < Lq < Lk`` SDPA's upper-left alignment, i.e. only the first
+    ``Lq`` keys take part (the empty-StaticCache prefill case); without ``is_causal`` full attention.
+
+    A 4D mask is reduced to: per row, the range of keys any query may attend (``kv_start``, ``kv_len``:
+    left/right padding), and per query the last key it may attend (``q_positions``; a query that may attend
+    nothing, e.g. a left-pad token, gets ``kv_start - 1``). The mask these parameters describe is then rebuilt
+    and compared with the given one element by element; only an exact match is returned. The simplest form
+    that matches is preferred: contract default positions, then non-causal, then explicit ``q_positions``
+    (only if ``allow_q_positions``; the CUDA kernel has no ``q_positions``).
+
+    Returns:
+        the parameters, or None when the mask has a pattern the contract cannot express (sliding windows,
+        packed sequences, per-head masks, additive biases): the caller must fall back to a dense-mask path.
+    """
+    if attention_mask is None:
+        if not is_causal:
+            return KernelMaskParams(causal=False)
+        if q_len == 1 or q_len == k_len:
+            return KernelMaskParams(causal=True)
+        if q_len < k_len:
+            return KernelMaskParams(causal=True, key_len=q_len)
+        return None
+    if attention_mask.shape[-2:] != (q_len, k_len):
+        return None
+    allowed = allowed_from_mask(attention_mask, batch)
+    if allowed is None:
+        return None
+
+    device = allowed.device
+    cols = torch.arange(k_len, device=device, dtype=torch.int32)
+    rows = torch.arange(q_len, device=device, dtype=torch.int32)
+
+    # Per row: the range of keys any query attends. A fully masked row gets the empty range [0, 0).
+    any_key = allowed.any(dim=1)  # [B, Lk]
+    row_nonempty = any_key.any(dim=1)  # [B]
+    first = any_key.to(torch.uint8).argmax(dim=1).to(torch.int32)
+    last = (k_len - 1) - any_key.flip(1).to(torch.uint8).argmax(dim=1).to(torch.int32)
+    kv_start = torch.where(row_nonempty, first, 0)
+    kv_len = torch.where(row_nonempty, last + 1, 0)
+
+    # Per query: the last key it attends, or kv_start - 1 (attends nothing).
+    q_nonempty = allowed.any(dim=2)  # [B, Lq]
+    q_last = (k_len - 1) - allowed.flip(2).to(torch.uint8).argmax(dim=2).to(torch.int32)
+    q_pos = torch.where(q_nonempty, q_last, (kv_start - 1)[:, None])
+
+    rebuilt = (
+        (cols[None, None, :] >= kv_start[:, None, None])
+        & (cols[None, None, :] < kv_len[:, None, None])
+        & (cols[None, None, :] <= q_pos[:, :, None])
+    )
+    # The one full-size comparison. It and the .tolist() below sync with the host, which the per-mask cache
+    # (FlashKernelBackend) limits to once per forward rather than once per layer.
+    exact = torch.equal(rebuilt, allowed)
+    if not exact:
+        return None
+
+    # Simpler equivalent forms, checked on [B, Lq] only: under causal masking with positions p, query i
+    # attends keys [kv_start, min(p_i, kv_len - 1)], empty when that upper end is below kv_start.
+    row_empty = ~row_nonempty[:, None]
+    default_pos = (k_len - q_len) + rows[None, :]
+    default_end = torch.minimum(default_pos, kv_len[:, None] - 1)
+    default_ok = torch.where(
+        q_nonempty, default_end == q_pos, (default_end < kv_start[:, None]) | row_empty
+    ).all()
+    noncausal_ok = torch.where(q_nonempty, q_pos == kv_len[:, None] - 1, row_empty).all()
+    start_zero = (kv_start == 0).all()
+    len_full = (kv_len == k_len).all()
+    default_ok, noncausal_ok, start_zero, len_full = torch.stack(
+        [default_ok, noncausal_ok, start_zero, len_full]
+    ).tolist()
+
+    ks = None if start_zero else kv_start
+    kl = None if len_full else kv_len
+    if default_ok:
+        return KernelMaskParams(causal=True, kv_start=ks, kv_len=kl)
+    if noncausal_ok:
+        return KernelMaskParams(causal=False, kv_start=ks, kv_len=kl)
+    if allow_q_positions:
+        return KernelMaskParams(causal=True, q_positions=q_pos.contiguous(), kv_start=ks, kv_len=kl)
+    return None
+
+
+class _MaskParamsCache:
+    """Translations of the last few masks, keyed by tensor identity.
+
+    transformers builds one mask per forward and hands the same tensor to every layer, so the translation
+    (and its verification, which syncs with the host) runs once per forward instead of once per layer.
+    Entries hold a weak reference: a freed mask whose id() is reused cannot hit a stale entry.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, KernelMaskParams | None]] = OrderedDict()
+
+    def get_or_compute(self, mask: torch.Tensor, key_extra: tuple, compute: Callable[[], Any]) -> Any:
+        key = (id(mask), mask._version, *key_extra)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is mask:
+            self._entries.move_to_end(key)
+            return hit[1]
+        value = compute()
+        try:
+            ref = weakref.ref(mask)
+        except TypeError:  # not weak-referenceable: do not cache
+            return value
+        self._entries[key] = (ref, value)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return value
+
+
+class FlashKernelBackend(AttentionBackend):
+    """Shared driver for backends that run a kernel with the ``kernels_triton`` attention contract.
+
+    Subclasses implement :meth:`_run_kernel`. This class validates the call, translates the mask (cached per
+    mask tensor), falls back to transformers' SDPA for masks the contract cannot express (counted in
+    ``fallback_calls``, warned once), and returns the output in transformers' layout.
+    """
+
+    #: Whether the kernel accepts per-query ``q_positions`` (the CUDA extension does not).
+    supports_q_positions: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fallback_calls = 0
+        self._warned_fallback = False
+        self._warned_grad = False
+        self._mask_cache = _MaskParamsCache()
+
+    @abstractmethod
+    def _run_kernel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        params: KernelMaskParams,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """Run the kernel; returns ``[B, Hq, Lq, D]``."""
+
+    def kernel_params(
+        self, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, is_causal: bool
+    ) -> KernelMaskParams | None:
+        """The (cached) translation of ``attention_mask`` for this call, or None if not expressible."""
+        batch, _, q_len, _ = query.shape
+        k_len = key.shape[2]
+
+        def compute() -> KernelMaskParams | None:
+            return mask_to_kernel_params(
+                attention_mask,
+                batch=batch,
+                q_len=q_len,
+                k_len=k_len,
+                is_causal=is_causal,
+                allow_q_positions=self.supports_q_positions,
+            )
+
+        if attention_mask is None:
+            return compute()
+        return self._mask_cache.get_or_compute(attention_mask, (batch, q_len, k_len, is_causal), compute)
+
+    def attention_forward(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if dropout and dropout > 0.0:
+            raise RuntimeError(
+                f"attention backend {self.name!r} is forward-only and has no attention dropout "
+                f"(got dropout={dropout}); train with attn=sdpa or attn=eager"
+            )
+        if getattr(module, "training", False) and torch.is_grad_enabled() and query.requires_grad:
+            raise RuntimeError(
+                f"attention backend {self.name!r} is forward-only (no backward kernel); the model is in "
+                "training mode with gradients enabled: use attn=sdpa for training, or model.eval()/no_grad"
+            )
+        for unsupported in ("softcap", "s_aux"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(
+                    f"attention backend {self.name!r} does not support {unsupported!r} "
+                    "(logit soft-capping / attention sinks); use attn=eager"
+                )
+        if torch.is_grad_enabled() and query.requires_grad and not self._warned_grad:
+            self._warned_grad = True
+            log.warning(
+                "kvboost attention %r: gradients do not flow through the kernel; run inference under "
+                "torch.no_grad()",
+                self.name,
+            )
+
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        params = None
+        if kwargs.get("position_bias") is None:
+            params = self.kernel_params(attention_mask, query, key, bool(is_causal))
+        if params is None:
+            return self._fallback(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+        if params.key_len is not None:
+            key = key[:, :, : params.key_len]
+            value = value[:, :, : params.key_len]
+        out = self._run_kernel(query, key, value, params, scaling)
+        self.kernel_calls += 1
+        return out.transpose(1, 2).contiguous(), None
+
+    def _fallback(self, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+        """Dense-mask path for masks the kernel contract cannot express: transformers' own SDPA."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            shape = None if attention_mask is None else tuple(attention_mask.shape)
+            log.warning(
+                "kvboost attention %r: attention mask %s has a pattern the kernel contract cannot express "
+                "(e.g. sliding window, packed sequences, bias); those calls run transformers' SDPA "
+                "(counted in fallback_calls; warned once)",
+                self.name,
+                shape,
+            )
+        self.fallback_calls += 1
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "fallback_calls": self.fallback_calls}
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.fallback_calls = 0

@@ -1,0 +1,139 @@
+"""The CUDA FlashAttention-2 forward kernel (``csrc/``), built lazily with ``torch.utils.cpp_extension``.
+
+Python side of the attention contract in :mod:`kernels_triton` for the CUDA backend::
+
+    out = cuda_flash_attn_forward(q, k, v, causal=True, sm_scale=None, kv_start=None, kv_len=None)
+
+Supported: fp16 / bf16 inputs, head dim 64 or 128, grouped-query attention (``Hq % Hkv == 0``), causal
+(bottom-right aligned: query ``i`` sits at key index ``Lk - Lq + i``) or not, per-row ``kv_start`` /
+``kv_len`` padding, any strides with a contiguous last dimension.  Not supported: ``q_positions``
+(arbitrary query positions) -- use the Triton backend for those.
+
+The extension is compiled on first use (a minute or so; cached by torch under ``TORCH_EXTENSIONS_DIR``) and
+needs an NVIDIA GPU of compute capability >= 8.0 and a CUDA build of torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CSRC_DIR", "cuda_extension_available", "cuda_flash_attn_forward", "load_cuda_extension"]
+
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+_SOURCES = ("flash_attn_binding.cpp", "flash_attn_fwd.cu")
+_EXT_NAME = "kvboost_flash_attn"
+
+_NO_GPU_MESSAGE = (
+    "the cuda attention backend needs an NVIDIA GPU and a CUDA build of torch; this machine has none: "
+    "use attn=triton (runs on CPU under TRITON_INTERPRET=1) or attn=sdpa"
+)
+
+
+def cuda_extension_available() -> bool:
+    """True when the CUDA kernel can be built and run here (CUDA torch, a visible GPU of sm_80 or newer)."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    major, _ = torch.cuda.get_device_capability()
+    return major >= 8
+
+
+def _gencode_flags() -> list[str]:
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        raise RuntimeError(
+            f"the cuda attention backend needs compute capability >= 8.0 (mma.sync bf16/fp16 tensor cores); "
+            f"this GPU ({torch.cuda.get_device_name()}) is sm_{major}{minor}: use attn=triton or attn=sdpa"
+        )
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+@functools.lru_cache(maxsize=1)
+def load_cuda_extension() -> Any:
+    """Build (once per process; torch caches the binary on disk) and return the compiled extension module.
+
+    Raises:
+        RuntimeError: no CUDA build of torch or no visible NVIDIA GPU, or a GPU older than sm_80.
+    """
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        raise RuntimeError(_NO_GPU_MESSAGE)
+    from torch.utils.cpp_extension import load
+
+    sources = [str(CSRC_DIR / name) for name in _SOURCES]
+    missing = [s for s in sources if not os.path.exists(s)]
+    if missing:
+        raise RuntimeError(f"the cuda attention backend's sources are missing: {missing}")
+    return load(
+        name=_EXT_NAME,
+        sources=sources,
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "--use_fast_math", *_gencode_flags()],
+        extra_include_paths=[str(CSRC_DIR)],
+        verbose=False,
+    )
+
+
+def _row_bounds(x: Any, name: str, batch: int, device: torch.device) -> torch.Tensor | None:
+    if x is None:
+        return None
+    t = torch.as_tensor(x, device=device)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    if t.dim() == 0:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must have shape [{batch}] (one entry per batch row), got {tuple(t.shape)}")
+    return t.to(torch.int32).contiguous()
+
+
+def cuda_flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_positions: Any = None,
+    kv_start: Any = None,
+    kv_len: Any = None,
+) -> torch.Tensor:
+    """FlashAttention-2 forward on CUDA; see the module docstring and ``kernels_triton`` for the contract.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` fp16/bf16 CUDA tensor.
+        k, v: ``[B, Hkv, Lk, D]``, same dtype and device; ``Hq % Hkv == 0``.
+        causal: key ``j`` is visible to query ``i`` only if ``j <= Lk - Lq + i`` (needs ``Lq <= Lk``).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        q_positions: not supported by this backend (raises ``NotImplementedError`` when given).
+        kv_start, kv_len: ``[B]`` ints (tensor, sequence or scalar): valid keys ``kv_start <= j < kv_len``.
+
+    Returns:
+        ``[B, Hq, Lq, D]`` in the dtype of ``q``; queries without any valid key get zeros.
+    """
+    if q_positions is not None:
+        raise NotImplementedError(
+            "the cuda attention backend does not support q_positions (arbitrary query positions, e.g. "
+            "CacheBlend's selected-token recompute); use attn=triton or attn=sdpa for those calls"
+        )
+    ext = load_cuda_extension()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"the cuda attention backend supports float16 and bfloat16 only, {name} is {t.dtype}: "
+                "cast the inputs or use attn=triton / attn=sdpa"
+            )
+    batch = q.shape[0]
+    kv_start_t = _row_bounds(kv_start, "kv_start", batch, q.device)
+    kv_len_t = _row_bounds(kv_len, "kv_len", batch, q.device)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    return ext.forward(q, k, v, bool(causal), float(sm_scale), kv_start_t, kv_len_t)

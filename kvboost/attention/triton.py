@@ -1,0 +1,162 @@
+"""``triton``: the project's Triton FlashAttention-2 forward (``kernels_triton.flash_attn``).
+
+transformers' mask is translated into the kernel contract (``causal``, ``q_positions``, ``kv_start``,
+``kv_len``) by :func:`kvboost.attention.base.mask_to_kernel_params`, verified exactly; masks the contract
+cannot express (sliding windows shorter than the context, packed sequences, biases) run transformers' SDPA
+and are counted in ``fallback_calls``.
+
+Without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``). That is for
+correctness checks only: it is orders of magnitude slower than SDPA. Triton reads the variable when a kernel
+is *decorated*, i.e. when ``kernels_triton.flash_attn`` is imported, so the variable is set before that
+import; if the kernel module was already imported without it the backend raises instead of failing later.
+(``triton`` itself is typically already imported by torch by then, which is harmless.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvboost.attention.base import FlashKernelBackend, KernelMaskParams
+from kvboost.registry import ATTENTION
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODULE = "kernels_triton.flash_attn"
+
+_INTERPRETER_FALSE = ("0", "false", "no", "off")
+_warned_interpreter = False
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() not in ("", *_INTERPRETER_FALSE)
+
+
+def load_kernel_module() -> ModuleType:
+    """Import ``kernels_triton.flash_attn``, switching Triton to its CPU interpreter when there is no GPU.
+
+    Raises:
+        RuntimeError: triton is not installed; or there is no GPU and the interpreter cannot be used
+            (``TRITON_INTERPRET`` explicitly disabled, or the kernel module was imported before it was set).
+    """
+    global _warned_interpreter
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            "attention backend 'triton' needs the `triton` package (pip install triton); "
+            "use attn=sdpa otherwise"
+        ) from exc
+
+    if not torch.cuda.is_available():
+        raw = os.environ.get("TRITON_INTERPRET")
+        if raw is None or raw.strip() == "":
+            if KERNEL_MODULE in sys.modules:
+                raise RuntimeError(
+                    f"attention backend 'triton': no CUDA GPU, and {KERNEL_MODULE} was already imported "
+                    "without TRITON_INTERPRET=1, so its kernels were compiled for a GPU. Set "
+                    "TRITON_INTERPRET=1 in the environment before anything imports the kernels "
+                    "(or use attn=sdpa)."
+                )
+            os.environ["TRITON_INTERPRET"] = "1"
+        elif raw.strip().lower() in _INTERPRETER_FALSE:
+            raise RuntimeError(
+                f"attention backend 'triton': no CUDA GPU here and TRITON_INTERPRET={raw!r} disables Triton's "
+                "CPU interpreter; unset it or set TRITON_INTERPRET=1 (correctness only), or use attn=sdpa"
+            )
+
+    try:
+        module = importlib.import_module(KERNEL_MODULE)
+    except ImportError as exc:
+        raise RuntimeError(f"attention backend 'triton': cannot import {KERNEL_MODULE}: {exc}") from exc
+
+    if not torch.cuda.is_available():
+        if not module.is_interpreter():
+            raise RuntimeError(
+                f"attention backend 'triton': no CUDA GPU, and {KERNEL_MODULE} was imported before "
+                "TRITON_INTERPRET=1 was set, so its kernels were compiled for a GPU. Set TRITON_INTERPRET=1 "
+                "in the environment before anything imports the kernels (or use attn=sdpa)."
+            )
+        _check_interpreted_stdlib()
+        if not _warned_interpreter:
+            _warned_interpreter = True
+            log.warning(
+                "kvboost attention 'triton': no GPU, running the Triton CPU interpreter "
+                "(TRITON_INTERPRET=1): for correctness checks, not speed"
+            )
+    return module
+
+
+def _check_interpreted_stdlib() -> None:
+    """Triton's own jit'd helpers (tl.max, tl.sum...) must be interpreted too, or kernels fail inside."""
+    from triton.language import standard
+    from triton.runtime.jit import JITFunction
+
+    helper = getattr(standard, "max", None)
+    if isinstance(helper, JITFunction) and type(helper).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "attention backend 'triton': triton.language was imported (e.g. by transformers) before "
+            "TRITON_INTERPRET=1 was set, so Triton's standard library was compiled for a GPU and cannot run "
+            "in the CPU interpreter. Import kvboost before transformers, or export TRITON_INTERPRET=1 "
+            "before starting Python (or use attn=sdpa)."
+        )
+
+
+@ATTENTION.register("triton")
+class TritonBackend(FlashKernelBackend):
+    """FlashAttention-2 forward in Triton; GPU, or the CPU interpreter for correctness.
+
+    Counters: ``kernel_calls`` (layer calls run by the Triton kernel), ``fallback_calls`` (layer calls whose
+    mask the kernel contract cannot express, run by transformers' SDPA).
+    """
+
+    name = "triton"
+    mask_kind = "sdpa"  # bool masks (or None): the cheapest to translate
+    supports_q_positions = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._forward = None
+        self._interpreter = False
+
+    def check_available(self) -> None:
+        """Import the kernels (setting up the CPU interpreter when there is no GPU); raise if impossible."""
+        module = load_kernel_module()
+        self._forward = module.flash_attn_forward
+        self._interpreter = bool(module.is_interpreter())
+
+    def _run_kernel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        params: KernelMaskParams,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        if self._forward is None:
+            self.check_available()
+        if query.device.type != "cuda" and not self._interpreter:
+            raise RuntimeError(
+                f"attention backend 'triton': tensors are on {query.device} but the Triton kernels were "
+                "compiled for CUDA; move the model to the GPU (or run with TRITON_INTERPRET=1 on a CPU-only "
+                "machine, correctness only)"
+            )
+        return self._forward(
+            query,
+            key,
+            value,
+            causal=params.causal,
+            sm_scale=scaling,
+            q_positions=params.q_positions,
+            kv_start=params.kv_start,
+            kv_len=params.kv_len,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "interpreter": self._interpreter}

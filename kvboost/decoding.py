@@ -1,0 +1,75 @@
+"""Token selection and the decode loop, shared by the engine and the HF baselines of the runner."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy when ``do_sample`` is False; otherwise temperature sampling from ``generator``."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+
+
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> int:
+    """Next token id from last-position ``logits`` [vocab]."""
+    if not sampling.do_sample:
+        return int(torch.argmax(logits).item())
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@dataclass
+class DecodeOutput:
+    token_ids: list[int]  # first token included
+    decode_seconds: float  # time after the first token
+
+
+def decode_loop(
+    forward,
+    first_token: int,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+    max_total_tokens: int | None = None,
+    tokens_so_far: int = 0,
+) -> DecodeOutput:
+    """Generate after ``first_token`` until EOS, ``max_new_tokens`` or the context end.
+
+    ``forward(token_id) -> logits`` runs one step with the caller's cache. ``tokens_so_far`` is the
+    number of tokens in that cache before the first token is fed (the prompt length).
+    """
+    tokens = [first_token]
+    start = time.perf_counter()
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
+        if max_total_tokens is not None and tokens_so_far + len(tokens) >= max_total_tokens:
+            break
+        logits = forward(tokens[-1])
+        tokens.append(pick_token(logits, sampling, generator))
+    return DecodeOutput(tokens, time.perf_counter() - start)
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config (may be a list) and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        ids.update(source if isinstance(source, (list, tuple, set)) else [source])
+    return {int(i) for i in ids}

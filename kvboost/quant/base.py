@@ -1,0 +1,43 @@
+"""KV quantizer interface: what the cache stores for a chunk's keys and values."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+import torch
+
+
+class KVPayload(Protocol):
+    """What a quantizer returns: opaque to the cache except for its size."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class KVQuantizer(ABC):
+    """Turns stacked KV ``[layers, kv_heads, tokens, head_dim]`` into a stored payload and back.
+
+    Contract (conformance tests run it on every registered quantizer):
+    - ``dequantize(quantize(k, v))`` returns tensors of the input's shape, dtype and device;
+    - ``payload.nbytes`` is the payload's real memory footprint (used for the cache's byte budget);
+    - ``fingerprint()`` changes with every setting that changes the stored numbers (it is part of the
+      cache keys: entries written under one quantizer are never read under another).
+    """
+
+    registry_name: str = "?"
+    lossless: bool = False  # True only when dequantize(quantize(x)) == x exactly
+
+    @abstractmethod
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> Any:
+        """Payload for the stacked keys/values of one chunk."""
+
+    @abstractmethod
+    def dequantize(self, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) as full-precision stacked tensors."""
+
+    def fingerprint(self) -> str:
+        return self.registry_name

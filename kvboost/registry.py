@@ -1,0 +1,191 @@
+"""One generic registry; every plugin family owns one instance.
+
+A plugin is registered by name with a decorator::
+
+    from kvboost.registry import RECOMPUTE
+
+    @RECOMPUTE.register("my_strategy")
+    class MyStrategy(RecomputeStrategy):
+        ...
+
+and built from a config (Hydra yaml or plain dict) whose ``name`` is the registry key and whose other
+fields are the constructor's keyword arguments::
+
+    RECOMPUTE.build({"name": "my_strategy", "ratio": 0.15})
+
+Third-party packages register plugins through the entry-point group ``kvboost.plugins``: each entry
+point names a module (or a callable) that is imported (called) once, the first time any registry is
+asked for a name it does not know or for its list of names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ENTRY_POINT_GROUP = "kvboost.plugins"
+
+
+class UnknownPluginError(KeyError):
+    """Raised when a plugin name is not registered; the message lists the registered names."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Generic[T]):
+    """Name -> factory mapping for one plugin family.
+
+    Args:
+        family: human-readable family name used in error messages (e.g. ``"recompute"``).
+        builtin_modules: modules imported lazily before the first lookup so that the family's
+            built-in members are registered without import cycles.
+    """
+
+    def __init__(self, family: str, builtin_modules: tuple[str, ...] = ()) -> None:
+        self.family = family
+        self._builtin_modules = builtin_modules
+        self._factories: dict[str, Callable[..., T]] = {}
+        self._loaded = False
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, *, override: bool = False) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Decorator registering a class or factory function under ``name``."""
+        if not name or not isinstance(name, str):
+            raise ValueError(f"{self.family}: plugin name must be a non-empty string, got {name!r}")
+
+        def decorator(factory: Callable[..., T]) -> Callable[..., T]:
+            existing = self._factories.get(name)
+            if existing is not None and existing is not factory and not override:
+                raise ValueError(
+                    f"{self.family}: name {name!r} is already registered to {existing!r}; "
+                    "pass override=True to replace it"
+                )
+            self._factories[name] = factory
+            # Let instances know their own registry key (used in fingerprints and results).
+            try:
+                factory.registry_name = name  # type: ignore[attr-defined]
+            except (AttributeError, TypeError):
+                pass
+            return factory
+
+        return decorator
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (tests use it to clean up deliberately broken plugins)."""
+        self._factories.pop(name, None)
+
+    # ------------------------------------------------------------------ lookup
+    def _ensure_loaded(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for module in self._builtin_modules:
+            importlib.import_module(module)
+        load_entry_point_plugins()
+
+    def names(self) -> list[str]:
+        """Sorted list of registered names (built-ins and entry-point plugins)."""
+        self._ensure_loaded()
+        return sorted(self._factories)
+
+    def __contains__(self, name: object) -> bool:
+        self._ensure_loaded()
+        return name in self._factories
+
+    def get(self, name: str) -> Callable[..., T]:
+        """The factory registered under ``name``; raises UnknownPluginError listing the known names."""
+        self._ensure_loaded()
+        try:
+            return self._factories[name]
+        except KeyError:
+            raise UnknownPluginError(
+                f"unknown {self.family} plugin {name!r}; registered {self.family} plugins: "
+                f"{', '.join(sorted(self._factories)) or '(none)'}"
+            ) from None
+
+    def build(self, spec: str | Mapping[str, Any] | T | None, **overrides: Any) -> T:
+        """Instantiate a plugin from a name, a config mapping with ``name``, or pass an instance through.
+
+        Mapping keys other than ``name`` (and Hydra's ``_target_``-free extras such as ``description``)
+        become constructor keyword arguments.
+        """
+        if spec is None:
+            raise ValueError(f"{self.family}: no plugin given; registered: {', '.join(self.names())}")
+        if isinstance(spec, str):
+            return self.get(spec)(**overrides)
+        if isinstance(spec, Mapping) or _is_omegaconf(spec):
+            cfg = _to_plain_dict(spec)
+            if "name" not in cfg:
+                raise ValueError(
+                    f"{self.family} config needs a 'name' (one of: {', '.join(self.names())}); got keys {sorted(cfg)}"
+                )
+            name = cfg.pop("name")
+            cfg.pop("description", None)
+            cfg.update(overrides)
+            factory = self.get(name)
+            try:
+                return factory(**cfg)
+            except TypeError as exc:
+                raise TypeError(f"{self.family} plugin {name!r} rejected its config {cfg}: {exc}") from exc
+        return spec  # already an instance
+
+    def __repr__(self) -> str:
+        return f"Registry({self.family!r}, {sorted(self._factories)})"
+
+
+def _is_omegaconf(obj: Any) -> bool:
+    return type(obj).__module__.startswith("omegaconf")
+
+
+def _to_plain_dict(spec: Any) -> dict[str, Any]:
+    if _is_omegaconf(spec):
+        from omegaconf import OmegaConf
+
+        return dict(OmegaConf.to_container(spec, resolve=True))  # type: ignore[arg-type]
+    return dict(spec)
+
+
+_entry_points_loaded = False
+
+
+def load_entry_point_plugins() -> None:
+    """Import every ``kvboost.plugins`` entry point once (modules register on import)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if callable(obj) and not isinstance(obj, type):
+                obj()
+        except Exception as exc:  # a broken third-party plugin must not break the built-ins
+            log.warning("kvboost: plugin entry point %r failed to load: %s", ep.name, exc)
+
+
+CHUNKERS: Registry[Any] = Registry("chunker", ("kvboost.chunking",))
+HASHERS: Registry[Any] = Registry("hasher", ("kvboost.hashing",))
+CACHE_TIERS: Registry[Any] = Registry("cache tier", ("kvboost.cache",))
+EVICTION: Registry[Any] = Registry("eviction", ("kvboost.cache",))
+RECOMPUTE: Registry[Any] = Registry("recompute", ("kvboost.recompute",))
+KV_QUANT: Registry[Any] = Registry("kv quant", ("kvboost.quant",))
+ATTENTION: Registry[Any] = Registry("attention", ("kvboost.attention",))
+
+ALL_REGISTRIES: dict[str, Registry[Any]] = {
+    "chunker": CHUNKERS,
+    "hasher": HASHERS,
+    "cache": CACHE_TIERS,
+    "eviction": EVICTION,
+    "recompute": RECOMPUTE,
+    "quant": KV_QUANT,
+    "attn": ATTENTION,
+}

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random decoder-only models built from configs in code, a toy tokenizer.
+
+Nothing here touches the network. The Triton interpreter is switched on before anything imports
+triton when there is no GPU (the kernels then run on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from tiny import ToyTokenizer  # noqa: E402
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def toy_tokenizer() -> ToyTokenizer:
+    return ToyTokenizer()

@@ -1,0 +1,61 @@
+"""Tiny random decoder-only models built from configs in code, and a toy tokenizer (no network, no files)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+
+
+class ToyTokenizer:
+    """Characters -> ids (enough for engines on tiny random models; no network, no files)."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return self(text)["input_ids"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + (i % 26)) for i in ids)
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )  # fmt: skip
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    return model.float().eval()
+
+
+def make_engine(arch: str = "llama", **options):
+    from kvboost import KVBoost
+
+    options.setdefault("chunker", {"name": "fixed", "chunk_size": 16})
+    return KVBoost(tiny_model(arch), ToyTokenizer(), model_identity=f"tiny-{arch}", **options)
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
