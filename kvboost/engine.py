@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from kvboost.decoding import Sampling, decode_loop, eos_token_ids, pick_token
 from kvboost.lookup import chunk_prompt, common_prefix_length, plan_exact_reuse
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import check_architecture
-from kvboost.prompts import Prompt, PromptError, check_length, tokenize_prompt
+from kvboost.prompts import Prompt, check_length, tokenize_prompt
 from kvboost.recompute.base import ReusePlan
 from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.types import CorrectnessReport, GenerationResult, PromptCheck, WarmResult

@@ -30,7 +30,7 @@ class ReplayRequest:
 class SharegptReplayConfig:
     num_conversations: int = 4
     max_turns: int = 4
-    min_turns: int = 2
+    min_turns: int | None = None  # None = max_turns (every conversation reaches the last turn)
     max_new_tokens: int = 32
     seed: int = 0
     history_source: str = "dataset"
@@ -42,6 +42,8 @@ class SharegptReplayConfig:
     def __post_init__(self) -> None:
         if self.history_source not in HISTORY_SOURCES:
             raise ValueError(f"history_source must be one of {HISTORY_SOURCES}, got {self.history_source!r}")
+        if self.min_turns is None:
+            self.min_turns = self.max_turns
         for name in ("num_conversations", "max_turns", "min_turns", "max_new_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -46,6 +46,7 @@ class ModelAdapter:
         self.kv_shape = KVShape(cfg.num_hidden_layers, kv_heads, head_dim)
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
         self._fingerprint: str | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -110,12 +111,18 @@ class ModelAdapter:
         return DynamicCache()
 
     def cache_for(self, segments: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> DynamicCache:
-        """A preallocated cache of ``capacity`` tokens holding ``segments`` (stacked [L, H, t, D] each) first."""
+        """A preallocated cache of ``capacity`` tokens holding ``segments`` (stacked [L, H, t, D] each) first.
+
+        The buffers are recycled from the previous call (one slot): the engine stores copies of what it
+        keeps, so a request's cache is dead once ``generate`` returns. Hence one engine serves one request
+        at a time (not thread-safe).
+        """
         s = self.kv_shape
-        cache, _, _ = preallocated_cache(
+        cache, kbuf, vbuf = preallocated_cache(
             s.num_layers, s.num_kv_heads, s.head_dim, capacity,
-            dtype=self.dtype, device=self.device, prefix_segments=segments,
+            dtype=self.dtype, device=self.device, prefix_segments=segments, buffers=self._buffers,
         )  # fmt: skip
+        self._buffers = (kbuf, vbuf)
         return cache
 
     def cache_from_stacked(self, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:

@@ -32,7 +32,7 @@ from transformers import (  # noqa: E402
     StaticCache,
 )
 
-from kvboost.attention.base import mask_to_kernel_params  # noqa: E402
+from kvboost.attention.masks import mask_to_kernel_params  # noqa: E402
 from kvboost.registry import ATTENTION, UnknownPluginError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -338,3 +338,21 @@ def test_uninstall_restores_previous_implementation():
     ids = torch.randint(0, 128, (1, 5))
     model(ids)
     assert backend.kernel_calls == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "eager"])
+def test_engine_reuse_path_under_inference_mode(backend):
+    """The engine runs under torch.inference_mode with a cached prefix (masks are inference tensors)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import make_engine, random_ids
+
+    engine = make_engine("llama", attn=backend)
+    prompt = random_ids(40, seed=1)
+    cold = engine.generate(prompt + [7, 8, 9], max_new_tokens=5, mode="baseline")
+    engine.generate(prompt, max_new_tokens=2)
+    warm = engine.generate(prompt + [7, 8, 9], max_new_tokens=5)
+    assert warm.cached_tokens == 40
+    assert warm.output_ids == cold.output_ids
+    assert (warm.first_token_logits - cold.first_token_logits).abs().max() <= 1e-4
+    stats = engine.attention.stats()
+    assert stats["kernel_calls"] > 0 and stats.get("fallback_calls", 0) == 0
