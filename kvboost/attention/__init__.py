@@ -12,9 +12,9 @@ backend is checked or installed, so this import never needs triton, a GPU or a c
 """
 
 from kvboost.attention.base import AttentionBackend, FlashKernelBackend
-from kvboost.attention.masks import KernelMaskParams, allowed_from_mask, mask_to_kernel_params
 from kvboost.attention.cuda import CudaBackend
 from kvboost.attention.eager import EagerBackend
+from kvboost.attention.masks import KernelMaskParams, allowed_from_mask, mask_to_kernel_params
 from kvboost.attention.sdpa import SdpaBackend
 from kvboost.attention.triton import TritonBackend
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvboost.attention.masks import KernelMaskParams, _MaskParamsCache, mask_to_kernel_params
+from kvboost.attention.masks import KernelMaskParams, MaskParamsCache, mask_to_kernel_params
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class FlashKernelBackend(AttentionBackend):
         self.fallback_calls = 0
         self._warned_fallback = False
         self._warned_grad = False
-        self._mask_cache = _MaskParamsCache()
+        self._mask_cache = MaskParamsCache()
 
     @abstractmethod
     def _run_kernel(

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from kvboost.attention.base import FlashKernelBackend, KernelMaskParams
+from kvboost.attention.base import FlashKernelBackend
+from kvboost.attention.masks import KernelMaskParams
 from kvboost.registry import ATTENTION
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+
 @dataclass(frozen=True)
 class KernelMaskParams:
     """A transformers attention mask expressed in the kernel contract (see ``kernels_triton``).
@@ -160,7 +161,7 @@ def mask_to_kernel_params(
     return None
 
 
-class _MaskParamsCache:
+class MaskParamsCache:
     """Translations of the last few masks, keyed by tensor identity.
 
     transformers builds one mask per forward and hands the same tensor to every layer, so the translation

@@ -1,7 +1,7 @@
 """``triton``: the project's Triton FlashAttention-2 forward (``kernels_triton.flash_attn``).
 
 transformers' mask is translated into the kernel contract (``causal``, ``q_positions``, ``kv_start``,
-``kv_len``) by :func:`kvboost.attention.base.mask_to_kernel_params`, verified exactly; masks the contract
+``kv_len``) by :func:`kvboost.attention.masks.mask_to_kernel_params`, verified exactly; masks the contract
 cannot express (sliding windows shorter than the context, packed sequences, biases) run transformers' SDPA
 and are counted in ``fallback_calls``.
 
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from kvboost.attention.base import FlashKernelBackend, KernelMaskParams
+from kvboost.attention.base import FlashKernelBackend
+from kvboost.attention.masks import KernelMaskParams
 from kvboost.registry import ATTENTION
 
 log = logging.getLogger(__name__)

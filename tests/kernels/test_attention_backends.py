@@ -21,6 +21,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from tiny import make_engine, random_ids  # noqa: E402  (tests/ is on pytest's pythonpath)
 from transformers import (  # noqa: E402
     DynamicCache,
     LlamaConfig,
@@ -343,9 +344,6 @@ def test_uninstall_restores_previous_implementation():
 @pytest.mark.parametrize("backend", ["triton", "eager"])
 def test_engine_reuse_path_under_inference_mode(backend):
     """The engine runs under torch.inference_mode with a cached prefix (masks are inference tensors)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import make_engine, random_ids
-
     engine = make_engine("llama", attn=backend)
     prompt = random_ids(40, seed=1)
     cold = engine.generate(prompt + [7, 8, 9], max_new_tokens=5, mode="baseline")
