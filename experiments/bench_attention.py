@@ -1,21 +1,35 @@
 """Benchmark the attention kernels: SDPA (flash and default), Triton FlashAttention-2, and the CUDA extension.
 
     python experiments/bench_attention.py                 # GPU: full grid, bf16
-    python experiments/bench_attention.py --quick         # GPU: a few shapes
-    python experiments/bench_attention.py                 # CPU: tiny fp32 shapes through the Triton interpreter
+    python experiments/bench_attention.py --quick         # GPU: one shape per family
+    python experiments/bench_attention.py --families suffix square   # GPU: only these families
+    python experiments/bench_attention.py --quick         # CPU: tiny fp32 shapes through the Triton interpreter
 
-Shapes (GPU): causal prefill with GQA 4:1 (32 q heads / 8 kv heads), head dim 64 and 128, sequence 512..16k
-with the batch chosen so that batch * seq ~ 16k tokens; and decode (q_len 1) against 1k..16k cached keys with
-batch 8 and 32. Every backend is first checked against SDPA on the shape (max abs error), then timed: a
-warm-up (Triton autotuning happens there), then the median of many runs timed with CUDA events, rotating
-among several pre-allocated input sets so that L2 residency does not flatter small shapes.
+Shape families (GPU, GQA 4:1 = 32 q heads / 8 kv heads, head dim 64 and 128, causal, bottom-right aligned):
+
+* ``prefill``: square prefill, sequence 512..16k, batch chosen so that batch * seq ~ 16k tokens;
+* ``square``: square prefill q_len = kv_len in 4k..16k with batch 1 (the goal: Triton >= 0.9x SDPA flash);
+* ``suffix``: a short prefill over a long cache, q_len 16 / 128 / 512 over kv_len 4k / 16k with batch 1 -- what
+  chunk reuse produces (the goal: Triton above SDPA flash; this is what the split-KV path is for);
+* ``decode``: q_len 1 against 1k..16k cached keys with batch 8 and 32.
+
+Backends: ``sdpa_flash`` (torch SDPA restricted to its flash kernel, the baseline), ``sdpa`` (torch's default
+dispatch, the correctness reference), ``triton`` (automatic path choice), ``triton_split`` / ``triton_nosplit``
+(split-KV / one-pass forced), and on a GPU ``cuda`` / ``cuda_split`` / ``cuda_nosplit`` likewise. SDPA gets the
+same mask as the kernels: ``is_causal`` for square shapes, ``causal_lower_right`` for q_len < kv_len.
+
+Every backend is first checked against SDPA on the shape (max abs error), then timed: a warm-up (Triton
+autotuning happens there), then the median of many runs timed with CUDA events, rotating among several
+pre-allocated input sets so that L2 residency does not flatter small shapes. Each line prints ms, TFLOP/s, GB/s
+and the speed ratio to SDPA flash; a summary checks the goals above.
 
 FLOPs: 4 * B * Hq * D * (attended query-key pairs). For square causal prefill the usual convention
 Lq * Lk / 2 pairs is used; otherwise the pairs are counted exactly (bottom-right causal alignment, as in the
 kernel contract: query i attends keys j <= Lk - Lq + i).
 
 Writes ``experiments/results/bench_attention_<device>.json`` (device name, torch/triton versions, every
-measurement). On a CPU the timings only show that the code paths run: they are NOT performance numbers.
+measurement, the goal checks). On a CPU the timings only show that the code paths run: they are NOT performance
+numbers, and the JSON says so (``"performance_numbers": false``).
 """
 
 from __future__ import annotations
@@ -55,32 +69,48 @@ Inputs = dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------- shapes
+FAMILIES = ("prefill", "square", "suffix", "decode")
+
+
 def gpu_shapes(args: argparse.Namespace) -> list[Shape]:
+    heads = dict(Hq=args.q_heads, Hkv=args.kv_heads)
     shapes: list[Shape] = []
     for d in args.head_dims:
-        for seq in args.prefill_seqs:
-            batch = max(1, args.prefill_tokens // seq)
-            shapes.append(dict(kind="prefill", B=batch, Hq=args.q_heads, Hkv=args.kv_heads, Lq=seq, Lk=seq, D=d))
-    for d in args.head_dims:
-        for kv in args.decode_kv:
-            for batch in args.decode_batches:
-                shapes.append(dict(kind="decode", B=batch, Hq=args.q_heads, Hkv=args.kv_heads, Lq=1, Lk=kv, D=d))
+        if "prefill" in args.families:
+            for seq in args.prefill_seqs:
+                batch = max(1, args.prefill_tokens // seq)
+                shapes.append(dict(kind="prefill", B=batch, **heads, Lq=seq, Lk=seq, D=d))
+        if "square" in args.families:
+            shapes += [dict(kind="square", B=1, **heads, Lq=seq, Lk=seq, D=d) for seq in args.square_seqs]
+        if "suffix" in args.families:
+            for kv in args.suffix_kv:
+                shapes += [dict(kind="suffix", B=1, **heads, Lq=q, Lk=kv, D=d) for q in args.suffix_q if q <= kv]
+        if "decode" in args.families:
+            for kv in args.decode_kv:
+                shapes += [dict(kind="decode", B=b, **heads, Lq=1, Lk=kv, D=d) for b in args.decode_batches]
     return shapes
 
 
-def cpu_shapes() -> list[Shape]:
+def cpu_shapes(args: argparse.Namespace) -> list[Shape]:
     # Tiny on purpose: the Triton interpreter executes every program instance in Python.
-    return [
+    shapes = [
         dict(kind="prefill", B=1, Hq=4, Hkv=1, Lq=64, Lk=64, D=32),
+        dict(kind="square", B=1, Hq=4, Hkv=1, Lq=48, Lk=48, D=32),
+        dict(kind="suffix", B=1, Hq=4, Hkv=1, Lq=16, Lk=96, D=32),
         dict(kind="decode", B=2, Hq=4, Hkv=1, Lq=1, Lk=96, D=32),
     ]
+    return [s for s in shapes if s["kind"] in args.families]
 
 
 def quick_gpu_shapes(args: argparse.Namespace) -> list[Shape]:
-    return [
-        dict(kind="prefill", B=4, Hq=args.q_heads, Hkv=args.kv_heads, Lq=4096, Lk=4096, D=128),
-        dict(kind="decode", B=16, Hq=args.q_heads, Hkv=args.kv_heads, Lq=1, Lk=4096, D=128),
+    heads = dict(Hq=args.q_heads, Hkv=args.kv_heads)
+    shapes = [
+        dict(kind="prefill", B=4, **heads, Lq=4096, Lk=4096, D=128),
+        dict(kind="square", B=1, **heads, Lq=4096, Lk=4096, D=128),
+        dict(kind="suffix", B=1, **heads, Lq=128, Lk=16384, D=128),
+        dict(kind="decode", B=16, **heads, Lq=1, Lk=4096, D=128),
     ]
+    return [s for s in shapes if s["kind"] in args.families]
 
 
 def attended_pairs(lq: int, lk: int) -> float:
@@ -110,10 +140,18 @@ def describe(shape: Shape) -> str:
 
 # ---------------------------------------------------------------------------------------------------- backends
 def _sdpa(inp: Inputs, causal: bool) -> torch.Tensor:
+    """torch SDPA with the kernels' mask: bottom-right causal. SDPA's ``is_causal`` is top-left aligned, which
+    only coincides for square shapes; a single query sees every key; otherwise ``causal_lower_right``."""
+    from torch.nn.attention.bias import causal_lower_right
+
     q, k, v = inp["q"], inp["k"], inp["v"]
-    if q.shape[1] != k.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    lq, lk = q.shape[2], k.shape[2]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if not causal or lq == 1:
+        return F.scaled_dot_product_attention(q, k, v, **gqa)
+    if lq == lk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), **gqa)
 
 
 def make_backends(device: torch.device) -> tuple[dict[str, Callable[[Inputs, bool], torch.Tensor]], dict[str, str]]:
@@ -133,13 +171,17 @@ def make_backends(device: torch.device) -> tuple[dict[str, Callable[[Inputs, boo
         backends["sdpa_flash"] = sdpa_flash
     backends["sdpa"] = _sdpa  # torch's default dispatch
 
+    # Automatic path choice, and each path forced (split-KV: GQA-packed rows + key splits; one-pass otherwise).
+    paths = {"": None, "_split": True, "_nosplit": False}
     try:
         from kernels_triton.flash_attn import flash_attn_forward
 
-        def triton_fa(inp: Inputs, causal: bool) -> torch.Tensor:
-            return flash_attn_forward(inp["q"], inp["k"], inp["v"], causal=causal)
+        for suffix, split in paths.items():
 
-        backends["triton"] = triton_fa
+            def triton_fa(inp: Inputs, causal: bool, split: bool | None = split) -> torch.Tensor:
+                return flash_attn_forward(inp["q"], inp["k"], inp["v"], causal=causal, split_kv=split)
+
+            backends["triton" + suffix] = triton_fa
     except Exception as exc:  # report, keep benchmarking the others
         skipped["triton"] = f"{type(exc).__name__}: {exc}"
 
@@ -148,13 +190,12 @@ def make_backends(device: torch.device) -> tuple[dict[str, Callable[[Inputs, boo
             from kvboost.attention.cuda_ext import cuda_flash_attn_forward, load_cuda_extension
 
             load_cuda_extension()
+            for suffix, split in paths.items():
 
-            def cuda_fa(inp: Inputs, causal: bool) -> torch.Tensor:
-                return cuda_flash_attn_forward(
-                    inp["q"], inp["k"], inp["v"], causal=causal, sm_scale=None, kv_start=None, kv_len=None
-                )
+                def cuda_fa(inp: Inputs, causal: bool, split: bool | None = split) -> torch.Tensor:
+                    return cuda_flash_attn_forward(inp["q"], inp["k"], inp["v"], causal=causal, split_kv=split)
 
-            backends["cuda"] = cuda_fa
+                backends["cuda" + suffix] = cuda_fa
         except Exception as exc:
             skipped["cuda"] = f"{type(exc).__name__}: {exc}"
     else:
@@ -219,15 +260,13 @@ def bench_shape(
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[str, Any]:
-    causal = True  # prefill: causal; decode: q_len 1 at the end of the keys (causal = sees all keys)
+    causal = True  # bottom-right aligned: decode (q_len 1) sees every key; _sdpa builds the same mask for SDPA
     elem = torch.finfo(dtype).bits // 8
     n_sets = rotation_sets(shape, elem, args.rotate_mib * 2**20, args.max_sets)
     sets = make_inputs(shape, n_sets, dtype, device, args.seed)
-    # SDPA's is_causal is top-left aligned; for a single query the bottom-right causal row is "all keys".
-    sdpa_causal = causal and shape["Lq"] == shape["Lk"]
 
     def call(name: str, inp: Inputs) -> torch.Tensor:
-        return backends[name](inp, sdpa_causal if name.startswith("sdpa") else causal)
+        return backends[name](inp, causal)
 
     reference = call("sdpa", sets[0]).float()
     row: dict[str, Any] = {
@@ -259,8 +298,9 @@ def bench_shape(
         except Exception as exc:  # one failing backend must not end the sweep
             entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
         row["backends"][name] = entry
-    baseline = row["backends"].get("sdpa_flash", {}).get("ms") or row["backends"].get("sdpa", {}).get("ms")
-    row["baseline"] = "sdpa_flash" if "sdpa_flash" in backends else "sdpa"
+    # Ratios are to SDPA's flash kernel where it ran (GPU), else to SDPA's default dispatch.
+    row["baseline"] = "sdpa_flash" if "ms" in row["backends"].get("sdpa_flash", {}) else "sdpa"
+    baseline = row["backends"].get(row["baseline"], {}).get("ms")
     for entry in row["backends"].values():
         if "ms" in entry and baseline:
             entry["speedup_vs_sdpa"] = baseline / entry["ms"]
@@ -275,15 +315,44 @@ def print_row(row: dict[str, Any], tol: float) -> None:
     print(describe(row))
     for name, e in row["backends"].items():
         if "error" in e:
-            print(f"    {name:<11} ERROR {e['error']}")
+            print(f"    {name:<14} ERROR {e['error']}")
             continue
         err = e["max_abs_err_vs_sdpa"]
         flag = "ok" if err <= tol else "MISMATCH"
         print(
-            f"    {name:<11} {e['ms']:10.4f} ms  {e['tflops']:9.3g} TFLOP/s  {e['gbps']:9.3g} GB/s  "
+            f"    {name:<14} {e['ms']:10.4f} ms  {e['tflops']:9.3g} TFLOP/s  {e['gbps']:9.3g} GB/s  "
             f"x{e.get('speedup_vs_sdpa', float('nan')):5.2f} vs {row['baseline']}  "
             f"max|err| {err:.2e} {flag}"
         )
+
+
+#: The issue's targets for the Triton kernel (automatic path), as (name, row filter, minimum ratio to SDPA flash).
+GOALS = (
+    ("triton >= 0.9x sdpa_flash, square q_len = kv_len >= 4k",
+     lambda r: r["Lq"] == r["Lk"] >= 4096, 0.9),
+    ("triton > 1.0x sdpa_flash, q_len <= 512 over kv_len >= 4k",
+     lambda r: r["Lq"] <= 512 and r["Lk"] >= 4096, 1.0),  # suffix and decode rows
+)
+
+
+def check_goals(rows: list[dict[str, Any]], measured: bool, backend: str = "triton") -> list[dict[str, Any]]:
+    """Per goal: the rows it applies to, the worst ratio and whether every row meets it (None if not measured:
+    CPU runs, or no such rows / no SDPA flash baseline)."""
+    results = []
+    for name, applies, minimum in GOALS:
+        ratios = [
+            r["backends"][backend]["speedup_vs_sdpa"]
+            for r in rows
+            if applies(r)
+            and r.get("baseline") == "sdpa_flash"
+            and "speedup_vs_sdpa" in r["backends"].get(backend, {})
+        ]
+        met = None
+        if measured and ratios:
+            met = min(ratios) >= minimum if minimum < 1.0 else min(ratios) > minimum
+        results.append({"goal": name, "backend": backend, "rows": len(ratios),
+                        "worst_ratio": min(ratios) if ratios else None, "met": met})
+    return results
 
 
 def device_slug(device: torch.device) -> str:
@@ -322,10 +391,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--quick", action="store_true", help="GPU: two shapes only")
+    p.add_argument("--quick", action="store_true", help="GPU: one shape per family")
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--prefill-seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--prefill-tokens", type=int, default=16384, help="batch * seq for prefill shapes")
+    p.add_argument("--square-seqs", type=int, nargs="+", default=[4096, 8192, 16384], help="batch-1 square")
+    p.add_argument("--suffix-q", type=int, nargs="+", default=[16, 128, 512])
+    p.add_argument("--suffix-kv", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--decode-kv", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32])
     p.add_argument("--q-heads", type=int, default=32)
@@ -355,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if on_gpu:
         shapes = quick_gpu_shapes(args) if args.quick else gpu_shapes(args)
     else:
-        shapes = cpu_shapes()
+        shapes = cpu_shapes(args)
         print(
             "NOTE: no GPU -- tiny fp32 shapes through the Triton CPU interpreter. These CPU timings are NOT "
             "performance numbers; they only show that every path runs and agrees with SDPA."
@@ -373,9 +446,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_row(row, tol)
         rows.append(row)
 
+    goals = check_goals(rows, measured=on_gpu)
+    print("goals (Triton, automatic path):" if on_gpu else "goals: not evaluated (CPU timings are not performance)")
+    for g in goals:
+        verdict = {True: "MET", False: "NOT MET", None: "n/a"}[g["met"]]
+        worst = "-" if g["worst_ratio"] is None else f"x{g['worst_ratio']:.2f}"
+        print(f"    {g['goal']:<60} {verdict:<8} worst {worst} over {g['rows']} shapes")
+
     result = {
         "environment": env,
+        "performance_numbers": on_gpu,
         "note": None if on_gpu else "CPU run through the Triton interpreter: NOT performance numbers",
+        "goals": goals,
         "flops_convention": "4*B*Hq*D*pairs; square causal pairs = Lq*Lk/2, otherwise exact bottom-right count",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "skipped_backends": skipped,

@@ -3,8 +3,8 @@
 For prompts of several lengths whose first ``reuse`` tokens are cached (stored by an earlier request, not by
 this measurement), it times the pieces of kvboost's TTFT that a carried HF cache does not have:
 
-- ``chunk_hash_ms``: chunking and SHA-256 prefix/content keys of the whole prompt;
-- ``lookup_ms``: the walk over the store (exact hits + frontier match), dequantize, segment list;
+- ``chunk_hash_ms``: chunking and SHA-256 prefix/segment keys of the whole prompt;
+- ``lookup_ms``: the walk over the store (exact hits + frontier match), dequantize, the plan's placements;
 - ``assemble_ms``: copying the reused KV into the preallocated cache;
 
 and, for hf_prefix, ``hf_crop_ms`` (views of the carried cache) plus ``hf_concat_ms`` (the copy of the past
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from experiments.environment import describe_environment
 from kvboost import KVBoost
-from kvboost.lookup import chunk_prompt, plan_exact_reuse
+from kvboost.lookup import chunk_prompt, lookup
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -55,17 +55,24 @@ def measure(engine: KVBoost, length: int, new_tokens: int, repeats: int) -> dict
 
         prompt = ids
         spans, keys = chunk_prompt(prompt, engine.chunker, engine.hasher, engine.fingerprint)
-        plan = plan_exact_reuse(prompt, spans, keys, engine.store, engine.quantizer, max_reuse=len(prompt) - 1)
+        plan = lookup(prompt, spans, keys, engine.store, engine.quantizer, max_reuse=len(prompt) - 1)
         reused = plan.reused_tokens
 
         chunk_hash = _median_ms(
             lambda: chunk_prompt(prompt, engine.chunker, engine.hasher, engine.fingerprint), repeats
         )
         lookup = _median_ms(
-            lambda: plan_exact_reuse(prompt, spans, keys, engine.store, engine.quantizer, max_reuse=len(prompt) - 1),
+            lambda: lookup(prompt, spans, keys, engine.store, engine.quantizer, max_reuse=len(prompt) - 1),
             repeats,
         )
-        assemble = _median_ms(lambda: engine.adapter.cache_for(plan.segments, capacity=len(prompt) + 32), repeats)
+        def assemble_once() -> None:
+            kv = engine.adapter.allocate(len(prompt) + 32)
+            for p in plan.placements:
+                if p.kind == "exact":
+                    kv.write(p.start, p.keys, p.values)
+            kv.set_length(plan.exact_prefix)
+
+        assemble = _median_ms(assemble_once, repeats)
         crop = _median_ms(lambda: engine.adapter.truncated(hf_cache, reused), repeats)
         layer = hf_cache.layers[0]
         new_k = torch.zeros_like(layer.keys[:, :, :new_tokens])

@@ -1,36 +1,39 @@
-"""HuggingFace baselines measured in the same run as kvboost, on the same prompts.
+"""HuggingFace baselines measured in the same run as kvboost, on the same token ids.
 
-- ``HFNoCache`` (mode ``baseline``): a cold prefill of the whole prompt every time.
-- ``HFPrefixCache`` (mode ``hf_prefix``): the previous request's ``DynamicCache`` (prompt + answer)
-  is carried over and cut to the longest common token prefix with the new prompt: the in-process
-  limit of exact prefix reuse with one slot (what llama.cpp's ``reset=True`` or a chat server that
-  keeps one conversation's cache does). Its ``reuse_ratio`` is the common prefix / prompt length,
-  the upper bound of exact reuse on that prompt.
+- ``HFNoCache`` (mode ``baseline``): a cold prefill of the whole prompt every time, HF's ``DynamicCache``
+  growing by concatenation: what users compare with.
+- ``HFPrefixCache`` (mode ``hf_prefix``): the previous request's ``DynamicCache`` (prompt + answer) is carried
+  over and cut to the longest common token prefix with the new prompt: the in-process limit of exact prefix
+  reuse with one slot (what llama.cpp's ``reset=True`` or a chat server that keeps one conversation's cache
+  does). Its ``reuse_ratio`` is the common prefix / prompt length, the upper bound of exact reuse.
 
-Both time TTFT exactly like the engine: from the call (messages in) to the first token id.
+Both tokenize with the engine's tokenizer function (the chunker owns tokenization, so every mode sees the same
+ids) inside their timed region, and time TTFT exactly like the engine (``kvboost.generation``).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvboost.decoding import Sampling, decode_loop, eos_token_ids, pick_token
+from kvboost.generation import PhaseClock, ReuseCounts, build_result
 from kvboost.lookup import common_prefix_length
 from kvboost.models.adapter import ModelAdapter
-from kvboost.prompts import Prompt, check_length, tokenize_prompt
+from kvboost.prompts import Prompt
+from kvboost.quality import continuation_logprob
 from kvboost.types import GenerationResult
 
 
 class _HFRunner:
     mode = "?"
 
-    def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
+    def __init__(self, model: Any, tokenizer: Any, tokenize: Callable[[Prompt], list[int]]) -> None:
         self.adapter = ModelAdapter(model, getattr(model.config, "_name_or_path", ""))
         self.tokenizer = tokenizer
-        self.chat = chat
+        self.tokenize = tokenize
         self.eos_ids = eos_token_ids(model, tokenizer)
 
     def _past_for(self, ids: list[int]) -> tuple[Any, int]:
@@ -40,18 +43,32 @@ class _HFRunner:
     def _after(self, ids: list[int], out_ids: list[int], cache: Any) -> None:
         pass
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 64) -> GenerationResult:
-        t0 = time.perf_counter()
-        ids = tokenize_prompt(self.tokenizer, prompt, chat=self.chat)
-        check_length(len(ids), self.adapter.max_positions)
-        t_tok = time.perf_counter()
+    def reset(self) -> None:
+        pass
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        *,
+        score_ids: Sequence[int] | None = None,
+        commit: bool = True,
+    ) -> GenerationResult:
+        """Greedy generation; ``commit=False`` leaves the carried state (hf_prefix) as it was."""
+        clock = PhaseClock(self.adapter.device)
+        ids = self.tokenize(prompt)
+        n = len(ids)
+        if self.adapter.max_positions:
+            max_new_tokens = min(max_new_tokens, self.adapter.max_positions - n)
+        clock.mark("tokenized")
         sampling = Sampling()
         with torch.inference_mode():
             cache, reused = self._past_for(ids)
-            t_past = time.perf_counter()
+            clock.mark("looked_up")
+            clock.mark("assembled")
             logits = self.adapter.forward(torch.tensor(ids[reused:]), cache)[-1]
             first = pick_token(logits, sampling)
-            t_first = time.perf_counter()
+            clock.mark("first")
             decoded = decode_loop(
                 lambda tok: self.adapter.forward(torch.tensor([tok]), cache)[-1],
                 first,
@@ -59,34 +76,29 @@ class _HFRunner:
                 eos_ids=self.eos_ids,
                 sampling=sampling,
                 max_total_tokens=self.adapter.max_positions,
-                tokens_so_far=len(ids),
+                tokens_so_far=n,
             )
-            self._after(ids, decoded.token_ids, cache)
-        total = time.perf_counter() - t0
-        out = decoded.token_ids
-        return GenerationResult(
-            output_text=self.tokenizer.decode(out, skip_special_tokens=True),
-            output_ids=out,
-            generated_tokens=len(out),
-            ttft_ms=(t_first - t0) * 1e3,
-            total_ms=total * 1e3,
-            store_ms=0.0,
-            tokens_per_sec=(len(out) - 1) / decoded.decode_seconds if decoded.decode_seconds > 0 else 0.0,
-            prompt_tokens=len(ids),
-            cached_tokens=reused,
-            kv_reuse_ratio=reused / len(ids),
-            exact_hit_tokens=reused,
-            content_hit_tokens=0,
-            mode=self.mode,
-            prompt_ids=ids,
-            first_token_logits=logits.float().cpu(),
-            extra={
-                "tokenize_ms": (t_tok - t0) * 1e3,
-                "lookup_ms": (t_past - t_tok) * 1e3,
-                "prefill_ms": (t_first - t_past) * 1e3,
-                "prefill_tokens": len(ids) - reused,
-            },
-        )
+            clock.mark("end")
+            if commit:
+                self._after(ids, decoded.token_ids, cache)
+            extra: dict[str, Any] = {}
+            if score_ids is not None:
+                scoring = self.adapter.truncated(cache, n)
+                extra["answer_logprob"] = continuation_logprob(
+                    logits, list(score_ids),
+                    lambda toks: self.adapter.forward(torch.tensor(toks), scoring, logits_to_keep=len(toks)),
+                )  # fmt: skip
+        counts = ReuseCounts(cached_tokens=reused, exact_tokens=reused, extra={"prefill_tokens": n - reused})
+        extra.update({
+            "tokenize_ms": clock.ms("start", "tokenized"),
+            "lookup_ms": clock.ms("tokenized", "looked_up"),
+            "assemble_ms": 0.0,
+            "prefill_ms": clock.ms("assembled", "first"),
+        })  # fmt: skip
+        return build_result(
+            tokenizer=self.tokenizer, mode=self.mode, ids=ids, decoded=decoded, first_logits=logits, clock=clock,
+            counts=counts, num_layers=self.adapter.num_layers, extra=extra,
+        )  # fmt: skip
 
 
 class HFNoCache(_HFRunner):
@@ -100,8 +112,8 @@ class HFPrefixCache(_HFRunner):
 
     mode = "hf_prefix"
 
-    def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
-        super().__init__(model, tokenizer, chat=chat)
+    def __init__(self, model: Any, tokenizer: Any, tokenize: Callable[[Prompt], list[int]]) -> None:
+        super().__init__(model, tokenizer, tokenize)
         self._cache: Any = None
         self._cache_ids: list[int] = []
 
@@ -115,6 +127,8 @@ class HFPrefixCache(_HFRunner):
         common = min(common_prefix_length(self._cache_ids, ids), len(ids) - 1)
         if common <= 0:
             return self.adapter.new_cache(), 0
+        # A view of the carried tensors: the forward concatenates into new tensors, so the carried cache is
+        # left intact (a request with commit=False does not disturb it).
         return self.adapter.truncated(self._cache, common), common
 
     def _after(self, ids: list[int], out_ids: list[int], cache: Any) -> None:

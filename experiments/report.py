@@ -1,18 +1,24 @@
 """Results of a run: per-request records -> aggregates, a terminal table, PNG plots, summary.json.
 
-A record is one request (one turn of one conversation under one mode), a flat dict with at least
-``conversation_id``, ``turn`` (1-based), ``mode`` and the metrics of DESIGN.md ("Metrics"): ``ttft_ms``,
-``total_ms``, ``store_ms``, ``decode_tok_s``, ``prompt_tokens``, ``generated_tokens``, ``reuse_ratio``,
-``exact_ratio``, ``content_ratio``, ``recompute_ratio``; modes measured against a cold prefill also carry
-``greedy_match`` (bool), ``first_token_kl`` (float) and ``first_divergence`` (int, or None: no divergence).
+A record is one measurement of one request under one mode, a flat dict with at least ``turn`` (1-based) and
+``mode``, the request's identity (``request_id``, unique per request across the run, and
+``conversation_id``), ``repeat`` (0-based; a request may be measured several times per mode) and the metrics
+of DESIGN.md ("Metrics"): ``ttft_ms``, ``total_ms``, ``store_ms``, ``decode_tok_s``, ``prompt_tokens``,
+``generated_tokens``, ``reuse_ratio``, ``exact_ratio``, ``content_ratio``, ``recompute_ratio``. Optional:
+``correct`` (bool, workloads with known answers), ``answer_logprob``, and for modes measured against the
+baseline's prefill of the same prompt ``greedy_match`` (bool), ``first_token_kl``, ``first_divergence`` (int,
+or None: no divergence), ``max_abs_logit_diff`` and ``answer_logprob_delta``.
 
-Every metric is optional per record: a record without it (or with None/NaN) is skipped for that metric
-only, and an aggregate with no values is None. Modes may cover different turns.
+Records without ``request_id`` are their own request, ``conversation_id + "/" + turn``; records without
+``repeat`` are repeat 0. Timing statistics are over requests, each request's value being the median of its
+repeats; quality and accuracy use repeat 0 only (repeats are for timing). Every metric is optional per
+record: a record without it (or with None/NaN) is skipped for that metric only, and an aggregate with no
+values is None. Modes may cover different turns and requests; speedups pair the requests both modes served.
 
 Typical use at the end of a run::
 
     write_records(records, out / "records.jsonl")
-    summary = summarize(records)
+    summary = summarize(records, reference_modes=("kvboost_cold",))
     print(format_table(summary))
     plot_summary(summary, out)
     write_summary(summary, out / "summary.json")
@@ -24,11 +30,14 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Aggregates per (mode, turn) and per mode overall: output key -> (record field, statistic).
+# Aggregates per (mode, turn) and per mode overall: output key -> (record field, statistic). Each request
+# contributes one value per field: the median over its repeats.
 _STAT_FIELDS: dict[str, tuple[str, str]] = {
+    "ttft_ms_p10": ("ttft_ms", "p10"),
     "ttft_ms_p50": ("ttft_ms", "p50"),
     "ttft_ms_p90": ("ttft_ms", "p90"),
     "ttft_ms_mean": ("ttft_ms", "mean"),
@@ -42,7 +51,10 @@ _STAT_FIELDS: dict[str, tuple[str, str]] = {
     "content_ratio": ("content_ratio", "mean"),
     "recompute_ratio": ("recompute_ratio", "mean"),
 }
-_QUALITY_FIELDS = ("greedy_match", "first_token_kl", "first_divergence")
+_COLLAPSED_FIELDS = tuple(dict.fromkeys(name for name, _ in _STAT_FIELDS.values()))
+_QUALITY_FIELDS = ("greedy_match", "first_token_kl", "first_divergence", "max_abs_logit_diff",
+                   "answer_logprob_delta")
+DEFAULT_BOOTSTRAP = 2000
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -115,6 +127,7 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 _STATISTICS: dict[str, Callable[[Sequence[float]], float | None]] = {
+    "p10": lambda v: percentile(v, 10),
     "p50": lambda v: percentile(v, 50),
     "p90": lambda v: percentile(v, 90),
     "mean": _mean,
@@ -136,33 +149,72 @@ def _values(records: Iterable[Mapping[str, Any]], name: str) -> list[float]:
     return [f for r in records if (f := _as_float(r.get(name))) is not None]
 
 
-def _stats(records: list[Mapping[str, Any]]) -> dict[str, Any]:
-    stats: dict[str, Any] = {key: _STATISTICS[stat](_values(records, name))
-                             for key, (name, stat) in _STAT_FIELDS.items()}
-    stats["n"] = len(records)
-    if any("greedy_match" in r for r in records):
-        stats["greedy_match_rate"] = _mean(_values(records, "greedy_match"))
-    return stats
-
-
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def _quality(records: list[Mapping[str, Any]]) -> dict[str, Any]:
-    with_quality = [r for r in records if any(f in r for f in _QUALITY_FIELDS)]
-    kl = _values(with_quality, "first_token_kl")
-    # first_divergence present and None means "never diverged"; absent means "not measured"
-    measured_div = [r for r in with_quality if "first_divergence" in r]
-    divergences = _values(measured_div, "first_divergence")
-    return {
-        "greedy_match_rate": _mean(_values(with_quality, "greedy_match")),
-        "first_token_kl_max": max(kl) if kl else None,
-        "first_token_kl_mean": _mean(kl),
-        "first_divergence_min": int(min(divergences)) if divergences else None,
-        "n_diverged": len(divergences),
-        "n": len(with_quality),
-    }
+def _bootstrap_p50s(samples: Sequence[Sequence[float]], *, n_boot: int, seed: int) -> Any:
+    """Paired bootstrap: ``n_boot`` resamples (with replacement) of the positions 0..n-1 shared by every
+    sequence in ``samples`` (all of length n); returns an array (n_boot, len(samples)) of the p50 of each
+    sequence in each resample."""
+    import numpy as np
+
+    data = np.asarray(samples, dtype=float)  # (k, n)
+    n = data.shape[1]
+    rng = np.random.default_rng(seed)
+    out = np.empty((n_boot, data.shape[0]))
+    block = max(1, 1_000_000 // (n * data.shape[0]))  # about 8 MB gathered per block
+    for start in range(0, n_boot, block):
+        rows = min(block, n_boot - start)
+        idx = rng.integers(0, n, size=(rows, n))
+        out[start:start + rows] = np.median(data[:, idx], axis=2).T
+    return out
+
+
+def bootstrap_ratio_ci(numerator: Sequence[float], denominator: Sequence[float], *,
+                       n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                       confidence: float = 0.95) -> list[float] | None:
+    """The ``confidence`` interval of p50(numerator) / p50(denominator) by a seeded paired bootstrap:
+    position i of both sequences is one request (resampled together). [lo, hi], or None without data,
+    without resamples or where every resampled ratio is undefined (a zero p50)."""
+    if len(numerator) != len(denominator):
+        raise ValueError(f"paired samples differ in length: {len(numerator)} vs {len(denominator)}")
+    if not numerator or n_boot <= 0:
+        return None
+    import numpy as np
+
+    p50 = _bootstrap_p50s([numerator, denominator], n_boot=n_boot, seed=seed)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = p50[:, 0] / p50[:, 1]
+    return _interval(ratios, confidence)
+
+
+def _interval(values: Any, confidence: float) -> list[float] | None:
+    import numpy as np
+
+    finite = values[np.isfinite(values)]
+    if not finite.size:
+        return None
+    tail = 50.0 * (1.0 - confidence)
+    lo, hi = np.percentile(finite, [tail, 100.0 - tail])
+    return [float(lo), float(hi)]
+
+
+@dataclass
+class _Request:
+    """All records of one request under one mode (its repeats)."""
+
+    key: str
+    turn: int
+    records: list[Mapping[str, Any]] = field(default_factory=list)
+
+    def median(self, name: str) -> float | None:
+        return percentile(_values(self.records, name), 50)
+
+    def first(self) -> list[Mapping[str, Any]]:
+        """The records of the first repeat (normally one; quality and accuracy are measured there)."""
+        first = min(_repeat_of(r) for r in self.records)
+        return [r for r in self.records if _repeat_of(r) == first]
 
 
 def _turn_of(record: Mapping[str, Any]) -> int:
@@ -172,65 +224,214 @@ def _turn_of(record: Mapping[str, Any]) -> int:
         raise ValueError(f"record without a usable integer 'turn': {dict(record)!r:.200}") from exc
 
 
-def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "baseline") -> dict[str, Any]:
-    """Aggregate per-request records per mode, per turn and overall, plus quality per mode.
+def _repeat_of(record: Mapping[str, Any]) -> int:
+    value = record.get("repeat")
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"record with a non-integer 'repeat': {dict(record)!r:.200}") from exc
+
+
+def _request_key(record: Mapping[str, Any], index: int) -> str:
+    if record.get("request_id") is not None:
+        return str(record["request_id"])
+    if record.get("conversation_id") is not None:
+        return f"{record['conversation_id']}/{_turn_of(record)}"
+    return f"#{index}"  # nothing identifies it: its own request, paired with nothing
+
+
+def _group_requests(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, _Request]]:
+    """mode -> request key -> _Request, in order of first appearance."""
+    by_mode: dict[str, dict[str, _Request]] = {}
+    for index, r in enumerate(records):
+        if "mode" not in r:
+            raise ValueError(f"record without 'mode': {dict(r)!r:.200}")
+        turn = _turn_of(r)
+        key = _request_key(r, index)
+        requests = by_mode.setdefault(str(r["mode"]), {})
+        request = requests.setdefault(key, _Request(key, turn))
+        if request.turn != turn:
+            raise ValueError(f"request {key!r} of mode {r['mode']!r} has records for turns {request.turn} and {turn}")
+        request.records.append(r)
+    return by_mode
+
+
+def _first_records(requests: Iterable[_Request]) -> list[Mapping[str, Any]]:
+    return [r for req in requests for r in req.first()]
+
+
+def _stats(requests: list[_Request]) -> dict[str, Any]:
+    collapsed = [{name: req.median(name) for name in _COLLAPSED_FIELDS} for req in requests]
+    stats: dict[str, Any] = {key: _STATISTICS[stat](_values(collapsed, name))
+                             for key, (name, stat) in _STAT_FIELDS.items()}
+    stats["n"] = len(requests)
+    stats["n_records"] = sum(len(req.records) for req in requests)
+    first = _first_records(requests)
+    if any("greedy_match" in r for r in first):
+        stats["greedy_match_rate"] = _mean(_values(first, "greedy_match"))
+    if any(r.get("correct") is not None for r in first):
+        stats["accuracy"] = _mean(_values(first, "correct"))
+    return stats
+
+
+def _ttfts(requests: Mapping[str, _Request]) -> dict[str, float]:
+    """request key -> the request's TTFT (median over repeats), for requests with one."""
+    return {k: t for k, req in requests.items() if (t := req.median("ttft_ms")) is not None}
+
+
+def _paired(*ttfts: Mapping[str, float], keys: Iterable[str]) -> list[list[float]]:
+    """The TTFTs of the requests in ``keys`` that every mapping has, one list per mapping, same order."""
+    common = [k for k in keys if all(k in t for t in ttfts)]
+    return [[t[k] for k in common] for t in ttfts]
+
+
+def _speedup(ref: Mapping[str, float], mode: Mapping[str, float], keys: Iterable[str], *, n_boot: int,
+             seed: int) -> tuple[float | None, list[float] | None]:
+    """p50 of ``ref`` / p50 of ``mode`` over the requests (of ``keys``) both have, and its bootstrap CI."""
+    ref_v, mode_v = _paired(ref, mode, keys=keys)
+    if not ref_v:
+        return None, None
+    point = _ratio(percentile(ref_v, 50), percentile(mode_v, 50))
+    return point, bootstrap_ratio_ci(ref_v, mode_v, n_boot=n_boot, seed=seed) if point is not None else None
+
+
+def _quality(records: list[Mapping[str, Any]]) -> dict[str, Any]:
+    with_quality = [r for r in records if any(f in r for f in _QUALITY_FIELDS)]
+    kl = _values(with_quality, "first_token_kl")
+    logit_diff = _values(with_quality, "max_abs_logit_diff")
+    # first_divergence present and None means "never diverged"; absent means "not measured"
+    measured_div = [r for r in with_quality if "first_divergence" in r]
+    divergences = _values(measured_div, "first_divergence")
+    return {
+        "greedy_match_rate": _mean(_values(with_quality, "greedy_match")),
+        "first_token_kl_max": max(kl) if kl else None,
+        "first_token_kl_mean": _mean(kl),
+        "first_divergence_min": int(min(divergences)) if divergences else None,
+        "n_diverged": len(divergences),
+        "max_abs_logit_diff_max": max(logit_diff) if logit_diff else None,
+        "answer_logprob_delta_mean": _mean(_values(with_quality, "answer_logprob_delta")),
+        "n": len(with_quality),
+    }
+
+
+def _accuracy(records: list[Mapping[str, Any]]) -> dict[str, Any]:
+    values = _values(records, "correct")
+    return {"accuracy": _mean(values), "n_correct": int(sum(values)), "n": len(values)}
+
+
+def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "baseline",
+              reference_modes: Sequence[str] = (), n_boot: int = DEFAULT_BOOTSTRAP,
+              seed: int = 0) -> dict[str, Any]:
+    """Aggregate records per mode, per turn and overall, plus quality and accuracy per mode.
 
     Returns::
 
         {"modes": {MODE: {"by_turn": {"1": {...}, "2": {...}}, "overall": {...}}},
          "quality": {MODE: {"greedy_match_rate", "first_token_kl_max", "first_token_kl_mean",
-                            "first_divergence_min", "n_diverged", "n"}},
-         "baseline_mode": baseline_mode}
+                            "first_divergence_min", "n_diverged", "max_abs_logit_diff_max",
+                            "answer_logprob_delta_mean", "n"}},
+         "accuracy": {MODE: {"accuracy", "n_correct", "n"}},
+         "speedup_split": {MODE: {"engine_path", "reuse", "total", "engine_path_ci95", "reuse_ci95",
+                                  "total_ci95", "n"}},
+         "baseline_mode": baseline_mode, "reference_modes": [...],
+         "bootstrap": {"resamples": n_boot, "seed": seed, "confidence": 0.95}}
 
-    Each stats dict has ``ttft_ms_p50/p90/mean``, ``total_ms_p50``, ``store_ms_p50``,
+    Each stats dict has ``ttft_ms_p10/p50/p90/mean``, ``total_ms_p50``, ``store_ms_p50``,
     ``decode_tok_s_p50``, ``prompt_tokens_mean``, ``generated_tokens_mean``, mean ``reuse_ratio``,
-    ``exact_ratio``, ``content_ratio``, ``recompute_ratio``, ``n``, ``speedup_vs_baseline_p50`` (baseline
-    TTFT p50 / this mode's, same turn; None where the baseline lacks the turn) and, for modes with quality
-    fields, ``greedy_match_rate``. ``overall`` adds ``reuse_ratio_turns_ge2`` (mean over turns >= 2, where
-    reuse is possible); its speedup compares TTFT p50s over the turns both modes have, so a mode missing
-    turns is not credited for the turns' different lengths. Percentiles interpolate linearly.
-    Turn keys are strings (JSON object keys) in numeric order. ``quality`` only lists modes whose records
-    carry at least one quality field.
-    """
-    by_mode: dict[str, list[Mapping[str, Any]]] = {}
-    for r in records:
-        if "mode" not in r:
-            raise ValueError(f"record without 'mode': {dict(r)!r:.200}")
-        by_mode.setdefault(str(r["mode"]), []).append(r)
+    ``exact_ratio``, ``content_ratio``, ``recompute_ratio`` (all over requests, each request's value the
+    median of its repeats), ``n`` (requests), ``n_records``, ``speedup_vs_baseline_p50`` and
+    ``speedup_vs_baseline_ci95``, and per reference mode R ``speedup_vs_R_p50`` and ``speedup_vs_R_ci95``;
+    modes with quality fields add ``greedy_match_rate``, modes with ``correct`` add ``accuracy``.
+    ``overall`` adds ``reuse_ratio_turns_ge2`` (mean over turns >= 2, where reuse is possible).
 
-    def by_turn(recs: list[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
-        groups: dict[int, list[Mapping[str, Any]]] = {}
-        for r in recs:
-            groups.setdefault(_turn_of(r), []).append(r)
+    A speedup vs mode R is R's TTFT p50 / this mode's TTFT p50 over the requests both served (paired, so a
+    mode missing requests is not credited for their different lengths); None where they share none. Its
+    ``_ci95`` is [lo, hi], the 2.5/97.5 percentiles of that ratio over ``n_boot`` seeded resamples of the
+    common requests (None with ``n_boot=0``).
+
+    ``speedup_split`` (with a reference mode; the first one if several) splits each other non-baseline
+    mode's speedup on the requests all three served: ``engine_path`` = baseline p50 / reference p50,
+    ``reuse`` = reference p50 / mode p50, ``total`` = their product = baseline p50 / mode p50. With
+    ``kvboost_cold`` as the reference it separates kvboost's own prefill path from its cache reuse.
+
+    Quality and accuracy use each request's first repeat only. ``quality`` only lists modes whose records
+    carry a quality field, ``accuracy`` modes whose records carry ``correct``. Turn keys are strings (JSON
+    object keys) in numeric order. Percentiles interpolate linearly.
+    """
+    by_mode = _group_requests(records)
+    refs = [baseline_mode] + [m for m in reference_modes if m != baseline_mode]
+    ref_names = {baseline_mode: "baseline", **{m: m for m in refs[1:]}}
+    ref_ttfts = {m: _ttfts(by_mode.get(m, {})) for m in refs}
+
+    def by_turn(requests: Mapping[str, _Request]) -> dict[int, dict[str, _Request]]:
+        groups: dict[int, dict[str, _Request]] = {}
+        for key, req in requests.items():
+            groups.setdefault(req.turn, {})[key] = req
         return dict(sorted(groups.items()))
 
-    base_turns = by_turn(by_mode.get(baseline_mode, []))
-    base_p50 = {t: percentile(_values(rs, "ttft_ms"), 50) for t, rs in base_turns.items()}
+    def add_speedups(stats: dict[str, Any], ttfts: Mapping[str, float], keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for ref in refs:
+            point, ci = _speedup(ref_ttfts[ref], ttfts, keys, n_boot=n_boot, seed=seed)
+            stats[f"speedup_vs_{ref_names[ref]}_p50"] = point
+            stats[f"speedup_vs_{ref_names[ref]}_ci95"] = ci
 
     modes: dict[str, Any] = {}
     quality: dict[str, Any] = {}
-    for mode, recs in by_mode.items():
-        turns = by_turn(recs)
+    accuracy: dict[str, Any] = {}
+    for mode, requests in by_mode.items():
+        ttfts = _ttfts(requests)
         per_turn = {}
-        for t, rs in turns.items():
-            stats = _stats(rs)
-            stats["speedup_vs_baseline_p50"] = _ratio(base_p50.get(t), stats["ttft_ms_p50"])
+        for t, reqs in by_turn(requests).items():
+            stats = _stats(list(reqs.values()))
+            add_speedups(stats, ttfts, reqs)
             per_turn[str(t)] = stats
 
-        overall = _stats(recs)
-        overall["reuse_ratio_turns_ge2"] = _mean(_values([r for r in recs if _turn_of(r) >= 2], "reuse_ratio"))
-        common = [t for t in turns if t in base_turns]
-        if common:
-            base_ttft = _values([r for t in common for r in base_turns[t]], "ttft_ms")
-            mode_ttft = _values([r for t in common for r in turns[t]], "ttft_ms")
-            overall["speedup_vs_baseline_p50"] = _ratio(percentile(base_ttft, 50), percentile(mode_ttft, 50))
-        else:
-            overall["speedup_vs_baseline_p50"] = None
+        overall = _stats(list(requests.values()))
+        overall["reuse_ratio_turns_ge2"] = _mean(
+            [v for req in requests.values() if req.turn >= 2 and (v := req.median("reuse_ratio")) is not None])
+        add_speedups(overall, ttfts, requests)
         modes[mode] = {"by_turn": per_turn, "overall": overall}
 
-        if any(f in r for r in recs for f in _QUALITY_FIELDS):
-            quality[mode] = _quality(recs)
-    return {"modes": modes, "quality": quality, "baseline_mode": baseline_mode}
+        first = _first_records(requests.values())
+        if any(f in r for r in first for f in _QUALITY_FIELDS):
+            quality[mode] = _quality(first)
+        if any(r.get("correct") is not None for r in first):
+            accuracy[mode] = _accuracy(first)
+
+    split: dict[str, Any] = {}
+    if len(refs) > 1:
+        ref = refs[1]
+        for mode, requests in by_mode.items():
+            if mode in (baseline_mode, ref):
+                continue
+            entry = _split(ref_ttfts[baseline_mode], ref_ttfts[ref], _ttfts(requests), n_boot=n_boot, seed=seed)
+            if entry is not None:
+                split[mode] = entry
+    return {"modes": modes, "quality": quality, "accuracy": accuracy, "speedup_split": split,
+            "baseline_mode": baseline_mode, "reference_modes": refs[1:],
+            "bootstrap": {"resamples": n_boot, "seed": seed, "confidence": 0.95}}
+
+
+def _split(base: Mapping[str, float], ref: Mapping[str, float], mode: Mapping[str, float], *, n_boot: int,
+           seed: int) -> dict[str, Any] | None:
+    base_v, ref_v, mode_v = _paired(base, ref, mode, keys=mode)
+    b, r, m = (percentile(v, 50) for v in (base_v, ref_v, mode_v))
+    if not base_v or not r or not m:
+        return None
+    entry: dict[str, Any] = {"engine_path": b / r, "reuse": r / m, "total": b / m, "n": len(base_v),
+                             "engine_path_ci95": None, "reuse_ci95": None, "total_ci95": None}
+    if n_boot > 0:
+        import numpy as np
+
+        p50 = _bootstrap_p50s([base_v, ref_v, mode_v], n_boot=n_boot, seed=seed)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            entry["engine_path_ci95"] = _interval(p50[:, 0] / p50[:, 1], 0.95)
+            entry["reuse_ci95"] = _interval(p50[:, 1] / p50[:, 2], 0.95)
+            entry["total_ci95"] = _interval(p50[:, 0] / p50[:, 2], 0.95)
+    return entry
 
 
 # ------------------------------------------------------------------------------------------------- table
@@ -252,40 +453,40 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
-def format_table(summary: Mapping[str, Any]) -> str:
-    """A plain-text table for the terminal: one row per turn plus an ``overall`` row.
+def fmt_ms(value: float | None) -> str:
+    """Milliseconds with three significant digits or more: 1234, 812, 81.2, 8.12."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
 
-    Columns, per mode (baseline first): TTFT p50 in ms, speedup of TTFT p50 vs the baseline, mean reuse
-    ratio; then the greedy-match rate of each mode that measured quality. Below the table, one line per
-    such mode with its overall quality aggregates. Missing values print as ``-``; a summary without
-    records prints ``(no records)``.
-    """
-    modes = _ordered_modes(summary)
-    if not modes:
-        return "(no records)"
-    quality = summary.get("quality", {})
-    quality_modes = [m for m in modes if m in quality]
 
-    # columns: (group header, column header, getter(stats dict) -> str)
-    columns: list[tuple[str, str, Callable[[Mapping[str, Any]], str]]] = []
-    for mode in modes:
-        columns += [
-            (mode, "TTFT p50 ms", lambda s: _fmt(s.get("ttft_ms_p50"), ".1f")),
-            (mode, "speedup", lambda s: _fmt(s.get("speedup_vs_baseline_p50"), ".2f", "x")),
-            (mode, "reuse", lambda s: _fmt(s.get("reuse_ratio"), ".1%")),
-        ]
-    for mode in quality_modes:
-        columns.append(("greedy match", mode, lambda s: _fmt(s.get("greedy_match_rate"), ".0%")))
+def fmt_spread(p50: float | None, p10: float | None, p90: float | None) -> str:
+    """``812 [640-1020]``: p50 with the p10-p90 range; ``-`` without a p50."""
+    if p50 is None:
+        return "-"
+    return fmt_ms(p50) if p10 is None or p90 is None else f"{fmt_ms(p50)} [{fmt_ms(p10)}-{fmt_ms(p90)}]"
 
-    def stats_for(mode: str, row: str) -> Mapping[str, Any]:
-        m = summary["modes"].get(mode, {})
-        return m.get("overall", {}) if row == "overall" else m.get("by_turn", {}).get(row, {})
 
-    rows = _turn_keys(summary) + ["overall"]
-    # a greedy-match column belongs to its mode's stats, not the group's name
-    owner = [g if g != "greedy match" else h for g, h, _ in columns]
-    cells = [[get(stats_for(owner[i], row)) for i, (_, _, get) in enumerate(columns)] for row in rows]
+def fmt_speedup(point: float | None, ci: Sequence[float] | None = None) -> str:
+    """``3.10x (2.80-3.40)``: a ratio with its 95% interval; ``-`` without a ratio."""
+    if point is None or not math.isfinite(point):
+        return "-"
 
+    def num(v: float) -> str:
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+
+    if not ci or any(v is None for v in ci):
+        return f"{num(point)}x"
+    return f"{num(point)}x ({num(ci[0])}-{num(ci[1])})"
+
+
+_Column = tuple[str, str, Callable[[str], str]]  # (group header, column header, row key -> cell)
+
+
+def _render(columns: list[_Column], rows: list[str], first_header: str = "turn") -> list[str]:
+    """Fixed-width text table: a group line, a header line, a rule, one line per row (a rule before
+    ``overall`` when other rows precede it)."""
+    cells = [[get(row) for _, _, get in columns] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, (_, h, _) in enumerate(columns)]
     # widen the last column of a group when the group name is longer than its columns together
     groups: list[tuple[str, list[int]]] = []
@@ -299,28 +500,116 @@ def format_table(summary: Mapping[str, Any]) -> str:
         if len(g) > span:
             widths[idx[-1]] += len(g) - span
 
-    turn_w = max(len("turn"), *(len(r) for r in rows))
+    row_w = max(len(first_header), *(len(r) for r in rows))
     sep = " | "
-    group_line = " " * turn_w + sep + sep.join(
+    group_line = " " * row_w + sep + sep.join(
         g.center(sum(widths[i] for i in idx) + 2 * (len(idx) - 1)) for g, idx in groups)
-    header_line = "turn".ljust(turn_w) + sep + sep.join(
+    header_line = first_header.ljust(row_w) + sep + sep.join(
         "  ".join(columns[i][1].rjust(widths[i]) for i in idx) for _, idx in groups)
     rule = "-" * len(header_line)
     lines = [group_line.rstrip(), header_line, rule]
-    for row, row_cells in zip(rows, cells):
-        if row == "overall":
+    for n, (row, row_cells) in enumerate(zip(rows, cells)):
+        if row == "overall" and n:
             lines.append(rule)
-        lines.append(row.ljust(turn_w) + sep + sep.join(
+        lines.append(row.ljust(row_w) + sep + sep.join(
             "  ".join(row_cells[i].rjust(widths[i]) for i in idx) for _, idx in groups))
+    return lines
 
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """A plain-text table for the terminal (about 150 columns for 4 modes).
+
+    Main table, one row per turn plus ``overall`` (only ``overall`` for a single-turn workload): the number
+    of requests, then per mode (baseline first) TTFT ``p50 [p10-p90]`` in ms over requests and, except for
+    the baseline, the speedup vs the baseline ``ratio (95% CI)``. A second table: mean reuse ratio per
+    non-baseline mode, speedup vs each reference mode, greedy-match rate per mode that measured quality.
+    Below: the speedup split, one accuracy line and one quality line per mode where measured. Missing
+    values print as ``-``; a summary without records prints ``(no records)``.
+    """
+    modes = _ordered_modes(summary)
+    if not modes:
+        return "(no records)"
+    base = summary.get("baseline_mode", "baseline")
+    refs = [r for r in summary.get("reference_modes", []) if r in modes]
+    quality = summary.get("quality", {})
+    quality_modes = [m for m in modes if m in quality]
+    accuracy = summary.get("accuracy", {})
+    boot = summary.get("bootstrap", {})
+
+    def stats(mode: str, row: str) -> Mapping[str, Any]:
+        m = summary["modes"].get(mode, {})
+        return m.get("overall", {}) if row == "overall" else m.get("by_turn", {}).get(row, {})
+
+    turns = _turn_keys(summary)
+    rows = (turns if len(turns) > 1 else []) + ["overall"]
+
+    def n_cell(row: str) -> str:
+        counts = [stats(m, row).get("n") for m in modes]
+        present = [c for c in counts if c]
+        if len(set(present)) <= 1:
+            return str(present[0]) if present else "-"
+        return "/".join("-" if c is None else str(c) for c in counts)
+
+    main: list[_Column] = [("", "n", n_cell)]
+    for mode in modes:
+        main.append((mode, "TTFT ms", lambda row, m=mode: fmt_spread(
+            stats(m, row).get("ttft_ms_p50"), stats(m, row).get("ttft_ms_p10"), stats(m, row).get("ttft_ms_p90"))))
+        if mode != base:
+            main.append((mode, f"vs {base}", lambda row, m=mode: fmt_speedup(
+                stats(m, row).get("speedup_vs_baseline_p50"), stats(m, row).get("speedup_vs_baseline_ci95"))))
+
+    n_boot = boot.get("resamples")
+    ci_note = (f" (95% paired bootstrap interval, {n_boot} resamples)" if n_boot
+               else " (no interval)" if n_boot is not None else "")
+    lines = [
+        "TTFT ms: p50 [p10-p90] over requests, each request's TTFT the median of its repeats",
+        f"vs X: X's TTFT p50 / the mode's, on the requests both served{ci_note}",
+        "",
+    ]
+    lines += _render(main, rows)
+
+    extra: list[_Column] = []
+    for mode in modes:
+        if mode != base and any(stats(mode, r).get("reuse_ratio") is not None for r in rows):
+            extra.append(("reuse (mean)", mode, lambda row, m=mode: _fmt(stats(m, row).get("reuse_ratio"), ".1%")))
+    for ref in refs:
+        for mode in modes:
+            if mode not in (base, ref):
+                extra.append((f"vs {ref}", mode, lambda row, m=mode, r=ref: fmt_speedup(
+                    stats(m, row).get(f"speedup_vs_{r}_p50"), stats(m, row).get(f"speedup_vs_{r}_ci95"))))
+    for mode in quality_modes:
+        extra.append(("greedy match", mode, lambda row, m=mode: _fmt(stats(m, row).get("greedy_match_rate"), ".0%")))
+    if extra:
+        lines.append("")
+        lines += _render(extra, rows)
+
+    split = summary.get("speedup_split", {})
+    if split and refs:
+        lines += ["", f"speedup split on the requests all three served: engine path = {base} / {refs[0]}, "
+                      f"reuse = {refs[0]} / mode (TTFT p50 ratios)"]
+        for mode in [m for m in modes if m in split]:
+            s = split[mode]
+            lines.append(
+                f"{mode}: {fmt_speedup(s.get('total'), s.get('total_ci95'))} vs {base} = engine path "
+                f"{fmt_speedup(s.get('engine_path'), s.get('engine_path_ci95'))} x reuse "
+                f"{fmt_speedup(s.get('reuse'), s.get('reuse_ci95'))}, n={s.get('n', 0)}")
+
+    if accuracy or quality_modes:
+        lines.append("")
+    for mode in [m for m in modes if m in accuracy]:
+        a = accuracy[mode]
+        lines.append(f"{mode}: accuracy {_fmt(a.get('accuracy'), '.1%')} "
+                     f"({a.get('n_correct', 0)} of {a.get('n', 0)} requests correct)")
     for mode in quality_modes:
         q = quality[mode]
         first_div = q.get("first_divergence_min")
+        delta = q.get("answer_logprob_delta_mean")
         lines.append(
             f"{mode}: greedy match {_fmt(q.get('greedy_match_rate'), '.1%')}, first-token KL max "
             f"{_fmt(q.get('first_token_kl_max'), '.3g')} mean {_fmt(q.get('first_token_kl_mean'), '.3g')}, "
             f"first divergence min {'none' if first_div is None else first_div}"
-            f" ({q.get('n_diverged', 0)} of {q.get('n', 0)} requests diverged)")
+            f" ({q.get('n_diverged', 0)} of {q.get('n', 0)} diverged)"
+            + (f", answer log-prob delta mean {delta:+.3g}" if delta is not None else ""))
     return "\n".join(lines)
 
 
@@ -332,38 +621,54 @@ def _series(summary: Mapping[str, Any], mode: str, key: str) -> tuple[list[int],
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_summary(summary: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
-    """Write ``ttft_by_turn.png`` (TTFT p50 per turn per mode, band up to p90) and ``reuse_by_turn.png``
-    (mean reuse ratio per turn per mode) into ``out_dir``; returns their paths."""
+def _new_figure(size: tuple[float, float] = (7, 4.5), ncols: int = 1) -> tuple[Any, list[Any]]:
     # Figure + Agg canvas directly: no pyplot global state, no backend switch for the caller's process
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
 
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def line_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Distinct marker and dash style per name: series with equal numbers overlap exactly (e.g. hf_prefix
+    and kvboost reuse), so colour alone would hide one."""
+    return {m: dict(marker="osD^vP*X"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4]) for i, m in enumerate(names)}
+
+
+def plot_summary(summary: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    """Write the run's plots into ``out_dir``; returns their paths.
+
+    Several turns: ``ttft_by_turn.png`` (TTFT p50 per turn per mode, band p10 to p90) and
+    ``reuse_by_turn.png`` (mean reuse ratio per turn per mode). A single turn (single-turn workloads):
+    ``ttft_by_mode.png`` instead (TTFT p50 per mode with p10-p90 error bars, and mean reuse per mode)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if len(_turn_keys(summary)) == 1:
+        return [_plot_by_mode(summary, out / "ttft_by_mode.png")]
+
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
     modes = _ordered_modes(summary)
-    # modes with equal numbers overlap exactly (e.g. hf_prefix and kvboost reuse); distinct markers and
-    # dash styles keep every mode visible
-    styles = {m: dict(marker="osD^vP*X"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4])
-              for i, m in enumerate(modes)}
+    styles = line_styles(modes)
     paths = []
 
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, (ax,) = _new_figure()
     for mode in modes:
         turns, p50 = _series(summary, mode, "ttft_ms_p50")
         if not turns:
             continue
         (line,) = ax.plot(turns, p50, label=f"{mode} p50", **styles[mode])
-        # the band only where p90 is known; it shows the slow tail without cluttering with error caps
-        band = [(t, lo, s) for t, lo in zip(turns, p50)
-                if (s := summary["modes"][mode]["by_turn"][str(t)].get("ttft_ms_p90")) is not None]
+        by_turn = summary["modes"][mode]["by_turn"]
+        band = [(t, lo, hi) for t in turns
+                if (lo := by_turn[str(t)].get("ttft_ms_p10")) is not None
+                and (hi := by_turn[str(t)].get("ttft_ms_p90")) is not None]
         if band:
             ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band],
                             color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.set_title("Time to first token by turn (line: p50, band: p50 to p90)")
+    ax.set_title("Time to first token by turn (line: p50, band: p10 to p90 over requests)")
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT (ms)")
     ax.set_ylim(bottom=0)
@@ -375,9 +680,7 @@ def plot_summary(summary: Mapping[str, Any], out_dir: str | os.PathLike) -> list
     fig.savefig(path, dpi=120)
     paths.append(path)
 
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, (ax,) = _new_figure()
     for mode in modes:
         turns, reuse = _series(summary, mode, "reuse_ratio")
         if turns:
@@ -395,6 +698,44 @@ def plot_summary(summary: Mapping[str, Any], out_dir: str | os.PathLike) -> list
     fig.savefig(path, dpi=120)
     paths.append(path)
     return paths
+
+
+def _plot_by_mode(summary: Mapping[str, Any], path: Path) -> Path:
+    from matplotlib.ticker import PercentFormatter
+
+    modes = _ordered_modes(summary)
+    overall = [summary["modes"][m].get("overall", {}) for m in modes]
+    x = list(range(len(modes)))
+    fig, (ax, ax_reuse) = _new_figure((10, 4.5), ncols=2)
+
+    p50 = [s.get("ttft_ms_p50") for s in overall]
+    heights = [v if v is not None else 0.0 for v in p50]
+    bars = ax.bar(x, heights, color=[f"C{i}" for i in x], alpha=0.8)
+    err = [[v - s["ttft_ms_p10"], s["ttft_ms_p90"] - v] if v is not None and s.get("ttft_ms_p10") is not None
+           and s.get("ttft_ms_p90") is not None else [0.0, 0.0] for v, s in zip(p50, overall)]
+    ax.errorbar(x, heights, yerr=[[e[0] for e in err], [e[1] for e in err]], fmt="none", ecolor="black", capsize=5)
+    for bar, s, v in zip(bars, overall, p50):
+        if v is None:
+            continue
+        text = fmt_speedup(s.get("speedup_vs_baseline_p50"))
+        ax.annotate(f"{fmt_ms(v)} ms" + (f"\n{text}" if text != "-" else ""), (bar.get_x() + bar.get_width() / 2, v),
+                    xytext=(4, 2), textcoords="offset points", ha="left", va="bottom", fontsize=8)
+    ax.set_xticks(x, modes, rotation=20, ha="right")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Time to first token per mode\n(bar: p50, whiskers: p10 to p90, label: speedup vs baseline)",
+                 fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+
+    reuse = [s.get("reuse_ratio") for s in overall]
+    ax_reuse.bar(x, [v if v is not None else 0.0 for v in reuse], color=[f"C{i}" for i in x], alpha=0.8)
+    ax_reuse.set_xticks(x, modes, rotation=20, ha="right")
+    ax_reuse.set_ylim(0, 1.02)
+    ax_reuse.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    ax_reuse.set_title("Prompt tokens served from cache (mean)", fontsize=10)
+    ax_reuse.grid(True, axis="y", alpha=0.3)
+    fig.savefig(path, dpi=120)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------ summary

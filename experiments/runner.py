@@ -1,18 +1,24 @@
-"""The experiment runner: builds the engine from a config, replays a workload, writes the results.
+"""The experiment runner: builds the engine from a config, replays a workload in every mode, writes results.
 
-Importable without Hydra (``run_experiment`` takes a plain dict or an OmegaConf config); ``run.py`` is
-the Hydra entry point around it. Outputs, in ``out_dir``:
+Importable without Hydra (``run_experiment`` takes a plain dict or an OmegaConf config); ``run.py`` is the
+Hydra entry point around it. Outputs, in ``out_dir``:
 
-- ``records.jsonl``: one line per request and mode;
-- ``summary.json``: config, environment, per-mode per-turn aggregates, quality vs the baseline,
-  attention backend and kernel calls, TTFT breakdown (where kvboost's overhead goes);
-- ``ttft_by_turn.png``, ``reuse_by_turn.png``;
-- a table printed at the end.
+- ``records.jsonl``: one line per request, mode and repeat;
+- ``summary.json``: config, environment, per-mode aggregates with spreads and bootstrap intervals, quality and
+  accuracy vs the baseline, attention backend and kernel calls, TTFT breakdown, cache stats;
+- plots, and a table printed at the end.
+
+Fairness rules (each a defect when broken): every mode serves the same token ids (the engine's tokenizer);
+the mode order is shuffled per request (seeded), so no mode is always first after another's cache traffic;
+each mode serves one unrelated warm-up request before timing, and the attention backend tunes its kernels
+for the run's lengths then; repeats of a request (``workload.repeats``) leave every mode's state as the first
+measurement found it; nothing warms a measured prompt (only the workload's declared shared context).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,20 +27,21 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from experiments.config_check import check_config, engine_options, split_workload_config
 from experiments.environment import describe_environment
-from experiments.hf_baselines import HFNoCache, HFPrefixCache
 from experiments.loggers import build_logger
+from experiments.modes import MODES
 from experiments.report import format_table, plot_summary, summarize, write_records, write_summary
-from experiments.workloads.sharegpt_replay import build_sharegpt_replay
-from kvboost.engine import InferenceEngine, compare_generations
-from kvboost.prompts import tokenize_prompt
+from experiments.workloads import WORKLOADS
+from experiments.workloads.base import Request, WorkloadEnv
+from kvboost.engine import InferenceEngine
+from kvboost.quality import compare_generations
 from kvboost.types import GenerationResult
 
 log = logging.getLogger(__name__)
 
-MODES = ("baseline", "hf_prefix", "kvboost")
-WORKLOADS = {"sharegpt_replay": build_sharegpt_replay}
 WARMUP_MESSAGES = [{"role": "user", "content": "Warm-up request, not measured: name three colours."}]
+REFERENCE_MODE = "kvboost_cold"
 
 
 def _plain(cfg: Any) -> dict[str, Any]:
@@ -48,19 +55,11 @@ def _plain(cfg: Any) -> dict[str, Any]:
 
 
 def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) -> InferenceEngine:
-    """The engine described by ``cfg`` (groups model/chunker/hasher/cache/recompute/quant/attn).
+    """The engine described by ``cfg`` (groups model/chunker/hasher/cache/eviction/recompute/quant/attn).
 
     ``model``/``tokenizer`` may be given (tests pass tiny random models); otherwise ``cfg.model`` is loaded.
     """
-    options = dict(
-        chunker=cfg.get("chunker", "fixed"),
-        hasher=cfg.get("hasher", "sha256"),
-        cache=cfg.get("cache"),
-        recompute=cfg.get("recompute", "none"),
-        quant=cfg.get("quant", "none"),
-        attn=cfg.get("attn", "sdpa"),
-        **(cfg.get("engine") or {}),
-    )
+    options = engine_options(cfg)
     if model is not None:
         return InferenceEngine(model, tokenizer, **options)
     model_cfg = dict(cfg.get("model") or {})
@@ -69,24 +68,26 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
     )
 
 
-def _record(mode: str, request: Any, result: GenerationResult, quality: dict[str, Any]) -> dict[str, Any]:
-    return {
-        **result.metrics(),
-        "mode": mode,  # the runner's name for it (the engine calls kvboost's mode "chunk_reuse")
-        "conversation_id": request.conversation_id,
-        "turn": request.turn,
-        "output_text": result.output_text,
-        **quality,
+def _quality(reference: GenerationResult, result: GenerationResult) -> dict[str, Any]:
+    check = compare_generations("", reference, result)
+    out: dict[str, Any] = {
+        "greedy_match": check.greedy_match,
+        "first_token_kl": check.first_token_kl,
+        "first_divergence": check.first_divergence,
+        "max_abs_logit_diff": check.max_abs_logit_diff,
     }
+    if "answer_logprob" in result.extra and "answer_logprob" in reference.extra:
+        out["answer_logprob_delta"] = result.extra["answer_logprob"] - reference.extra["answer_logprob"]
+    return out
 
 
 def _breakdown(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean TTFT components per mode, and kvboost's per-request overhead over hf_prefix."""
-    parts = ("tokenize_ms", "lookup_ms", "prefill_ms", "store_ms", "prefill_tokens")
+    parts = ("tokenize_ms", "lookup_ms", "assemble_ms", "prefill_ms", "store_ms", "prefill_tokens")
     by_mode: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         for p in parts:
-            if isinstance(r.get(p), (int, float)):
+            if isinstance(r.get(p), (int, float)) and not isinstance(r.get(p), bool):
                 by_mode[r["mode"]][p].append(float(r[p]))
     out: dict[str, Any] = {
         mode: {f"{p}_mean": sum(v) / len(v) for p, v in values.items() if v} for mode, values in by_mode.items()
@@ -95,15 +96,31 @@ def _breakdown(records: list[dict[str, Any]]) -> dict[str, Any]:
         k, h = out["kvboost"], out["hf_prefix"]
         out["kvboost_overhead_vs_hf_prefix"] = {
             # Chunking, hashing, lookup and assembly vs cropping a carried cache.
-            "lookup_ms_mean_diff": k.get("lookup_ms_mean", 0.0) - h.get("lookup_ms_mean", 0.0),
+            "lookup_ms_mean_diff": k.get("lookup_ms_mean", 0.0) + k.get("assemble_ms_mean", 0.0)
+            - h.get("lookup_ms_mean", 0.0),
             "extra_prefill_tokens_mean": k.get("prefill_tokens_mean", 0.0) - h.get("prefill_tokens_mean", 0.0),
         }
     return out
 
 
+def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int) -> None:
+    """Kernels, not the cache: one unrelated request per mode, kernel tuning for the run's lengths, then forget."""
+    cfg = engine.model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    engine.attention.warmup(
+        num_q_heads=cfg.num_attention_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim, dtype=engine.adapter.dtype, device=engine.adapter.device, max_len=max_len,
+    )  # fmt: skip
+    for runner in runners.values():
+        runner.generate(WARMUP_MESSAGES, 4)
+    for runner in runners.values():
+        runner.reset()
+
+
 def run_experiment(cfg: Any, *, out_dir: str | Path, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     """Run the configured workload in every mode; write records, summary and plots into ``out_dir``."""
     cfg = _plain(cfg)
+    check_config(cfg)  # before any model is loaded: a typo fails now, naming the field
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed = int(cfg.get("seed", 0))
@@ -111,86 +128,91 @@ def run_experiment(cfg: Any, *, out_dir: str | Path, model: Any = None, tokenize
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
 
-    workload_cfg = dict(cfg.get("workload") or {"name": "sharegpt_replay"})
-    workload_name = workload_cfg.pop("name", "sharegpt_replay")
-    if workload_name not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload_name!r}; available: {', '.join(WORKLOADS)}")
-    modes = list(workload_cfg.pop("modes", MODES))
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; available: {', '.join(MODES)}")
-    max_new_tokens = int(workload_cfg.get("max_new_tokens", 32))
-
     t_load = time.perf_counter()
     engine = build_engine(cfg, model, tokenizer)
     load_s = time.perf_counter() - t_load
-    tok = engine.tokenizer
-    runners = {
-        "baseline": HFNoCache(engine.model, tok),
-        "hf_prefix": HFPrefixCache(engine.model, tok),
-    }
+    try:
+        return _run(engine, cfg, out, load_s=load_s, seed=seed)
+    finally:  # a failed run still gives the caller's model back as it was (attention uninstalled)
+        engine.close()
 
-    def run_mode(mode: str, messages: list[dict[str, str]]) -> GenerationResult:
-        if mode == "kvboost":
-            return engine.generate(messages, max_new_tokens=max_new_tokens, mode="chunk_reuse")
-        return runners[mode].generate(messages, max_new_tokens=max_new_tokens)
 
-    workload = WORKLOADS[workload_name](workload_cfg, lambda msgs: len(tokenize_prompt(tok, msgs)))
+def _run(engine: InferenceEngine, cfg: dict[str, Any], out: Path, *, load_s: float, seed: int) -> dict[str, Any]:
+    workload_name, workload_fields, modes, repeats = split_workload_config(cfg)
+    env = WorkloadEnv(tokenizer=engine.tokenizer, count_tokens=lambda prompt: len(engine.tokenize(prompt)))
+    workload = WORKLOADS.build({"name": workload_name, **workload_fields}, env=env)
+    runners = {mode: MODES.get(mode)(engine) for mode in modes}
+    max_new_tokens = int(workload.max_new_tokens)
 
-    # Warm the model's kernels (not the cache) on an unrelated prompt, then forget it: the first forward
-    # of a process pays one-off allocation and dispatch costs that no mode should be charged for.
     if cfg.get("warmup", True):
-        for mode in modes:
-            if mode == "kvboost":
-                engine.generate(WARMUP_MESSAGES, max_new_tokens=4, mode="chunk_reuse")
-            else:
-                runners[mode].generate(WARMUP_MESSAGES, max_new_tokens=4)
-        engine.reset_cache()
-        runners["hf_prefix"].reset()
+        _warm_up(engine, runners, max_len=int(workload_fields.get("max_prompt_tokens") or 4096))
     engine.attention.reset_stats()
+    engine.reseed()
+    shared = workload.shared_context()
+    t_shared = time.perf_counter()
+    for text in shared:  # declared shared context (invariant 5): stored before timing, never a measured prompt
+        for runner in runners.values():
+            runner.warm(text)
+    shared_s = time.perf_counter() - t_shared
 
     logger = build_logger(cfg.get("logger"), out_dir=out, config=cfg)
+    order_rng = random.Random(seed)
     records: list[dict[str, Any]] = []
-    progress = tqdm(total=workload.num_requests_upper_bound() * len(modes), desc=f"{workload_name}", unit="req")
+    reference_for_history = "baseline" if "baseline" in modes else modes[0]
+    progress = tqdm(total=workload.num_requests_upper_bound() * len(modes) * repeats, desc=workload_name, unit="req")
     step = 0
     try:
         for request in workload.requests():
-            results: dict[str, GenerationResult] = {}
-            for mode in modes:
-                result = run_mode(mode, request.messages)
-                results[mode] = result
-                quality: dict[str, Any] = {}
-                if mode != "baseline" and "baseline" in results:
-                    check = compare_generations(request.messages, results["baseline"], result)
-                    quality = {
-                        "greedy_match": check.greedy_match,
-                        "first_token_kl": check.first_token_kl,
-                        "first_divergence": check.first_divergence,
-                        "max_abs_logit_diff": check.max_abs_logit_diff,
-                    }
-                record = _record(mode, request, result, quality)
+            first: dict[str, GenerationResult] = {}
+            pending: list[dict[str, Any]] = []
+            for repeat in range(repeats):
+                order = list(modes)
+                order_rng.shuffle(order)
+                for mode in order:
+                    result = runners[mode].generate(
+                        request.prompt, max_new_tokens, score_ids=request.score_ids if repeat == 0 else None,
+                        commit=repeat == repeats - 1,
+                    )  # fmt: skip
+                    if repeat == 0:
+                        first[mode] = result
+                    pending.append(_record(mode, request, result, repeat))
+                    progress.update(1)
+            for record in pending:
+                if record["repeat"] == 0:
+                    mode = record["mode"]
+                    if mode != "baseline" and "baseline" in first:
+                        record.update(_quality(first["baseline"], first[mode]))
+                    correct = workload.is_correct(request, first[mode].output_text)
+                    if correct is not None:
+                        record["correct"] = correct
                 records.append(record)
                 logger.log_request(record, step)
                 step += 1
-                progress.update(1)
-                progress.set_postfix(conv=request.conversation_id[:10], turn=request.turn)
-            reference = results.get("baseline") or next(iter(results.values()))
-            workload.answer(request.conversation_id, request.turn, reference.output_text)
+            progress.set_postfix(req=request.request_id[:16])
+            workload.record_answer(request, first[reference_for_history].output_text)
     finally:
         progress.close()
 
     write_records(records, out / "records.jsonl")
-    summary = summarize(records, baseline_mode="baseline")
+    reference_modes = (REFERENCE_MODE,) if REFERENCE_MODE in modes else ()
+    summary = summarize(records, baseline_mode="baseline", reference_modes=reference_modes)
     summary["config"] = cfg
     summary["environment"] = describe_environment()
     summary["attention"] = engine.attention.stats()
     summary["cache"] = engine.cache_stats()
     summary["ttft_breakdown"] = _breakdown(records)
+    summary["workload"] = {"name": workload_name, **workload.stats()}
     summary["run"] = {
         "model_load_s": load_s,
-        "requests": len(records),
-        "conversations": len(workload.conversations),
-        "skipped_turns_over_max_prompt_tokens": workload.skipped_turns,
+        "requests": len({r["request_id"] for r in records}),
+        "records": len(records),
+        "modes": modes,
+        "repeats": repeats,
+        "mode_order": "shuffled per request and repeat (seeded)",
+        "shared_context_items": len(shared),
+        "shared_context_s": shared_s,
+        "dtype": str(engine.adapter.dtype).replace("torch.", ""),
+        "device": str(engine.adapter.device),
         "fingerprint": engine.fingerprint,
     }
     write_summary(summary, out / "summary.json")
@@ -207,3 +229,16 @@ def run_experiment(cfg: Any, *, out_dir: str | Path, model: Any = None, tokenize
     print(f"attention backend: {summary['attention'].get('backend')}, kernel calls: {summary['attention'].get('kernel_calls')}")
     print(f"results: {out}")
     return summary
+
+
+def _record(mode: str, request: Request, result: GenerationResult, repeat: int) -> dict[str, Any]:
+    return {
+        **result.metrics(),
+        "mode": mode,
+        "request_id": request.request_id,
+        "conversation_id": request.conversation_id,
+        "turn": request.turn,
+        "repeat": repeat,
+        "output_text": result.output_text,
+        **request.info,
+    }

@@ -14,7 +14,15 @@ Attention contract shared by every attention kernel in the project (Triton here,
                                 # Arbitrary (sorted or not) positions serve CacheBlend's selected-token recompute.
         kv_start=None,          # [B] int: first valid key of each row (left padding); default 0
         kv_len=None,            # [B] int: one past the last valid key of each row (right padding); default Lk
+        out=None,               # [B, Hq, Lq, D] of q's dtype, any strides (e.g. the transposed view of a
+                                # [B, Lq, Hq, D] buffer, transformers' layout): written in place and returned
+        split_kv=None,          # None: the kernel picks its path; True / False force the split-KV (flash-decoding)
+                                # / one-pass path. Results are the same either way (up to rounding).
     ) -> out                    # [B, Hq, Lq, D], dtype of q; a query with no valid key gets zeros
 
 Valid keys of row b for query i: ``kv_start[b] <= j < kv_len[b]`` and (if causal) ``j <= q_positions[b, i]``.
+
+The CUDA kernel (``kvboost.attention.cuda_ext.cuda_flash_attn_forward``) implements the same contract without
+``q_positions`` (fp16/bf16, head dim 64/128). Both have a split-KV path for decode and for short suffixes over long
+caches, where one program per (query tile, head) would leave most of the GPU idle.
 """

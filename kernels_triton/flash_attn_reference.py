@@ -60,12 +60,15 @@ def flash_attn_reference(
     kv_start: Optional[torch.Tensor] = None,
     kv_len: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    split_kv: Optional[bool] = None,
 ) -> torch.Tensor:
     """Reference attention with the same signature and semantics as ``flash_attn_forward``.
 
     Computes in float64 for float64 inputs and in float32 otherwise; returns q's dtype (or writes into ``out``).
-    Queries without any valid key get zeros.
+    Queries without any valid key get zeros. ``split_kv`` (the kernel's path choice) does not change the result
+    and is accepted only so that both functions take the same arguments.
     """
+    del split_kv
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D [B, H, L, D]")
     B, Hq, Lq, D = q.shape

@@ -5,31 +5,51 @@
     r1 = engine.generate([{"role": "user", "content": "Hi"}])
     r2 = engine.generate(longer_conversation)               # reuses r1's prompt and answer KV
     print(r2.ttft_ms, r2.kv_reuse_ratio)
+
+One request, as data flows: prompt -> chunker (ids and spans; a ``separator`` chunker tokenizes segment by
+segment) -> hasher (prefix and segment keys) -> lookup (exact hits, frontier, content hits: ``ReusePlan``) ->
+assembly into a preallocated KV (content hits re-rotated to their new positions) -> the recompute strategy's
+schedule (validated) -> prefill of what the schedule computes (HF's forward when it is a plain suffix,
+layer-wise execution otherwise) -> first token (TTFT stops here) -> decode -> store the new chunks (exact ones
+under prefix keys, repaired ones under segment keys only).
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import os
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvboost.cache.entry import KVEntry
+from kvboost.cache.entry import KVEntry, segment_only_key
+from kvboost.cache.memory import parse_bytes
 from kvboost.cache.store import KVStore
 from kvboost.decoding import Sampling, decode_loop, eos_token_ids, pick_token
-from kvboost.lookup import chunk_prompt, common_prefix_length, plan_exact_reuse
+from kvboost.generation import PhaseClock, ReuseCounts, build_result
+from kvboost.lookup import common_prefix_length, lookup
 from kvboost.models.adapter import ModelAdapter
-from kvboost.models.compat import check_architecture
-from kvboost.prompts import Prompt, check_length, tokenize_prompt
-from kvboost.recompute.base import ReusePlan
+from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
+from kvboost.models.layerwise import LayerwiseModel
+from kvboost.models.prealloc_cache import PreallocatedKV
+from kvboost.plan import ReusePlan, validate_schedule, validate_selection
+from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
+from kvboost.quality import compare_generations, continuation_logprob
 from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, HASHERS, KV_QUANT, RECOMPUTE
-from kvboost.types import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
+from kvboost.types import ChunkSpan, CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 
 log = logging.getLogger(__name__)
 
-MODES = ("baseline", "chunk_reuse")
+#: ``generate(mode=...)``: ``reuse`` reads and writes the cache; ``cold`` runs the same engine path (tokenizer,
+#: preallocated KV, attention backend) with the cache neither read nor written. The runner calls these modes
+#: ``kvboost`` and ``kvboost_cold`` (experiments/modes.py).
+MODES = ("reuse", "cold")
+
+#: Attribute on a model served by an engine: a weak reference to that engine.
+OWNER_ATTR = "_kvboost_engine"
 
 DEFAULT_VERIFY_PROMPTS = (
     "The quick brown fox jumps over the lazy dog. " * 6 + "Write one sentence about foxes.",
@@ -38,6 +58,13 @@ DEFAULT_VERIFY_PROMPTS = (
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
     "# Explain what this function returns for n = 10 and why.\n",
 )
+
+
+@dataclass
+class _Prefill:
+    logits: torch.Tensor
+    counts: ReuseCounts
+    approx_from: int | None  # first position whose KV is not what a cold prefill computes (None: all exact)
 
 
 class InferenceEngine:
@@ -50,10 +77,15 @@ class InferenceEngine:
         chunker, hasher, cache, recompute, quant, attn: plugin names or configs (``{"name": ..., **kwargs}``)
             or instances; see ``kvboost.registry`` for the families.
         cache: one tier spec, or a list of tier specs fastest first.
-        store_generated: also store the KV of generated tokens (a next turn that continues the
-            answer reuses it).
+        eviction: eviction policy spec given to every tier that takes one (default: the tier's own).
+        store_generated: also store the KV of generated tokens (a next turn that continues the answer reuses it).
         chat: wrap plain-string prompts in the chat template as one user message.
         seed: seed of the sampling generator.
+        share_model: serve a model another live engine already serves (same attention backend), instead of
+            refusing it.
+        max_kv_bytes: refuse a request whose KV buffer (prompt + max new tokens) would exceed this many bytes
+            (default: 90% of the free memory of the model's device when the request comes).
+        keep_buffer_bytes: largest KV buffer kept for reuse between requests (default 512 MiB).
     """
 
     def __init__(
@@ -65,41 +97,76 @@ class InferenceEngine:
         chunker: Any = "fixed",
         hasher: Any = "sha256",
         cache: Any = None,
+        eviction: Any = None,
         recompute: Any = "none",
         quant: Any = "none",
         attn: Any = "sdpa",
         store_generated: bool = True,
         chat: bool = False,
         seed: int = 0,
+        share_model: bool = False,
+        max_kv_bytes: int | str | None = None,
+        keep_buffer_bytes: int | str = "512MiB",
     ) -> None:
+        from kvboost.rope import RopeRotator, check_rope_reusable
+
+        # Everything that can fail is built and checked before the caller's model is touched.
         check_architecture(model.config)
+        check_rope_reusable(model.config)
+        chunker = CHUNKERS.build(chunker)
+        hasher = HASHERS.build(hasher)
+        recompute = RECOMPUTE.build(recompute)
+        recompute.check_model(model.config.get_text_config(decoder=True).num_hidden_layers)
+        quantizer = KV_QUANT.build(quant)
+        tier_specs = list(cache) if isinstance(cache, (list, tuple)) else [cache or {"name": "memory"}]
+        tiers = [CACHE_TIERS.build(_with_eviction(spec, eviction)) for spec in tier_specs]
+        store = KVStore(tiers)
+        owner = _live_owner(model)
+        if owner is not None and not share_model:
+            raise RuntimeError(
+                "this model is already served by another KVBoost engine (its attention backend is installed in the "
+                "model); call close() on that engine first, or pass share_model=True to serve it from both"
+            )
+        if owner is not None:
+            attention = owner.attention
+            wanted = attn if isinstance(attn, str) else getattr(attn, "name", None) or dict(attn).get("name")
+            if wanted != attention.name:
+                raise RuntimeError(
+                    f"share_model=True: the model runs attention backend {attention.name!r}, not {wanted!r}; "
+                    "engines sharing a model share its backend"
+                )
+        else:
+            attention = ATTENTION.build(attn)
+            attention.check_available()
+            attention.check_model(model)
+        try:
+            self.rotator: Any = RopeRotator.from_model(model)
+            self.content_disabled_reason: str | None = None
+        except UnsupportedArchitectureError as exc:
+            self.rotator, self.content_disabled_reason = None, str(exc)
+        chunker.bind_tokenizer(tokenizer)
+
         self.model = model
         self.tokenizer = tokenizer
-        self.adapter = ModelAdapter(model, model_identity or getattr(model.config, "_name_or_path", "") or "unnamed")
-        self.chunker = CHUNKERS.build(chunker)
-        self.hasher = HASHERS.build(hasher)
-        self.recompute = RECOMPUTE.build(recompute)
-        self.quantizer = KV_QUANT.build(quant)
-        self.attention = ATTENTION.build(attn)
-        self.attention.install(model)
-        tier_specs = cache if isinstance(cache, (list, tuple)) else [cache or {"name": "memory"}]
-        self._tier_specs = tier_specs
-        self.store = KVStore([CACHE_TIERS.build(spec) for spec in tier_specs])
+        self.chunker, self.hasher, self.recompute, self.quantizer = chunker, hasher, recompute, quantizer
+        self.store = store
         self.store_generated = store_generated
         self.chat = chat
+        self.adapter = ModelAdapter(model, model_identity or getattr(model.config, "_name_or_path", "") or "unnamed")
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.fingerprint = "|".join(
-            [
-                self.adapter.fingerprint(),
-                f"kvq={self.quantizer.fingerprint()}",
-                f"chunk={self.chunker.fingerprint()}",
-                f"hash={self.hasher.fingerprint()}",
-            ]
-        )
-        self._requests = 0
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
+        self.max_kv_bytes = parse_bytes(max_kv_bytes) if max_kv_bytes is not None else None
+        self.keep_buffer_bytes = parse_bytes(keep_buffer_bytes)
+        self._seed = seed
+        self.generator = torch.Generator(device=self.adapter.device).manual_seed(seed)
+        self._requests = self._prompt_tokens = self._cached_tokens = 0
+        self._closed = False
+
+        # Last: the one step that changes the caller's model.
+        if owner is None:
+            attention.install(model)
+            setattr(model, OWNER_ATTR, weakref.ref(self))
+        self.attention = attention
+        self.layerwise = LayerwiseModel(model, attention)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -115,141 +182,347 @@ class InferenceEngine:
         from kvboost.models.loading import load_model_and_tokenizer
 
         model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
-        return cls(model, tokenizer, model_identity=path if model_name_or_path is None else str(model_name_or_path), **options)
+        identity = path if model_name_or_path is None else str(model_name_or_path)
+        return cls(model, tokenizer, model_identity=identity, **options)
 
-    # ------------------------------------------------------------------ public API
+    def close(self) -> None:
+        """Give the model back: uninstall the attention backend (if this engine installed it) and free buffers."""
+        if self._closed:
+            return
+        if _live_owner(self.model) is self:
+            self.attention.uninstall(self.model)
+            delattr(self.model, OWNER_ATTR)
+        self._closed = True
+        self.adapter.release_buffers()
+
+    def __enter__(self) -> InferenceEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def fingerprint(self) -> str:
+        """Model, dtype, weights, KV quantizer, chunker and hasher: part of every cache key (invariant 3)."""
+        return "|".join(
+            [
+                self.adapter.fingerprint(),
+                f"kvq={self.quantizer.fingerprint()}",
+                f"chunk={self.chunker.fingerprint()}",
+                f"hash={self.hasher.fingerprint()}",
+            ]
+        )
+
+    # ------------------------------------------------------------------ tokenization
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config(decoder=True).vocab_size)
+
+    def tokenize_with_spans(self, prompt: Prompt, *, chat: bool | None = None) -> tuple[list[int], list[ChunkSpan]]:
+        """Token ids of a prompt (string, chat messages or ids) and the chunker's spans, validated."""
+        what = prompt_text_or_ids(self.tokenizer, prompt, chat=self.chat if chat is None else chat)
+        if isinstance(what, str):
+            ids, spans = self.chunker.tokenize(self.tokenizer, what)
+        else:
+            ids, spans = what, None
+        check_length(len(ids), self.adapter.max_positions)
+        check_token_ids(ids, self.vocab_size)
+        return ids, spans if spans is not None else self.chunker.split(ids)
+
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (string, chat messages or ids), validated against the context."""
-        ids = tokenize_prompt(self.tokenizer, prompt, chat=self.chat)
-        check_length(len(ids), self.adapter.max_positions, self.model.config.get_text_config(decoder=True).vocab_size, ids)
-        return ids
+        """Token ids of a prompt, exactly as ``generate`` sees them (the chunker owns tokenization)."""
+        return self.tokenize_with_spans(prompt)[0]
 
+    # ------------------------------------------------------------------ generate
     def generate(
         self,
         prompt: Prompt,
         max_new_tokens: int = 64,
-        mode: str = "chunk_reuse",
+        mode: str = "reuse",
         temperature: float = 1.0,
         do_sample: bool = False,
         keep_logits: bool = True,
+        *,
+        cache_salt: str = "",
+        score_ids: Sequence[int] | None = None,
+        store: bool = True,
     ) -> GenerationResult:
         """Generate an answer to ``prompt``.
 
-        ``mode="chunk_reuse"`` serves what it can from the cache and stores the new chunks;
-        ``mode="baseline"`` is a cold prefill that neither reads nor writes the cache.
-        TTFT runs from this call to the first token id (DESIGN.md invariant 4); storing is timed
-        apart (``store_ms``) and counted in ``total_ms``.
+        ``mode="reuse"`` serves what it can from the cache and stores the new chunks; ``mode="cold"`` runs the
+        same path with the cache neither read nor written. TTFT runs from this call to the first token id
+        (DESIGN.md invariant 4); storing is timed apart (``store_ms``) and counted in ``total_ms``.
+
+        Args:
+            cache_salt: a per-tenant salt that goes into every key (requests with different salts never share
+                cache entries).
+            score_ids: token ids of a known answer: ``result.extra["answer_logprob"]`` is its teacher-forced
+                log-probability after the prompt (computed after the request, not timed).
+            store: store the new chunks (``reuse`` mode); False reads without writing (repeated measurements).
         """
-        t0 = time.perf_counter()
+        clock = PhaseClock(self.adapter.device)
+        if self._closed:
+            raise RuntimeError("this engine is closed")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sampling = Sampling(do_sample=do_sample, temperature=temperature)
-        ids = self.tokenize(prompt)
-        t_tokenized = time.perf_counter()
+        ids, spans = self.tokenize_with_spans(prompt)
+        n = len(ids)
+        room = (self.adapter.max_positions or n + max_new_tokens) - n
+        max_new_tokens = min(max_new_tokens, room)  # never more than the context holds
+        self._check_memory(n + max_new_tokens)
+        clock.mark("tokenized")
 
         with torch.inference_mode():
-            if mode == "baseline":
-                plan = ReusePlan(ids, [], 0)
-                recomputed = 0
+            if mode == "cold":
+                plan = ReusePlan.cold(ids, spans)
             else:
-                spans, keys = chunk_prompt(ids, self.chunker, self.hasher, self.fingerprint)
-                # At least one prompt token must be run to get the next-token logits.
-                plan = plan_exact_reuse(ids, spans, keys, self.store, self.quantizer, max_reuse=len(ids) - 1)
-                outcome = self.recompute.repair(plan, self.adapter)
-                plan, recomputed = outcome.plan, outcome.recomputed_token_layers
-            # Room for the prompt and every token we may generate: no reallocation, no per-step copies.
-            cache = self.adapter.cache_for(plan.segments, capacity=len(ids) + max_new_tokens)
-            t_assembled = time.perf_counter()
-            suffix = torch.tensor(ids[plan.reused_tokens :], dtype=torch.long)
-            logits = self.adapter.forward(suffix, cache)[-1]
-            first = pick_token(logits, sampling, self.generator)
-            t_first = time.perf_counter()
-            ttft = t_first - t0
+                keys = self.hasher.chunk_keys(ids, spans, self.fingerprint, cache_salt)
+                plan = lookup(ids, spans, keys, self.store, self.quantizer, max_reuse=n - 1,
+                              content=self.rotator is not None)  # fmt: skip
+            clock.mark("looked_up")
+            kv = self.adapter.allocate(n + max_new_tokens, keep_bytes=self.keep_buffer_bytes)
+            pre = self._prefill(plan, kv, clock, check_schedule=mode == "reuse")
+            first = pick_token(pre.logits, sampling, self.generator)
+            clock.mark("first")
 
             decoded = decode_loop(
-                lambda tok: self.adapter.forward(torch.tensor([tok]), cache)[-1],
+                lambda tok: self.adapter.forward(torch.tensor([tok]), kv.cache)[-1],
                 first,
                 max_new_tokens=max_new_tokens,
                 eos_ids=self.eos_ids,
                 sampling=sampling,
                 generator=self.generator,
                 max_total_tokens=self.adapter.max_positions,
-                tokens_so_far=len(ids),
+                tokens_so_far=n,
             )
-            store_s = 0.0
-            if mode == "chunk_reuse":
-                t_store = time.perf_counter()
+            clock.mark("decoded")
+            if mode == "reuse" and store:
                 seq = ids + (decoded.token_ids[:-1] if self.store_generated else [])
-                seq = seq[: self.adapter.cache_length(cache)]
-                self._store_sequence(seq, cache)
-                store_s = time.perf_counter() - t_store
-        total = time.perf_counter() - t0
+                seq = seq[: kv.length()]
+                self._store_sequence(seq, spans, kv, approx_from=pre.approx_from, salt=cache_salt)
+            clock.mark("end")
+            extra: dict[str, Any] = {}
+            if score_ids is not None:
+                kv.set_length(n)
+                extra["answer_logprob"] = continuation_logprob(
+                    pre.logits, list(score_ids),
+                    lambda toks: self.adapter.forward(torch.tensor(toks), kv.cache, logits_to_keep=len(toks)),
+                )  # fmt: skip
 
-        out_ids = decoded.token_ids
         self._requests += 1
-        self._prompt_tokens += len(ids)
-        self._cached_tokens += plan.reused_tokens
-        n_layers = self.adapter.num_layers
-        return GenerationResult(
-            output_text=self.tokenizer.decode(out_ids, skip_special_tokens=True),
-            output_ids=out_ids,
-            generated_tokens=len(out_ids),
-            ttft_ms=ttft * 1e3,
-            total_ms=total * 1e3,
-            store_ms=store_s * 1e3,
-            tokens_per_sec=(len(out_ids) - 1) / decoded.decode_seconds if decoded.decode_seconds > 0 else 0.0,
-            prompt_tokens=len(ids),
-            cached_tokens=plan.reused_tokens,
-            kv_reuse_ratio=plan.reused_tokens / len(ids),
-            exact_hit_tokens=plan.exact_hit_tokens if plan.reused_tokens else 0,
-            content_hit_tokens=plan.content_hit_tokens,
-            mode=mode,
-            recompute_ratio=recomputed / (len(ids) * n_layers),
-            prompt_ids=ids,
-            first_token_logits=logits.detach().float().cpu() if keep_logits else None,
-            extra={
-                # Where TTFT went: tokenize | chunk+hash+lookup+assemble+repair | suffix prefill.
-                "tokenize_ms": (t_tokenized - t0) * 1e3,
-                "lookup_ms": (t_assembled - t_tokenized) * 1e3,
-                "prefill_ms": (t_first - t_assembled) * 1e3,
-                "prefill_tokens": len(ids) - plan.reused_tokens,
-            },
+        self._prompt_tokens += n
+        self._cached_tokens += pre.counts.cached_tokens
+        extra.update({
+            # Where TTFT went: tokenize | chunk + hash + lookup | assembly + schedule + prefill.
+            "tokenize_ms": clock.ms("start", "tokenized"),
+            "lookup_ms": clock.ms("tokenized", "looked_up"),
+            "assemble_ms": clock.ms("looked_up", "assembled"),
+            "prefill_ms": clock.ms("assembled", "first"),
+        })  # fmt: skip
+        return build_result(
+            tokenizer=self.tokenizer, mode=mode, ids=ids, decoded=decoded, first_logits=pre.logits, clock=clock,
+            counts=pre.counts, num_layers=self.adapter.num_layers, store_ms=clock.ms("decoded", "end"),
+            keep_logits=keep_logits, extra=extra,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, plan: ReusePlan, kv: PreallocatedKV, clock: PhaseClock, *, check_schedule: bool) -> _Prefill:
+        """Assemble the plan into ``kv``, run the recompute strategy's schedule, return the last logits."""
+        n, num_layers = len(plan), self.adapter.num_layers
+        device = self.adapter.device
+        ids = torch.tensor(plan.prompt_ids, dtype=torch.long)
+        for p in plan.placements:
+            if p.kind == "exact":
+                kv.write(p.start, p.keys, p.values)
+        counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
+                             content_tokens=plan.content_tokens)  # fmt: skip
+        frontier = plan.exact_prefix
+        if plan.content_tokens:
+            reference = self._reference_deviation(plan, kv) if self.recompute.needs_reference else None
+            plan.reference_deviation = reference
+        schedule = self.recompute.schedule(plan, num_layers) if check_schedule else None
+        positions = validate_schedule(schedule, plan, num_layers, self.recompute.registry_name) if schedule else None
+        if positions is None or (not schedule.check_layers and positions.numel() == n - frontier):
+            # A plain suffix [frontier, n): HF's own forward, with the exact prefix as past.
+            clock.mark("assembled")
+            kv.set_length(frontier)
+            logits = self.adapter.forward(ids[frontier:], kv.cache)[-1]
+            counts.recomputed_pairs = plan.content_tokens * num_layers
+            counts.extra.update(prefill_tokens=n - frontier, layerwise=False)
+            if schedule is not None and schedule.full_prefill_cost and plan.content_tokens:
+                counts.recomputed_pairs = plan.reused_tokens * num_layers  # it ran a full prefill to decide
+            return _Prefill(logits, counts, approx_from=None)
+
+        for p in plan.placements:
+            if p.kind == "content":
+                keys = p.keys.to(device=device, dtype=kv.keys.dtype)
+                kv.write(p.start, self.rotator.rotate(keys, p.shift) if p.shift else keys, p.values)
+        clock.mark("assembled")
+        content_mask = plan.kinds == 1
+        strategy = self.recompute
+
+        def on_check(layer: int, candidates: torch.Tensor, deviation: dict[str, torch.Tensor]) -> torch.Tensor:
+            chosen = strategy.select(plan, layer, candidates, deviation)
+            return validate_selection(chosen, candidates, strategy.registry_name, layer)
+
+        logits, stats = self.layerwise.prefill(
+            ids.to(device), kv, positions, content_mask=content_mask,
+            check_layers=schedule.check_layers, on_check=on_check,
+        )  # fmt: skip
+        # Layers up to the last check layer rank tokens (all candidates computed there); later layers blend.
+        blend_from = max(schedule.check_layers) + 1 if schedule.check_layers else 0
+        per_layer = stats.content_per_layer
+        check_pairs, blend_pairs = sum(per_layer[:blend_from]), sum(per_layer[blend_from:])
+        counts.recomputed_pairs = check_pairs + blend_pairs
+        if schedule.full_prefill_cost:
+            counts.recomputed_pairs = plan.reused_tokens * num_layers
+        blend_layers = num_layers - blend_from
+        counts.extra.update(
+            prefill_tokens=int(positions.numel()),
+            layerwise=True,
+            check_layer_recompute_ratio=check_pairs / (n * num_layers),
+            # Fraction of content-hit tokens recomputed in the layers after the check layers: what a ratio sets.
+            content_recompute_fraction=blend_pairs / (plan.content_tokens * blend_layers)
+            if plan.content_tokens and blend_layers else 0.0,
         )
+        approx = content_mask & ~torch.isin(torch.arange(n), stats.final_positions)
+        hits = torch.nonzero(approx, as_tuple=False)
+        return _Prefill(logits, counts, approx_from=int(hits[0]) if hits.numel() else None)
 
-    def warm(self, text: Prompt, *, pin: bool = False) -> WarmResult:
-        """Compute and store the KV of ``text`` (e.g. a shared system prompt) without generating.
+    def _reference_deviation(self, plan: ReusePlan, kv: PreallocatedKV) -> torch.Tensor:
+        """Per content position, the squared K/V error of the re-rotated cached rows against a full prefill,
+        summed over layers (for research strategies such as ``oracle``)."""
+        device = self.adapter.device
+        ref = PreallocatedKV(torch.empty_like(kv.keys[:, :, : len(plan)]), torch.empty_like(kv.values[:, :, : len(plan)]))
+        self.adapter.forward(torch.tensor(plan.prompt_ids), ref.cache)
+        pos = plan.positions("content")
+        total = torch.zeros(pos.numel(), dtype=torch.float32, device=device)
+        for p in plan.placements:
+            if p.kind != "content":
+                continue
+            keys = p.keys.to(device=device, dtype=kv.keys.dtype)
+            keys = self.rotator.rotate(keys, p.shift) if p.shift else keys
+            rows = (pos >= p.start) & (pos < p.end)
+            err = (keys.float() - ref.keys[:, :, p.start : p.end].float()).pow(2).mean(dim=(1, 3)).sum(0)
+            err += (p.values.float() - ref.values[:, :, p.start : p.end].float()).pow(2).mean(dim=(1, 3)).sum(0)
+            total[rows.to(device)] = err
+        return total.cpu()
 
-        Reuses whatever is already cached; ``pin=True`` protects the entries from eviction.
-        Text is tokenized as is (no chat template), so warm the exact leading text later prompts share.
+    def _check_memory(self, capacity: int) -> None:
+        """Refuse a KV buffer that cannot fit, with the numbers, before allocating it."""
+        need = capacity * self.adapter.kv_bytes_per_token()
+        limit = self.max_kv_bytes if self.max_kv_bytes is not None else _free_memory_bytes(self.adapter.device)
+        if limit is not None and need > limit:
+            raise PromptError(
+                f"the KV for {capacity} tokens (prompt + max_new_tokens) needs {need / 2**20:.0f} MiB, more than the "
+                f"{limit / 2**20:.0f} MiB available; lower max_new_tokens or shorten the prompt"
+            )
+
+    # ------------------------------------------------------------------ warm / store
+    def warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "") -> WarmResult:
+        """Compute and store the KV of ``text`` (a shared system prompt, a document) without generating.
+
+        The text is tokenized as is (no chat template; through the chunker, so a document gets the ids it has
+        inside prompts cut by the ``separator`` chunker) and computed from position 0 with no history: its
+        chunks become exact hits for prompts that start with it and content hits (by segment key) anywhere
+        else. Reuses whatever exact prefix is already cached; ``pin=True`` protects the entries from eviction.
         """
-        t0 = time.perf_counter()
-        ids = tokenize_prompt(self.tokenizer, text, chat=False)
-        check_length(len(ids), self.adapter.max_positions)
+        clock = PhaseClock(self.adapter.device)
+        what = prompt_text_or_ids(self.tokenizer, text, chat=False)
+        ids, spans = self.chunker.tokenize(self.tokenizer, what) if isinstance(what, str) else (what, None)
+        check_length(len(ids), self.adapter.max_positions, need_answer_room=False)
+        check_token_ids(ids, self.vocab_size)
+        spans = spans if spans is not None else self.chunker.split(ids)
+        n = len(ids)
         with torch.inference_mode():
-            spans, keys = chunk_prompt(ids, self.chunker, self.hasher, self.fingerprint)
-            plan = plan_exact_reuse(ids, spans, keys, self.store, self.quantizer, max_reuse=len(ids))
-            if plan.reused_tokens == len(ids):
-                stored = 0
-            else:
-                cache = self.adapter.cache_for(plan.segments, capacity=len(ids))
-                self.adapter.forward(torch.tensor(ids[plan.reused_tokens :]), cache)
-                stored = self._store_sequence(ids, cache, pin=pin)
+            keys = self.hasher.chunk_keys(ids, spans, self.fingerprint, cache_salt)
+            plan = lookup(ids, spans, keys, self.store, self.quantizer, max_reuse=n, content=False)
+            stored = 0
+            if plan.reused_tokens < n:
+                kv = self.adapter.allocate(n, keep_bytes=self.keep_buffer_bytes)
+                for p in plan.placements:
+                    if p.kind == "exact":
+                        kv.write(p.start, p.keys, p.values)
+                kv.set_length(plan.exact_prefix)
+                self.adapter.forward(torch.tensor(ids[plan.exact_prefix :]), kv.cache)
+                stored = self._store_sequence(ids, spans, kv, approx_from=None, salt=cache_salt, pin=pin)
             if pin:
                 for key in keys:
                     entry = self.store.peek(key.prefix_key)
                     if entry is not None and not entry.pinned:
                         entry.pinned = True
                         self.store.put(entry)
+        clock.mark("end")
         return WarmResult(
-            prompt_tokens=len(ids),
+            prompt_tokens=n,
             chunks_stored=stored,
-            tokens_stored=len(ids) - plan.reused_tokens,
+            tokens_stored=n - plan.reused_tokens,
             already_cached_tokens=plan.reused_tokens,
-            elapsed_ms=(time.perf_counter() - t0) * 1e3,
+            elapsed_ms=clock.ms("start", "end"),
         )
 
+    def _store_sequence(
+        self,
+        seq: list[int],
+        spans: list[ChunkSpan],
+        kv: PreallocatedKV,
+        *,
+        approx_from: int | None,
+        salt: str = "",
+        pin: bool = False,
+    ) -> int:
+        """Store the chunks of ``seq`` (whose KV is in ``kv``) that the store lacks; returns how many.
+
+        Only KV equal to a cold prefill is stored under prefix-chained keys (exact): chunks that end at or
+        before ``approx_from``. Later chunks were computed after approximate (content-hit) KV: they are stored
+        under their segment key only (``exact=False``), for content hits, unless that segment key is stored.
+        """
+        spans = self.chunker.extend(seq, spans) if spans and spans[-1].end != len(seq) else spans
+        keys = self.hasher.chunk_keys(seq, spans, self.fingerprint, salt)
+        stored = 0
+        for span, key in zip(spans, keys):
+            exact = approx_from is None or span.end <= approx_from
+            if exact and key.prefix_key in self.store:
+                continue
+            if not exact and self.store.has_segment(key.segment_key):
+                continue
+            tokens = tuple(seq[span.start : span.end])
+            if exact:
+                self._drop_redundant_sibling(key.parent_key, tokens)
+            k, v = kv.slice(span.start, span.end)
+            entry = KVEntry(
+                key=key.prefix_key if exact else segment_only_key(key.segment_key),
+                segment_key=key.segment_key,
+                parent_key=key.parent_key if exact else None,
+                token_ids=tokens,
+                start=span.start,
+                payload=self.quantizer.quantize(k, v),
+                pinned=pin,
+                exact=exact,
+            )
+            if self.store.put(entry):
+                stored += 1
+        return stored
+
+    def _drop_redundant_sibling(self, parent_key: str, tokens: tuple[int, ...]) -> None:
+        """A stored sibling whose tokens are a strict prefix of ``tokens`` (an earlier prompt's partial tail) is
+        redundant once the longer chunk is stored: the frontier match finds the longer one. Only a leaf may go:
+        a sibling with children (a segment that ended there, followed by more chunks) would strand them."""
+        for sibling_key in self.store.children_with_first_token(parent_key, tokens[0]):
+            sibling = self.store.peek(sibling_key)
+            if (
+                sibling is not None
+                and not sibling.pinned
+                and sibling.num_tokens < len(tokens)
+                and not self.store.has_children(sibling_key)
+                and common_prefix_length(sibling.token_ids, tokens) == sibling.num_tokens
+            ):
+                self.store.remove(sibling_key)
+
+    # ------------------------------------------------------------------ stats and checks
     def cache_stats(self) -> dict[str, Any]:
         """Store occupancy and hit counters, plus request-level reuse since the last reset."""
         return {
@@ -260,6 +533,7 @@ class InferenceEngine:
             "reuse_ratio": self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             "attention": self.attention.stats(),
             "fingerprint": self.fingerprint,
+            "content_reuse": self.content_disabled_reason or "enabled",
         }
 
     def reset_cache(self) -> None:
@@ -267,6 +541,10 @@ class InferenceEngine:
         self.store.clear()
         self.store.stats = type(self.store.stats)()
         self._requests = self._prompt_tokens = self._cached_tokens = 0
+
+    def reseed(self, seed: int | None = None) -> None:
+        """Reset the sampling generator (to the constructor's seed by default)."""
+        self.generator.manual_seed(self._seed if seed is None else seed)
 
     def verify_correctness(
         self,
@@ -276,13 +554,12 @@ class InferenceEngine:
         prefix_fraction: float = 0.6,
         kl_tolerance: float = 1e-4,
     ) -> CorrectnessReport:
-        """Check that chunk reuse reproduces a cold prefill, prompt by prompt.
+        """Check that exact reuse reproduces a cold prefill, prompt by prompt.
 
-        For each prompt: a cold ``baseline`` generation; then, in a scratch store (the engine's own
-        cache is left untouched), the first ``prefix_fraction`` of its tokens is stored and the
-        prompt is generated with ``chunk_reuse`` (exact hits, a frontier partial hit, a suffix
-        prefill, and whatever the configured recompute strategy does). Compared: greedy tokens,
-        first-token KL(baseline || reuse), first divergence, max abs first-token logit difference.
+        For each prompt: a ``cold`` generation; then, in a scratch store (the engine's own cache is left
+        untouched), the first ``prefix_fraction`` of its tokens is stored and the prompt is generated with
+        ``reuse`` (exact hits, a frontier partial hit, a suffix prefill, the configured quantizer and strategy).
+        Compared: greedy tokens, first-token KL(cold || reuse), first divergence, max abs logit difference.
         """
         prompts = list(prompts) if prompts is not None else list(DEFAULT_VERIFY_PROMPTS)
         if not prompts:
@@ -292,76 +569,49 @@ class InferenceEngine:
         try:
             for prompt in prompts:
                 self.store = KVStore([CACHE_TIERS.build({"name": "memory", "capacity": "4GiB"})])
-                cold = self.generate(prompt, max_new_tokens=max_new_tokens, mode="baseline")
+                cold = self.generate(prompt, max_new_tokens=max_new_tokens, mode="cold")
                 ids = cold.prompt_ids
                 cut = max(1, int(len(ids) * prefix_fraction))
                 self.warm(ids[:cut])
-                warm = self.generate(prompt, max_new_tokens=max_new_tokens, mode="chunk_reuse")
+                warm = self.generate(ids, max_new_tokens=max_new_tokens, mode="reuse")
                 checks.append(compare_generations(prompt, cold, warm))
         finally:
             self.store = saved_store
             self._requests, self._prompt_tokens, self._cached_tokens = saved_counters
         return CorrectnessReport(checks=checks, kl_tolerance=kl_tolerance)
 
-    # ------------------------------------------------------------------ internals
-    def _store_sequence(self, seq: list[int], cache: Any, *, pin: bool = False) -> int:
-        """Store the chunks of ``seq`` (whose KV is in ``cache``) that the store lacks; returns how many."""
-        spans, keys = chunk_prompt(seq, self.chunker, self.hasher, self.fingerprint)
-        stored = 0
-        for span, key in zip(spans, keys):
-            if key.prefix_key in self.store:
-                continue
-            k, v = self.adapter.stacked_slice(cache, span.start, span.end)
-            tokens = tuple(seq[span.start : span.end])
-            # A stored sibling whose tokens are a prefix of this chunk's is now redundant (an earlier
-            # prompt's partial tail): drop it so the frontier finds the longer entry.
-            for sibling_key in self.store.children(key.parent_key):
-                sibling = self.store.peek(sibling_key)
-                if (
-                    sibling is not None
-                    and not sibling.pinned
-                    and sibling.num_tokens < len(tokens)
-                    and common_prefix_length(sibling.token_ids, tokens) == sibling.num_tokens
-                ):
-                    self.store.remove(sibling_key)
-            entry = KVEntry(
-                key=key.prefix_key,
-                content_key=key.content_key,
-                parent_key=key.parent_key,
-                token_ids=tokens,
-                start=span.start,
-                payload=self.quantizer.quantize(k, v),
-                pinned=pin,
-            )
-            if self.store.put(entry):
-                stored += 1
-        return stored
+
+def _with_eviction(spec: Any, eviction: Any) -> Any:
+    """A tier spec with the engine-wide eviction policy, for tiers that take one and do not name their own."""
+    if eviction is None or not isinstance(spec, (str, dict)) and not type(spec).__module__.startswith("omegaconf"):
+        return spec
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    spec = dict(spec)
+    import inspect
+
+    factory = CACHE_TIERS.get(spec["name"])
+    if "eviction" in inspect.signature(factory).parameters and spec.get("eviction") is None:
+        spec["eviction"] = eviction
+    return spec
 
 
-def compare_generations(prompt: Prompt, reference: GenerationResult, candidate: GenerationResult) -> PromptCheck:
-    """Quality of ``candidate`` against ``reference`` (same prompt): greedy match, KL, divergence."""
-    ref_ids, cand_ids = reference.output_ids, candidate.output_ids
-    divergence = common_prefix_length(ref_ids, cand_ids)
-    first_divergence = None if divergence == len(ref_ids) == len(cand_ids) else divergence
-    kl, max_diff = first_token_kl(reference.first_token_logits, candidate.first_token_logits)
-    return PromptCheck(
-        prompt=prompt if isinstance(prompt, str) else repr(prompt)[:200],
-        greedy_match=first_divergence is None,
-        first_token_kl=kl,
-        first_divergence=first_divergence,
-        reuse_ratio=candidate.kv_reuse_ratio,
-        max_abs_logit_diff=max_diff,
-    )
+def _live_owner(model: Any) -> InferenceEngine | None:
+    ref = getattr(model, OWNER_ATTR, None)
+    owner = ref() if ref is not None else None
+    return owner if owner is not None and not owner._closed else None
 
 
-def first_token_kl(p_logits: torch.Tensor | None, q_logits: torch.Tensor | None) -> tuple[float, float]:
-    """KL(softmax(p) || softmax(q)) in float64 and the max abs logit difference."""
-    if p_logits is None or q_logits is None:
-        return float("nan"), float("nan")
-    p = torch.log_softmax(p_logits.double(), -1)
-    q = torch.log_softmax(q_logits.double(), -1)
-    kl = float(torch.sum(p.exp() * (p - q)).clamp_min(0.0))
-    return kl, float((p_logits.double() - q_logits.double()).abs().max())
+def _free_memory_bytes(device: torch.device) -> int | None:
+    """90% of the free memory of ``device`` (None when unknown)."""
+    try:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * 0.9)
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return int(pages * size * 0.9)
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
 
 
 KVBoost = InferenceEngine

@@ -1,26 +1,29 @@
-"""Cache lookup: which leading tokens of a prompt have exact KV in the store, and that KV assembled.
+"""Cache lookup: which prompt tokens have KV in the store, exact or by content, assembled into a plan.
 
-Exact reuse walks the prompt's chunks from the start under prefix-chained keys: an entry found under
-chunk i's key was computed after exactly the same tokens, so its KV is what a cold prefill would
-compute (up to matmul rounding). The walk stops at the first miss. At that *frontier* the store may
-still hold a chunk with the same parent whose tokens only partly match (a previous prompt ended, or
-its answer diverged, inside this chunk): the longest common token prefix of that entry is exact too,
-because attention is causal. This recovers the tail that chunk granularity would otherwise lose, so
-reuse reaches the token-level longest common prefix, like a radix tree, at chunk-level hashing cost.
+1. Exact walk. The prompt's chunks are looked up from the start under prefix-chained keys: an entry found under
+   chunk i's key was computed after exactly the same tokens, so its KV is what a cold prefill computes (up to
+   matmul rounding). The walk stops at the first miss.
+2. Frontier. At the first miss the store may still hold a chunk with the same parent whose tokens only partly
+   match (a previous prompt ended, or its answer diverged, inside this chunk): the longest common token prefix
+   of that entry is exact too, because attention is causal. Candidates are indexed by (parent, first token), so
+   a parent with thousands of children (a shared system prompt) costs one dictionary lookup. Reuse thus
+   reaches the token-level longest common prefix, like a radix tree, at chunk-level hashing cost.
+3. Content hits. Every chunk after the frontier is looked up by its segment key: the same segment text stored
+   at another position or after another history. Such KV is stale (it attended to another context) and sits at
+   another position: the plan records where it was computed (``stored_start``) so the engine can re-rotate its
+   keys, and the recompute strategy decides what to refresh. A content hit is never used as if it were exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from kvboost.cache.store import KVStore
 from kvboost.chunking.base import Chunker
 from kvboost.hashing.base import Hasher
+from kvboost.plan import Placement, ReusePlan
 from kvboost.quant.base import KVQuantizer
-from kvboost.recompute.base import ReusePlan
-from kvboost.types import ChunkKey, ChunkRef, ChunkSpan
+from kvboost.types import ChunkKey, ChunkSpan
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -31,12 +34,29 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def chunk_prompt(ids: Sequence[int], chunker: Chunker, hasher: Hasher, fingerprint: str) -> tuple[list[ChunkSpan], list[ChunkKey]]:
+def chunk_keys(
+    ids: Sequence[int], spans: list[ChunkSpan], hasher: Hasher, fingerprint: str, salt: str = ""
+) -> list[ChunkKey]:
+    return hasher.chunk_keys(ids, spans, fingerprint, salt)
+
+
+def chunk_prompt(
+    ids: Sequence[int], chunker: Chunker, hasher: Hasher, fingerprint: str, salt: str = ""
+) -> tuple[list[ChunkSpan], list[ChunkKey]]:
+    """Spans (``chunker.split``) and keys of token ids (prompts given as ids)."""
     spans = chunker.split(ids)
-    return spans, hasher.chunk_keys(ids, spans, fingerprint)
+    return spans, hasher.chunk_keys(ids, spans, fingerprint, salt)
 
 
-def plan_exact_reuse(
+def _append(placements: list[Placement], p: Placement) -> None:
+    """Append, merging adjacent new placements (they carry no KV)."""
+    if p.kind == "new" and placements and placements[-1].kind == "new" and placements[-1].end == p.start:
+        placements[-1].end = p.end
+    else:
+        placements.append(p)
+
+
+def lookup(
     ids: list[int],
     spans: list[ChunkSpan],
     keys: list[ChunkKey],
@@ -44,56 +64,73 @@ def plan_exact_reuse(
     quantizer: KVQuantizer,
     *,
     max_reuse: int | None = None,
+    content: bool = True,
 ) -> ReusePlan:
-    """Assemble the exact KV of the longest cached prefix of ``ids`` (at most ``max_reuse`` tokens)."""
-    limit = len(ids) if max_reuse is None else max(0, min(max_reuse, len(ids)))
-    refs: list[ChunkRef] = []
-    segments: list[tuple[torch.Tensor, torch.Tensor]] = []
+    """The reuse plan of ``ids``: exact hits up to the frontier, then content hits (if ``content``).
+
+    Positions ``>= max_reuse`` are left new: the engine passes ``len(ids) - 1`` so that the last prompt token
+    is always computed (its logits give the first token).
+    """
+    n = len(ids)
+    limit = n if max_reuse is None else max(0, min(max_reuse, n))
+    placements: list[Placement] = []
     hit_keys: list[str] = []
-    reused = 0
-    frontier_open = True
+    stats = store.stats
+    exact_open = True
     for span, key in zip(spans, keys):
-        if not frontier_open or reused >= limit:
-            refs.append(ChunkRef(span, key, "miss"))
+        if span.start >= limit:
+            _append(placements, Placement(span.start, span.end, "new"))
             continue
-        entry = store.get(key.prefix_key)
-        take = 0
-        entry_key = None
-        if entry is not None and entry.num_tokens == len(span):
-            take = len(span)
-            entry_key = entry.key
-            store.stats.exact_hits += 1
-        else:
-            # Frontier: the best partially matching sibling stored after the same history.
-            chunk_tokens = ids[span.start : span.end]
-            best, best_len = None, 0
-            for child_key in store.children(key.parent_key):
-                child = store.peek(child_key)
-                if child is None:
-                    continue
-                n = common_prefix_length(child.token_ids, chunk_tokens)
-                if n > best_len:
-                    best, best_len = child, n
-            if best is not None:
-                entry = store.get(best.key)  # counts the access
-                take, entry_key = best_len, best.key
-                store.stats.partial_hits += 1
+        take, entry, kind = 0, None, "new"
+        if exact_open:
+            entry = store.get(key.prefix_key)
+            if entry is not None and entry.exact and entry.num_tokens == len(span):
+                take, kind = len(span), "exact"
+                stats.exact_hits += 1
             else:
-                store.stats.misses += 1
-            frontier_open = False
-        take = min(take, limit - reused)
+                entry = None
+                exact_open = False
+                chunk = ids[span.start : span.end]
+                best, best_len = None, 0
+                for child_key in store.children_with_first_token(key.parent_key, chunk[0]):
+                    child = store.peek(child_key)
+                    if child is not None:
+                        common = common_prefix_length(child.token_ids, chunk)
+                        if common > best_len:
+                            best, best_len = child, common
+                if best is not None:
+                    entry = store.get(best.key)  # counts the access
+                    take, kind = best_len, "exact"
+                    stats.partial_hits += 1
+                else:
+                    stats.misses += 1
+        elif content:
+            entry = store.find_segment(key.segment_key)
+            if entry is not None and entry.num_tokens == len(span):
+                take, kind = len(span), "content"
+                stats.content_hits += 1
+            else:
+                entry = None
+                stats.misses += 1
+        take = min(take, limit - span.start)
         if take > 0 and entry is not None:
             k, v = quantizer.dequantize(entry.payload)
             if take < k.shape[2]:
                 k, v = k[:, :, :take], v[:, :, :take]
-            segments.append((k, v))
-            hit_keys.append(entry_key)  # type: ignore[arg-type]
-            reused += take
-            refs.append(ChunkRef(span, key, "exact", reused_tokens=take, entry_key=entry_key))
+            placements.append(
+                Placement(span.start, span.start + take, kind, entry_key=entry.key,
+                          stored_start=entry.start if kind == "content" else None, keys=k, values=v)
+            )  # fmt: skip
+            if kind == "exact":
+                hit_keys.append(entry.key)
+            if take < len(span):
+                _append(placements, Placement(span.start + take, span.end, "new"))
+                exact_open = False
         else:
-            refs.append(ChunkRef(span, key, "miss"))
-        if take < len(span):
-            frontier_open = False
+            _append(placements, Placement(span.start, span.end, "new"))
+            exact_open = False
     store.touch_chain(hit_keys)
-    store.stats.hit_tokens += reused
-    return ReusePlan(ids, refs, reused, segments, exact_hit_tokens=reused)
+    plan = ReusePlan(ids, placements, spans=spans, keys=keys)
+    stats.hit_tokens += plan.reused_tokens
+    stats.content_hit_tokens += plan.content_tokens
+    return plan

@@ -20,7 +20,9 @@ asked for a name it does not know or for its list of names.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
@@ -135,6 +137,46 @@ class Registry(Generic[T]):
             except TypeError as exc:
                 raise TypeError(f"{self.family} plugin {name!r} rejected its config {cfg}: {exc}") from exc
         return spec  # already an instance
+
+    def validate(self, spec: str | Mapping[str, Any] | Any, *, provided: tuple[str, ...] = ()) -> None:
+        """Check a config without building it: the name is registered and every field is an argument.
+
+        A factory with a ``config_class`` dataclass attribute is checked against that dataclass's fields, and the
+        dataclass is built from them (so its ``__post_init__`` value checks run too);
+        otherwise against the factory's signature. ``provided`` names arguments the caller passes itself.
+        Raises UnknownPluginError or ValueError naming the field, so a typo in a config fails at start-up.
+        """
+        if spec is None or not (isinstance(spec, (str, Mapping)) or _is_omegaconf(spec)):
+            return  # None is refused by build(); an instance is not a config
+        cfg = {} if isinstance(spec, str) else _to_plain_dict(spec)
+        name = spec if isinstance(spec, str) else cfg.pop("name", None)
+        if name is None:
+            raise ValueError(f"{self.family} config needs a 'name' (one of: {', '.join(self.names())})")
+        cfg.pop("description", None)
+        factory = self.get(name)
+        config_class = getattr(factory, "config_class", None)
+        if config_class is not None and dataclasses.is_dataclass(config_class):
+            accepted = [f.name for f in dataclasses.fields(config_class)]
+            unknown = sorted(set(cfg) - set(accepted) - set(provided))
+            if unknown:
+                raise ValueError(
+                    f"{self.family} {name!r}: unknown field(s) {unknown}; accepted: {', '.join(accepted)}"
+                )
+            config_class(**{k: v for k, v in cfg.items() if k in accepted})  # its own value checks (__post_init__)
+            return
+        try:
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):  # builtins without a signature: nothing to check
+            return
+        params = signature.parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return
+        accepted = [p for p, v in params.items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
+        unknown = sorted(set(cfg) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"{self.family} plugin {name!r}: unknown argument(s) {unknown}; accepted: {', '.join(accepted) or '(none)'}"
+            )
 
     def __repr__(self) -> str:
         return f"Registry({self.family!r}, {sorted(self._factories)})"

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-
-HitKind = Literal["exact", "content", "miss"]
 
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """A half-open token range ``[start, end)`` of a prompt."""
+    """A half-open token range ``[start, end)`` of a prompt, inside the segment that starts at ``segment_start``.
+
+    A *segment* is a stretch of the prompt whose token ids do not depend on what precedes it (the
+    ``separator`` chunker tokenizes each piece of text between separators on its own, so a document has the
+    same ids wherever it appears). Chunkers that do not own tokenization make the whole prompt one segment
+    (``segment_start == 0`` for every chunk).
+    """
 
     start: int
     end: int
+    segment_start: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.segment_start <= self.start < self.end:
+            raise ValueError(f"bad chunk span {self}: need 0 <= segment_start <= start < end")
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -27,24 +36,15 @@ class ChunkKey:
 
     ``prefix_key`` identifies the chunk's tokens *and* everything before it (prefix-chained): an entry
     found under it holds KV computed with exactly this history, so it is reusable as is (exact hit).
-    ``content_key`` identifies only the tokens: the same text at another position or after another
-    history (content hit) needs re-rotation and repair before use.
+    ``segment_key`` is chained from the start of the chunk's segment only: the same document text anywhere
+    in any prompt has the same segment keys; an entry found under it is a content hit (other position or
+    history) that needs re-rotation and repair. ``parent_key`` is the prefix key of the preceding chunk
+    (the hasher's root key for the first chunk).
     """
 
     prefix_key: str
-    content_key: str
-    parent_key: str  # prefix_key of the preceding chunk (the hasher's root key for the first chunk)
-
-
-@dataclass
-class ChunkRef:
-    """What the lookup decided for one chunk of the current prompt."""
-
-    span: ChunkSpan
-    key: ChunkKey
-    kind: HitKind
-    reused_tokens: int = 0  # tokens of this chunk served from cache (may be < len(span) at the frontier)
-    entry_key: str | None = None  # key of the cache entry serving it
+    segment_key: str
+    parent_key: str
 
 
 @dataclass

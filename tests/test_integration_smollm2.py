@@ -21,7 +21,7 @@ def engine():
 
 
 def test_bundled_model_answers(engine):
-    r = engine.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12, mode="baseline")
+    r = engine.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12, mode="cold")
     assert "Paris" in r.output_text
 
 
@@ -37,7 +37,7 @@ def test_chat_turns_reuse_history(engine):
     history = [{"role": "user", "content": "Give me three tips for writing clear Python code."}]
     r1 = engine.generate(history, max_new_tokens=24)
     history += [{"role": "assistant", "content": r1.output_text}, {"role": "user", "content": "Now one more tip."}]
-    cold = engine.generate(history, max_new_tokens=16, mode="baseline")
+    cold = engine.generate(history, max_new_tokens=16, mode="cold")
     r2 = engine.generate(history, max_new_tokens=16)
     assert r2.output_ids == cold.output_ids
     assert r2.kv_reuse_ratio > 0.6  # the whole first turn, answer included

@@ -31,19 +31,6 @@ def smollm_tokenizer():
     return AutoTokenizer.from_pretrained(bundled_model_dir())
 
 
-def test_every_config_group_mirrors_its_registry():
-    from kvboost.registry import ALL_REGISTRIES
-
-    root = Path(CONFIG_DIR)
-    for group, registry in ALL_REGISTRIES.items():
-        if group == "eviction":
-            continue  # a field of the cache config, not a group
-        names = {p.stem for p in (root / group).glob("*.yaml")}
-        assert names, group
-        for name in names:
-            assert name in registry.names(), f"configs/{group}/{name}.yaml has no registered plugin"
-
-
 def test_compose_overrides_reach_the_config():
     cfg = compose(["workload.num_conversations=3", "workload.max_turns=5", "logger=none", "recompute=full", "chunker.chunk_size=32"])
     assert cfg.workload.num_conversations == 3 and cfg.workload.max_turns == 5
@@ -60,14 +47,21 @@ def test_tiny_end_to_end(tmp_path, smollm_tokenizer, history_source):
     summary = run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer)
 
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert {r["mode"] for r in records} == {"baseline", "hf_prefix", "kvboost"}
+    modes = {"baseline", "hf_prefix", "kvboost_cold", "kvboost"}
+    assert {r["mode"] for r in records} == modes
     for r in records:
-        for key in ("conversation_id", "turn", "prompt_tokens", "ttft_ms", "reuse_ratio", "output_text"):
+        for key in ("request_id", "conversation_id", "turn", "repeat", "prompt_tokens", "ttft_ms", "reuse_ratio",
+                    "output_text"):  # fmt: skip
             assert key in r
-        if r["mode"] == "baseline":
+        if r["mode"] in ("baseline", "kvboost_cold"):
             assert r["reuse_ratio"] == 0.0
+    # every mode served the very same token counts (the engine's tokenizer for all)
+    by_request: dict = {}
+    for r in records:
+        by_request.setdefault(r["request_id"], set()).add(r["prompt_tokens"])
+    assert all(len(v) == 1 for v in by_request.values())
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    for mode in ("baseline", "hf_prefix", "kvboost"):
+    for mode in modes:
         turn1 = on_disk["modes"][mode]["by_turn"]["1"]
         assert {"ttft_ms_p50", "ttft_ms_p90", "reuse_ratio", "n"} <= set(turn1)
         assert "overall" in on_disk["modes"][mode]
@@ -83,7 +77,8 @@ def test_tiny_end_to_end(tmp_path, smollm_tokenizer, history_source):
         if mode == "kvboost" and turn == 2:
             assert r["reuse_ratio"] <= by_key[(conv, turn, "hf_prefix")]["reuse_ratio"] + 1e-9
             assert r["reuse_ratio"] > 0.3
-    assert summary["modes"]["kvboost"]["overall"]["n"] == len(records) // 3
+    assert summary["modes"]["kvboost"]["overall"]["n"] == len(records) // 4
+    assert on_disk["quality"]["kvboost_cold"]["greedy_match_rate"] == 1.0
 
 
 def test_wandb_logger_offline(tmp_path, smollm_tokenizer, monkeypatch):
@@ -96,9 +91,111 @@ def test_wandb_logger_offline(tmp_path, smollm_tokenizer, monkeypatch):
 
 
 def test_unknown_workload_and_mode_are_clear_errors(tmp_path):
+    # object() as the model: the config is refused before anything touches a model
     cfg = compose(["logger=none", "workload.name=nope"])
-    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+    with pytest.raises(KeyError, match="unknown workload plugin 'nope'; registered workload plugins: .*sharegpt_replay"):
         run_experiment(cfg, out_dir=tmp_path, model=object(), tokenizer=object())
     cfg = compose(["logger=none", "workload.modes=[baseline,vllm]"])
     with pytest.raises(ValueError, match="unknown modes"):
         run_experiment(cfg, out_dir=tmp_path, model=object(), tokenizer=object())
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("+chunker.chunk_szie=32", "unknown argument.*chunk_szie"), ("+workload.num_convs=3", "unknown field.*num_convs"),
+     ("recompute=cacheblend", None), ("+recompute.ratoi=0.2", "unknown argument.*ratoi"),
+     ("workload.repeats=0", "repeats"), ("+engine.store_generatd=false", "store_generatd"),
+     ("workload=rag_reorder", None), ("workload=rag_reorder workload.doc_tokens=10", "doc_tokens"),
+     ("workload=rag_reorder +workload.num_docs=3", "unknown field.*num_docs")],
+)  # fmt: skip
+def test_config_typos_fail_before_the_model_is_loaded(tmp_path, override, message):
+    from experiments.config_check import check_config
+
+    cfg = compose(["logger=none", *override.split()])
+    plain = __import__("omegaconf").OmegaConf.to_container(cfg, resolve=True)
+    if message is None:
+        check_config(plain)
+        return
+    with pytest.raises((ValueError, KeyError), match=message):
+        run_experiment(cfg, out_dir=tmp_path, model=object(), tokenizer=object())
+
+
+def test_rag_reorder_end_to_end(tmp_path, smollm_tokenizer):
+    """The RAG workload on a tiny model: documents found as content hits anywhere, hf_prefix gets only the
+    shared head of the prompt, the results contract is filled, and repeats measure without storing twice."""
+    cfg = compose(
+        ["workload=rag_reorder", "recompute=cacheblend", "logger=none", "workload.num_documents=6",
+         "workload.num_queries=3", "workload.docs_per_query=3", "workload.doc_tokens=64", "workload.max_new_tokens=2",
+         "workload.repeats=2"]  # fmt: skip
+    )
+    assert cfg.chunker.name == "separator"  # the workload's config selects it
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048, num_hidden_layers=4)
+    summary = run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer)
+    assert not hasattr(model, "_kvboost_engine")  # the run gave the model back
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 4 * 2 and {r["repeat"] for r in records} == {0, 1}
+    kv = summary["modes"]["kvboost"]["overall"]
+    assert kv["n"] == 3
+    assert kv["content_ratio"] > 0.5  # the documents (warmed as shared context) are content hits
+    assert summary["modes"]["hf_prefix"]["overall"]["reuse_ratio"] < kv["reuse_ratio"]
+    assert 0.0 < kv["recompute_ratio"] < 0.5
+    for mode in ("baseline", "hf_prefix", "kvboost_cold", "kvboost"):
+        acc = summary["accuracy"][mode]
+        assert acc["n"] == 3 and 0.0 <= acc["accuracy"] <= 1.0
+    assert summary["quality"]["kvboost_cold"]["greedy_match_rate"] == 1.0
+    assert {"greedy_match_rate", "first_token_kl_mean"} <= set(summary["quality"]["kvboost"])
+    assert all("correct" in r for r in records if r["repeat"] == 0)
+
+
+def test_a_failed_run_gives_the_model_back(tmp_path, smollm_tokenizer, monkeypatch):
+    from experiments.workloads.sharegpt_replay import SharegptReplay
+
+    def broken(self):
+        raise RuntimeError("workload failed mid-run")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(SharegptReplay, "requests", broken)
+    cfg = compose(["workload.num_conversations=1", "workload.max_turns=1", "logger=none"])
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+    with pytest.raises(RuntimeError, match="workload failed mid-run"):
+        run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer)
+    assert not hasattr(model, "_kvboost_engine")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_mode_order_is_shuffled_per_request_and_seeded(tmp_path, smollm_tokenizer, monkeypatch):
+    """No mode is always measured first: the order changes between requests, and the same seed repeats it."""
+    import experiments.runner as runner
+
+    def orders(out):
+        seen: list[str] = []
+        original = runner.MODES.get
+
+        def recording(name):
+            factory = original(name)
+
+            def build(engine):
+                mode = factory(engine)
+                generate = mode.generate
+
+                def tracked(*a, **k):
+                    seen.append(name)
+                    return generate(*a, **k)
+
+                mode.generate = tracked
+                return mode
+
+            return build
+
+        monkeypatch.setattr(runner.MODES, "get", recording)
+        cfg = compose(["workload.num_conversations=3", "workload.max_turns=2", "workload.max_new_tokens=1",
+                       "logger=none", "warmup=false", "workload.max_prompt_tokens=300"])  # fmt: skip
+        model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+        run_experiment(cfg, out_dir=out, model=model, tokenizer=smollm_tokenizer)
+        monkeypatch.undo()
+        return [tuple(seen[i : i + 4]) for i in range(0, len(seen), 4)]
+
+    first = orders(tmp_path / "a")
+    assert len(first) == 6 and len(set(first)) > 1  # 6 requests, not all in one order
+    assert len({o[0] for o in first}) > 1  # not always the same mode first
+    assert orders(tmp_path / "b") == first  # seeded

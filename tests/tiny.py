@@ -13,19 +13,28 @@ class ToyTokenizer:
     eos_token_id = None
     pad_token_id = 0
 
-    def __call__(self, text: str, add_special_tokens: bool = False):
+    def __call__(self, text, add_special_tokens: bool = False):
+        if isinstance(text, list):  # batched, like HF tokenizers
+            return {"input_ids": [self(t)["input_ids"] for t in text]}
         return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
+
+    def __len__(self) -> int:
+        return VOCAB
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
         text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-        return self(text)["input_ids"]
+        return self(text)["input_ids"] if tokenize else text
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + (i % 26)) for i in ids)
+        # The inverse of __call__ on printable ASCII (ids 35..127 <- chars 32..124); other ids print as "?".
+        return "".join(chr(i - 3) if 35 <= i < VOCAB else "?" for i in ids)
+
+
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma")
 
 
 def tiny_config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -38,6 +47,10 @@ def tiny_config(arch: str, **overrides):
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    if arch == "phi3":
+        return Phi3Config(**common, sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "gemma":
+        return GemmaConfig(**{**common, "head_dim": 16}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise ValueError(arch)
 
 
@@ -49,11 +62,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.float().eval()
 
 
-def make_engine(arch: str = "llama", **options):
+def make_engine(arch: str = "llama", *, layers: int | None = None, **options):
+    """An engine on a tiny random model (``layers`` overrides the architecture's layer count)."""
     from kvboost import KVBoost
 
     options.setdefault("chunker", {"name": "fixed", "chunk_size": 16})
-    return KVBoost(tiny_model(arch), ToyTokenizer(), model_identity=f"tiny-{arch}", **options)
+    model = tiny_model(arch, **({"num_hidden_layers": layers} if layers else {}))
+    return KVBoost(model, ToyTokenizer(), model_identity=f"tiny-{arch}", **options)
 
 
 def random_ids(n: int, seed: int = 0) -> list[int]:

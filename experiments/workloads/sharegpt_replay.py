@@ -10,20 +10,14 @@ answer, not each mode's own, keeps every mode's prompts identical, so TTFTs comp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from experiments.sharegpt_data import Conversation, load_conversations
+from experiments.workloads import WORKLOADS
+from experiments.workloads.base import Request, Workload, WorkloadEnv
 
 HISTORY_SOURCES = ("dataset", "model")
-
-
-@dataclass
-class ReplayRequest:
-    conversation_id: str
-    turn: int  # 1-based
-    messages: list[dict[str, str]]
 
 
 @dataclass
@@ -52,17 +46,22 @@ class SharegptReplayConfig:
             self.min_turns = self.max_turns
 
 
-class SharegptReplay:
+@WORKLOADS.register("sharegpt_replay")
+class SharegptReplay(Workload):
     """Yields the requests of the sampled conversations, turn by turn.
 
-    The caller reports each turn's baseline answer through ``answer(...)`` before asking for the next
-    turn (needed when ``history_source="model"``); ``count_tokens`` lets the replay stop a
-    conversation once its prompt would exceed ``max_prompt_tokens``.
+    The runner reports each turn's reference answer through ``record_answer`` before asking for the next
+    turn (needed when ``history_source="model"``); the replay stops a conversation once its prompt would
+    exceed ``max_prompt_tokens`` (counted with the engine's tokenizer).
     """
 
-    def __init__(self, cfg: SharegptReplayConfig, count_tokens: Callable[[list[dict[str, str]]], int]) -> None:
+    config_class = SharegptReplayConfig
+
+    def __init__(self, *, env: WorkloadEnv, **fields) -> None:
+        cfg = SharegptReplayConfig(**fields)
         self.cfg = cfg
-        self.count_tokens = count_tokens
+        self.max_new_tokens = cfg.max_new_tokens
+        self.count_tokens = env.count_tokens
         # ~4 characters per token in English: conversations that fit in characters mostly fit in tokens too;
         # the exact token check happens per turn in requests().
         max_prompt_chars = cfg.max_prompt_tokens * 4 if cfg.max_prompt_tokens else None
@@ -81,11 +80,11 @@ class SharegptReplay:
     def num_requests_upper_bound(self) -> int:
         return sum(len(c.turns) for c in self.conversations)
 
-    def answer(self, conversation_id: str, turn: int, text: str) -> None:
-        """Record the baseline's answer to a turn (the history of the next turn with history_source=model)."""
-        self._answers[(conversation_id, turn)] = text
+    def record_answer(self, request: Request, text: str) -> None:
+        """The reference answer to a turn (the history of the next turn with history_source=model)."""
+        self._answers[(request.conversation_id, request.turn)] = text
 
-    def requests(self) -> Iterator[ReplayRequest]:
+    def requests(self) -> Iterator[Request]:
         for conv in self.conversations:
             system = self.cfg.system_prompt if self.cfg.system_prompt is not None else conv.system
             history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -94,7 +93,7 @@ class SharegptReplay:
                 if self.cfg.max_prompt_tokens and self.count_tokens(messages) > self.cfg.max_prompt_tokens:
                     self.skipped_turns += len(conv.turns) - t + 1
                     break
-                yield ReplayRequest(conv.id, t, messages)
+                yield Request(f"{conv.id}/{t}", conv.id, t, messages)
                 if self.cfg.history_source == "model":
                     assistant = self._answers.get((conv.id, t))
                     if assistant is None:
@@ -103,7 +102,5 @@ class SharegptReplay:
                     assistant = turn.assistant
                 history = messages + [{"role": "assistant", "content": assistant}]
 
-
-def build_sharegpt_replay(cfg: dict[str, Any], count_tokens: Callable[[list[dict[str, str]]], int]) -> SharegptReplay:
-    fields = {k: v for k, v in cfg.items() if k in SharegptReplayConfig.__dataclass_fields__}
-    return SharegptReplay(SharegptReplayConfig(**fields), count_tokens)
+    def stats(self) -> dict[str, int]:
+        return {"conversations": len(self.conversations), "skipped_turns_over_max_prompt_tokens": self.skipped_turns}

@@ -40,6 +40,10 @@ MODULE_BACKEND_ATTR = "_kvboost_attention_backend"
 #: Attribute set on an installed model: the attention implementation it had before, for ``uninstall``.
 PREVIOUS_IMPL_ATTR = "_kvboost_previous_attn_implementation"
 
+#: Keyword argument carrying per-query absolute positions ([B, Lq] int32) from layer-wise execution to kernel
+#: backends (``selected_query_inputs``); dense-mask backends never receive it.
+SELECTED_Q_POSITIONS = "kvboost_q_positions"
+
 # Latest instance installed per implementation key; serves modules that were created after install().
 _LATEST_BACKEND: dict[str, AttentionBackend] = {}
 
@@ -95,6 +99,44 @@ class AttentionBackend(ABC):
             ``(attn_output [B, Lq, Hq, D] contiguous, attn_weights or None)``.
         """
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise ValueError/RuntimeError with a clear message if this backend cannot serve ``model``.
+
+        Called by ``install`` after ``check_available``, before the model is changed, so a model the backend
+        cannot run (dtype, head dim, soft-capping...) is refused when the engine is built, not at the first call.
+        """
+
+    def warmup(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_len: int,
+    ) -> None:
+        """Run whatever one-off work (autotuning, compilation) the shapes up to ``max_len`` will need, so that
+        no measured request pays for it. Default: nothing to do."""
+
+    def selected_query_inputs(
+        self, q_positions: torch.Tensor, k_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Attention inputs for queries at arbitrary absolute ``q_positions`` over keys ``[0, k_len)``.
+
+        Layer-wise execution runs a *subset* of a prompt's positions through a layer; query i must see key j
+        iff ``j <= q_positions[i]`` (exactly causal by its own position; a bottom-right aligned causal mask
+        would let it see later keys). Returns ``(attention_mask, extra kwargs for attention_forward)``; the
+        default builds the dense mask this backend's ``mask_kind`` expects.
+        """
+        keys = torch.arange(k_len, device=q_positions.device)
+        allowed = keys[None, :] <= q_positions[:, None]
+        if self.mask_kind == "eager":
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            return mask[None, None], {}
+        return allowed[None, None], {}
+
     # ------------------------------------------------------------------ transformers glue
     @property
     def impl_name(self) -> str:
@@ -127,18 +169,19 @@ class AttentionBackend(ABC):
     def install(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make ``model`` run its attention through this backend; returns the model.
 
-        Checks availability first (a backend that cannot run here fails now, with its clear message, not in
-        the middle of a generate call), registers the backend, tags the model's modules so calls are
+        Checks availability and the model first (a backend that cannot run here fails now, with its clear
+        message, not in the middle of a generate call), registers the backend, tags the model's modules so calls are
         counted on this instance, and switches the model with ``model.set_attn_implementation``.
         """
         self.check_available()
-        key = self.register()
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "set_attn_implementation"):
             raise TypeError(
                 f"attention backend {self.name!r}: install() needs a transformers PreTrainedModel, "
                 f"got {type(model).__name__}"
             )
+        self.check_model(model)
+        key = self.register()
         previous = getattr(config, "_attn_implementation", None)
         if previous != key and not hasattr(model, PREVIOUS_IMPL_ATTR):
             setattr(model, PREVIOUS_IMPL_ATTR, previous)
@@ -218,8 +261,9 @@ class FlashKernelBackend(AttentionBackend):
         value: torch.Tensor,
         params: KernelMaskParams,
         scaling: float | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the kernel; returns ``[B, Hq, Lq, D]``."""
+        """Run the kernel; returns ``[B, Hq, Lq, D]``, written into ``out`` (any strides) when given."""
 
     def kernel_params(
         self, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, is_causal: bool
@@ -277,11 +321,15 @@ class FlashKernelBackend(AttentionBackend):
                 self.name,
             )
 
+        q_positions = kwargs.pop(SELECTED_Q_POSITIONS, None)
         is_causal = kwargs.get("is_causal")
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
         params = None
-        if kwargs.get("position_bias") is None:
+        if q_positions is not None:
+            # Layer-wise execution: queries at given absolute positions over the whole key range.
+            params = KernelMaskParams(causal=True, q_positions=q_positions)
+        elif kwargs.get("position_bias") is None:
             params = self.kernel_params(attention_mask, query, key, bool(is_causal))
         if params is None:
             return self._fallback(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
@@ -289,9 +337,22 @@ class FlashKernelBackend(AttentionBackend):
         if params.key_len is not None:
             key = key[:, :, : params.key_len]
             value = value[:, :, : params.key_len]
-        out = self._run_kernel(query, key, value, params, scaling)
+        # transformers wants [B, Lq, Hq, D]: let the kernel write through a transposed view of that layout
+        # instead of transposing a [B, Hq, Lq, D] result with an extra copy.
+        batch, heads, q_len, head_dim = query.shape
+        out = query.new_empty(batch, q_len, heads, head_dim)
+        self._run_kernel(query, key, value, params, scaling, out=out.transpose(1, 2))
         self.kernel_calls += 1
-        return out.transpose(1, 2).contiguous(), None
+        return out, None
+
+    def selected_query_inputs(
+        self, q_positions: torch.Tensor, k_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """The kernel takes the positions themselves (no dense mask); backends without per-query positions
+        get the dense mask, which their mask translation serves or sends to the SDPA fallback."""
+        if not self.supports_q_positions:
+            return super().selected_query_inputs(q_positions, k_len, dtype)
+        return None, {SELECTED_Q_POSITIONS: q_positions.to(torch.int32)[None]}
 
     def _fallback(self, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
         """Dense-mask path for masks the kernel contract cannot express: transformers' own SDPA."""

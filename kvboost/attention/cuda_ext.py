@@ -2,12 +2,18 @@
 
 Python side of the attention contract in :mod:`kernels_triton` for the CUDA backend::
 
-    out = cuda_flash_attn_forward(q, k, v, causal=True, sm_scale=None, kv_start=None, kv_len=None)
+    out = cuda_flash_attn_forward(q, k, v, causal=True, sm_scale=None, kv_start=None, kv_len=None,
+                                  out=None, split_kv=None)
 
 Supported: fp16 / bf16 inputs, head dim 64 or 128, grouped-query attention (``Hq % Hkv == 0``), causal
 (bottom-right aligned: query ``i`` sits at key index ``Lk - Lq + i``) or not, per-row ``kv_start`` /
-``kv_len`` padding, any strides with a contiguous last dimension.  Not supported: ``q_positions``
-(arbitrary query positions) -- use the Triton backend for those.
+``kv_len`` padding, any strides with a contiguous last dimension, an ``out`` buffer with any strides (e.g. the
+transposed view of transformers' ``[B, Lq, Hq, D]`` layout).  Not supported: ``q_positions`` (arbitrary query
+positions) -- use the Triton backend for those.
+
+Two kernels: the one-pass FlashAttention-2 kernel, and a split-K (flash-decoding) kernel that packs a GQA
+group into one block and splits the keys across blocks, merged by a combine kernel; decode (``Lq <= 4``) and
+short suffixes over long caches that would leave most SMs idle use the latter (``split_kv`` forces either).
 
 The extension is compiled on first use (a minute or so; cached by torch under ``TORCH_EXTENSIONS_DIR``) and
 needs an NVIDIA GPU of compute capability >= 8.0 and a CUDA build of torch.
@@ -23,7 +29,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CSRC_DIR", "cuda_extension_available", "cuda_flash_attn_forward", "load_cuda_extension"]
+__all__ = [
+    "CSRC_DIR",
+    "cuda_extension_available",
+    "cuda_flash_attn_forward",
+    "cuda_flash_attn_plan",
+    "load_cuda_extension",
+]
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("flash_attn_binding.cpp", "flash_attn_fwd.cu")
@@ -101,6 +113,8 @@ def cuda_flash_attn_forward(
     q_positions: Any = None,
     kv_start: Any = None,
     kv_len: Any = None,
+    out: torch.Tensor | None = None,
+    split_kv: bool | None = None,
 ) -> torch.Tensor:
     """FlashAttention-2 forward on CUDA; see the module docstring and ``kernels_triton`` for the contract.
 
@@ -111,16 +125,21 @@ def cuda_flash_attn_forward(
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         q_positions: not supported by this backend (raises ``NotImplementedError`` when given).
         kv_start, kv_len: ``[B]`` ints (tensor, sequence or scalar): valid keys ``kv_start <= j < kv_len``.
+        out: optional ``[B, Hq, Lq, D]`` output of q's dtype and device, any strides (written in place; must
+            not overlap q, k or v).
+        split_kv: None chooses the kernel (split-K for ``Lq <= 4``, and for longer queries when the one-pass
+            grid has fewer blocks than the GPU has SMs over >= 2048 keys); True / False force split-K / one-pass.
 
     Returns:
-        ``[B, Hq, Lq, D]`` in the dtype of ``q``; queries without any valid key get zeros.
+        ``out`` (or a new tensor) ``[B, Hq, Lq, D]`` in the dtype of ``q``; queries without any valid key get
+        zeros.
     """
     if q_positions is not None:
         raise NotImplementedError(
             "the cuda attention backend does not support q_positions (arbitrary query positions, e.g. "
             "CacheBlend's selected-token recompute); use attn=triton or attn=sdpa for those calls"
         )
-    ext = load_cuda_extension()
+    # Argument checks that need no GPU come first, so that they fail the same way everywhere.
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -131,9 +150,40 @@ def cuda_flash_attn_forward(
                 f"the cuda attention backend supports float16 and bfloat16 only, {name} is {t.dtype}: "
                 "cast the inputs or use attn=triton / attn=sdpa"
             )
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out must be a {tuple(q.shape)} {q.dtype} tensor on {q.device}; "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+    if split_kv is not None and not isinstance(split_kv, bool):
+        raise TypeError(f"split_kv must be None, True or False, got {split_kv!r}")
+    ext = load_cuda_extension()
     batch = q.shape[0]
     kv_start_t = _row_bounds(kv_start, "kv_start", batch, q.device)
     kv_len_t = _row_bounds(kv_len, "kv_len", batch, q.device)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    return ext.forward(q, k, v, bool(causal), float(sm_scale), kv_start_t, kv_len_t)
+    split = -1 if split_kv is None else int(split_kv)
+    return ext.forward(q, k, v, bool(causal), float(sm_scale), kv_start_t, kv_len_t, out, split)
+
+
+def cuda_flash_attn_plan(
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    len_q: int,
+    len_k: int,
+    head_dim: int,
+    *,
+    num_sms: int | None = None,
+    split_kv: bool | None = None,
+) -> tuple[int, int, int]:
+    """``(num_splits, split_len, workspace_bytes)`` the extension would use (``num_splits`` 0: the one-pass
+    kernel); ``num_sms`` defaults to the current GPU's. Needs the built extension (GPU)."""
+    ext = load_cuda_extension()
+    split = -1 if split_kv is None else int(split_kv)
+    sms = -1 if num_sms is None else int(num_sms)
+    return tuple(ext.plan(batch, heads_q, heads_kv, len_q, len_k, head_dim, sms, split))

@@ -1,7 +1,8 @@
 """``sdpa``: transformers' own SDPA attention (torch ``scaled_dot_product_attention``), counted.
 
 The reference backend: every other backend is tested against it. Installing it (rather than leaving the
-model on plain ``attn_implementation="sdpa"``) only adds the call counter.
+model on plain ``attn_implementation="sdpa"``) adds the call counter and a selected-query mode for layer-wise
+execution (below).
 """
 
 from __future__ import annotations
@@ -9,14 +10,47 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from kvboost.attention.base import AttentionBackend
+from kvboost.attention.base import SELECTED_Q_POSITIONS, AttentionBackend
 from kvboost.registry import ATTENTION
+
+#: Selected queries are split into at most this many position-sorted groups (see ``selected_query_attention``).
+MAX_QUERY_GROUPS = 8
+MIN_QUERIES_PER_GROUP = 32
+
+
+def selected_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_positions: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Attention of queries at sorted absolute positions over keys ``[0, Lk)``: query i sees key j iff
+    ``j <= q_positions[i]``. Returns ``[B, Lq, Hq, D]``.
+
+    A dense ``[Lq, Lk]`` mask makes SDPA compute every score, half of them masked. The queries are cut into a
+    few groups of consecutive positions and each group attends only to the keys up to its last position, so
+    the work approaches the causal half (8 groups: ~56% of the dense work) at the cost of a few more calls.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    groups = max(1, min(MAX_QUERY_GROUPS, q_len // MIN_QUERIES_PER_GROUP))
+    bounds = [round(i * q_len / groups) for i in range(groups + 1)]
+    out = query.new_empty(batch, q_len, heads, head_dim)
+    gqa = key.shape[1] != heads
+    positions = q_positions.to(query.device)
+    for a, b in zip(bounds, bounds[1:]):
+        k_end = int(positions[b - 1]) + 1
+        allowed = torch.arange(k_end, device=query.device)[None, :] <= positions[a:b, None]
+        part = F.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, :k_end], value[:, :, :k_end], attn_mask=allowed, scale=scaling,
+            enable_gqa=gqa,
+        )  # fmt: skip
+        out[:, a:b] = part.transpose(1, 2)
+    return out
 
 
 @ATTENTION.register("sdpa")
 class SdpaBackend(AttentionBackend):
-    """Delegates to ``transformers.integrations.sdpa_attention.sdpa_attention_forward``."""
+    """Delegates to ``transformers.integrations.sdpa_attention.sdpa_attention_forward``; selected queries
+    (layer-wise execution) run :func:`selected_query_attention`."""
 
     name = "sdpa"
     mask_kind = "sdpa"
@@ -25,6 +59,13 @@ class SdpaBackend(AttentionBackend):
         """SDPA ships with torch >= 2.0; always available."""
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
             raise RuntimeError("attention backend 'sdpa' needs torch >= 2.0 (scaled_dot_product_attention)")
+
+    def selected_query_inputs(
+        self, q_positions: torch.Tensor, k_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        if q_positions.numel() > 1 and not bool((q_positions[1:] > q_positions[:-1]).all()):
+            return super().selected_query_inputs(q_positions, k_len, dtype)  # unsorted: the dense mask
+        return None, {SELECTED_Q_POSITIONS: q_positions}
 
     def attention_forward(
         self,
@@ -37,6 +78,11 @@ class SdpaBackend(AttentionBackend):
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q_positions = kwargs.pop(SELECTED_Q_POSITIONS, None)
+        if q_positions is not None and query.shape[0] == 1:
+            out = selected_query_attention(query, key, value, q_positions, scaling)
+            self.kernel_calls += 1
+            return out, None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         out = sdpa_attention_forward(

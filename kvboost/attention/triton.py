@@ -10,6 +10,10 @@ correctness checks only: it is orders of magnitude slower than SDPA. Triton read
 is *decorated*, i.e. when ``kernels_triton.flash_attn`` is imported, so the variable is set before that
 import; if the kernel module was already imported without it the backend raises instead of failing later.
 (``triton`` itself is typically already imported by torch by then, which is harmless.)
+
+``install`` refuses models the kernel cannot serve (:func:`triton_model_issues`: dtype, head dim, logit
+soft-capping) before touching them, and ``warmup`` runs Triton's autotuning for every length bucket up to a
+maximum length, so that no measured request pays for it (GPU only).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from types import ModuleType
 from typing import Any
 
@@ -94,6 +99,55 @@ def load_kernel_module() -> ModuleType:
     return module
 
 
+#: What the Triton kernel accepts (``kernels_triton.flash_attn``): dtypes and the largest head dim.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256
+
+
+def config_head_dim(config: Any) -> int | None:
+    """The attention head dim of a transformers config (``head_dim``, else hidden_size / num_attention_heads)."""
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if hidden and heads:
+        return int(hidden) // int(heads)
+    return None
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs nest it)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def triton_model_issues(config: Any, dtype: torch.dtype) -> list[str]:
+    """Reasons the Triton kernel cannot serve a model with this config and dtype (empty: it can).
+
+    A pure function of the config (so it is testable without a GPU). Sliding windows are not an issue here:
+    their masks run through transformers' SDPA (counted in ``fallback_calls``).
+    """
+    config = text_config(config)
+    issues = []
+    if dtype not in TRITON_DTYPES:
+        issues.append(
+            f"model dtype {dtype} is not supported by the Triton kernel (float16, bfloat16, float32); "
+            "cast the model or use attn=sdpa"
+        )
+    head_dim = config_head_dim(config)
+    if head_dim is not None and not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
+        issues.append(
+            f"head dim {head_dim} is above the Triton kernel's maximum ({TRITON_MAX_HEAD_DIM}); use attn=sdpa"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        issues.append(
+            f"attn_logit_softcapping={softcap} (Gemma2-style attention logit soft-capping) is not applied by the "
+            "Triton kernel; use attn=eager"
+        )
+    return issues
+
+
 def _check_interpreted_stdlib() -> None:
     """Triton's own jit'd helpers (tl.max, tl.sum...) must be interpreted too, or kernels fail inside."""
     from triton.language import standard
@@ -123,14 +177,61 @@ class TritonBackend(FlashKernelBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        self._module: ModuleType | None = None
         self._forward = None
         self._interpreter = False
+        self.warmup_calls = 0
 
     def check_available(self) -> None:
         """Import the kernels (setting up the CPU interpreter when there is no GPU); raise if impossible."""
         module = load_kernel_module()
+        self._module = module
         self._forward = module.flash_attn_forward
         self._interpreter = bool(module.is_interpreter())
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse (ValueError) a model whose dtype, head dim or soft-capping the kernel cannot serve."""
+        issues = triton_model_issues(model.config, model_dtype(model))
+        if issues:
+            raise ValueError(
+                "attention backend 'triton' cannot run this model:\n  - " + "\n  - ".join(issues)
+            )
+
+    def warmup(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_len: int,
+    ) -> None:
+        """Run the kernels once per power-of-two length bucket up to ``max_len`` (prefill q = kv, short suffixes
+        over long caches on both the one-pass and the split-KV path, decode), so that Triton's autotuning and
+        compilation happen here, not in a measured request. A no-op on CPU and under the interpreter.
+
+        The first warm-up of a shape family on a GPU can take minutes (every bucket benchmarks each config);
+        later calls in the same process find the tuned configs cached and return quickly.
+        """
+        if torch.device(device).type != "cuda":
+            return
+        if self._module is None:
+            self.check_available()
+        if self._interpreter:
+            return
+        start = time.perf_counter()
+        calls = self._module.autotune_warmup(
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            max_len=max_len,
+        )
+        self.warmup_calls += calls
+        log.info("kvboost attention 'triton': warm-up ran %d kernel calls in %.1f s", calls,
+                 time.perf_counter() - start)
 
     def _run_kernel(
         self,
@@ -139,6 +240,7 @@ class TritonBackend(FlashKernelBackend):
         value: torch.Tensor,
         params: KernelMaskParams,
         scaling: float | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._forward is None:
             self.check_available()
@@ -157,7 +259,19 @@ class TritonBackend(FlashKernelBackend):
             q_positions=params.q_positions,
             kv_start=params.kv_start,
             kv_len=params.kv_len,
+            out=out,
         )
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "interpreter": self._interpreter}
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes in (its ``dtype`` property, else its first floating parameter's)."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.get_default_dtype()

@@ -11,14 +11,20 @@ from kvboost.registry import EVICTION
 
 @EVICTION.register("lru")
 class LRUEviction(EvictionPolicy):
-    """Evicts the entry touched longest ago.
+    """Evicts the unprotected entry touched longest ago.
 
-    The engine touches a prompt's chain of hits deepest-first, so a chain's root is the most recent:
-    LRU then drops the tails of old conversations before their shared prefixes (a child without its
-    parent is unreachable by prefix lookup).
+    With ``leaves_first`` (the default) the tier protects every entry that has children resident in the
+    store, so a chain is evicted from its tail: a cold prefill inserts a chain root first, which would
+    otherwise make the root the oldest entry and strand its whole chain. ``victim`` scans from the oldest
+    key and skips protected ones, so its cost is the number of protected keys older than the victim
+    (the internal nodes of old chains: a few per chain, plus shared prefixes).
+
+    Args:
+        leaves_first: see ``EvictionPolicy``; False gives plain LRU.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, leaves_first: bool = True) -> None:
+        super().__init__(leaves_first=leaves_first)
         self._order: OrderedDict[str, None] = OrderedDict()
 
     def on_insert(self, key: str) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvboost.cache.entry import KVEntry
-from kvboost.cache.tier_base import CacheTier
+from kvboost.cache.tier_base import CacheTier, EvictionGuard
 from kvboost.registry import CACHE_TIERS, EVICTION
 
 
@@ -39,14 +39,19 @@ def parse_bytes(value: int | float | str) -> int:
 class MemoryTier(CacheTier):
     """A dict of entries under a byte budget, evicting by the given policy.
 
+    ``put`` chooses all its victims before evicting any (each chosen victim counts as gone for the
+    leaves-first guard, so its parent may be chosen next): if they cannot free enough room, the entry is
+    rejected and nothing is evicted.
+
     Args:
         capacity: byte budget (int or a string such as ``"2GiB"``).
-        eviction: eviction policy name or config (default ``lru``).
+        eviction: eviction policy: a name, a config mapping (``{"name": "lru", "leaves_first": true}``) or
+            an ``EvictionPolicy`` instance not shared with another tier (default ``lru``).
     """
 
     def __init__(self, capacity: int | str = "2GiB", eviction: Any = "lru") -> None:
         self.capacity_bytes = parse_bytes(capacity)
-        self.eviction = EVICTION.build(eviction)
+        self.eviction = EVICTION.build("lru" if eviction is None else eviction)
         self._entries: dict[str, KVEntry] = {}
         self._used = 0
         self._pinned: set[str] = set()
@@ -54,19 +59,30 @@ class MemoryTier(CacheTier):
     def put(self, entry: KVEntry) -> list[KVEntry]:
         if entry.nbytes > self.capacity_bytes:
             return [entry]  # rejected: it could never fit
-        old = self._entries.pop(entry.key, None)
+        old = self._entries.get(entry.key)
+        freed = old.nbytes if old is not None else 0
+        need = self._used - freed + entry.nbytes - self.capacity_bytes
+        victims: list[str] = []
+        if need > 0:
+            guard = EvictionGuard(self, self._pinned, getattr(self.eviction, "leaves_first", True), entry)
+            chosen = _Either(guard, {entry.key})
+            while need > 0:
+                key = self.eviction.victim(protected=chosen)
+                if key is None:  # everything left is protected: reject, evict nothing
+                    return [entry]
+                if key not in self._entries:
+                    raise RuntimeError(
+                        f"eviction policy {getattr(self.eviction, 'registry_name', self.eviction)!r} named a key "
+                        f"this tier does not hold ({key[:16]}...): it missed an on_remove"
+                    )
+                victim = self._entries[key]
+                victims.append(key)
+                chosen.extra.add(key)
+                guard.evicted(victim)
+                need -= victim.nbytes
+        evicted = [e for e in (self.remove(k) for k in victims) if e is not None]
         if old is not None:
-            self._used -= old.nbytes
-            self.eviction.on_remove(entry.key)
-            self._pinned.discard(entry.key)
-        evicted: list[KVEntry] = []
-        while self._used + entry.nbytes > self.capacity_bytes:
-            victim = self.eviction.victim(protected=self._pinned)
-            if victim is None:  # everything left is pinned
-                return evicted + [entry]
-            removed = self.remove(victim)
-            if removed is not None:
-                evicted.append(removed)
+            self.remove(entry.key)
         self._entries[entry.key] = entry
         self._used += entry.nbytes
         if entry.pinned:
@@ -103,3 +119,15 @@ class MemoryTier(CacheTier):
     @property
     def used_bytes(self) -> int:
         return self._used
+
+
+class _Either:
+    """``key in guard or key in extra`` (the guard plus the victims already chosen in this put)."""
+
+    __slots__ = ("extra", "guard")
+
+    def __init__(self, guard: EvictionGuard, extra: set[str]) -> None:
+        self.guard, self.extra = guard, extra
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.extra or key in self.guard

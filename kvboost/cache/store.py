@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import partial
 
-from kvboost.cache.entry import KVEntry
+from kvboost.cache.entry import KVEntry, segment_only_key
 from kvboost.cache.tier_base import CacheTier
 
 
 @dataclass
 class StoreStats:
-    """Counters since the last reset (chunks, not tokens, unless named so)."""
+    """Counters since the last reset (chunks, not tokens, unless named so).
+
+    The engine's lookup counts the lookups: ``exact_hits`` (whole chunks matched by prefix key),
+    ``partial_hits`` (frontier chunks matched token by token), ``content_hits`` (chunks matched by segment
+    key), ``misses``, ``hit_tokens`` (all reused tokens) and ``content_hit_tokens``. The store counts the
+    movements: ``stored`` (puts that some tier took), ``rejected`` (puts that no tier took), ``evicted``
+    (resident entries dropped by the last tier), ``demoted`` (resident entries moved down a tier),
+    ``promoted`` (hits in a lower tier moved to the first) and ``per_tier_hits`` (``get``/``find_segment``
+    hits by tier name).
+    """
 
     exact_hits: int = 0
     partial_hits: int = 0
+    content_hits: int = 0
     misses: int = 0
     stored: int = 0
     rejected: int = 0
@@ -23,153 +33,293 @@ class StoreStats:
     demoted: int = 0
     promoted: int = 0
     hit_tokens: int = 0
+    content_hit_tokens: int = 0
     per_tier_hits: dict[str, int] = field(default_factory=dict)
 
 
-class KVStore:
-    """Entries by prefix-chained key across tiers; children-by-parent and content indexes.
+@dataclass(slots=True)
+class _Node:
+    """The store's books on one entry (no tensors)."""
 
-    An entry evicted from tier i moves to tier i+1 (if any), and is dropped from the indexes only when
-    it leaves the last tier. A hit in a lower tier is promoted to the first.
+    parent: str | None  # exact entries only
+    first: int | None
+    segment: str
+    exact: bool
+    tier: int | None = None  # the tier holding it (or, while it moves, the tier it is headed for)
+
+
+class KVStore:
+    """Entries across tiers, with a prefix-tree index (children by parent and first token) and a segment index.
+
+    ``tiers`` are ordered fastest first. New entries and hits in a lower tier go to the first tier; an entry a
+    tier evicts moves to the next tier, and leaves the store (and its indexes) only when the last tier
+    evicts it. Tensors move only inside the tiers; this class keeps the books.
+
+    Invariants (``verify`` checks them):
+
+    - every key lives in exactly one tier, and the indexes describe exactly the entries resident in the
+      tiers: tiers must only be changed through the store (a tier belongs to one store);
+    - the child index holds exact entries only, under ``(parent_key, first token id)``; segment-only
+      entries (``exact=False``, key ``"seg:" + segment_key``) have no parent and no children;
+    - every entry is in the segment index under its ``segment_key``;
+    - leaves first: a tier never evicts a pinned entry, nor (unless its eviction policy has
+      ``leaves_first=False``) an exact entry with a child resident in that tier or a faster one, nor the
+      parent of the entry it is taking. An entry with a resident child thus never leaves the store before
+      the child, and prefix lookup (which walks from the prompt start and stops at the first miss) can
+      reach every resident exact entry whose chain was complete when stored. A parent may be demoted
+      below its children (not stranding: a lower tier is still searched).
+
+    ``remove`` does not cascade: removing a parent with resident children strands them (the engine only
+    removes leaves).
     """
 
     def __init__(self, tiers: Sequence[CacheTier]) -> None:
         if not tiers:
             raise ValueError("the KV store needs at least one cache tier")
         self.tiers = list(tiers)
-        self._children: dict[str, set[str]] = defaultdict(set)
-        self._by_content: dict[str, set[str]] = defaultdict(set)
-        self._parent_of: dict[str, tuple[str, str]] = {}  # key -> (parent_key, content_key)
+        names = [getattr(t, "registry_name", "?") for t in self.tiers]
+        self._tier_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+        self._nodes: dict[str, _Node] = {}
+        # parent key -> first token id -> child keys (dicts as ordered sets: deterministic iteration)
+        self._children: dict[str, dict[int | None, dict[str, None]]] = {}
+        # parent key -> number of its children resident in each tier
+        self._child_tiers: dict[str, list[int]] = {}
+        self._segment_exact: dict[str, dict[str, None]] = {}  # segment key -> exact entries' keys
+        self._segment_only = 0  # how many entries are segment-only
         self.stats = StoreStats()
+        for i, tier in enumerate(self.tiers):
+            tier.bind_store(partial(self._resident_children, i))
+            for key in list(tier.keys()):  # a tier handed over with entries in it
+                entry = tier.peek(key)
+                if entry is None:
+                    continue
+                if key in self._nodes:
+                    raise ValueError(f"entry {key[:16]}... is in two tiers")
+                self._index(entry)
+                self._book(key, i)
 
     # ------------------------------------------------------------------ reads
-    def _find(self, key: str, count_access: bool) -> tuple[int, KVEntry] | None:
-        for i, tier in enumerate(self.tiers):
-            entry = tier.get(key) if count_access else tier.peek(key)
-            if entry is not None:
-                return i, entry
-        return None
-
     def get(self, key: str) -> KVEntry | None:
-        """The entry under ``key`` (promoted to the first tier if it was lower), or None."""
-        found = self._find(key, count_access=True)
-        if found is None:
+        """The entry under ``key``, or None; counts an access and promotes a lower-tier hit to the first tier."""
+        node = self._nodes.get(key)
+        if node is None or node.tier is None:
             return None
-        tier_idx, entry = found
-        name = getattr(self.tiers[tier_idx], "registry_name", str(tier_idx))
+        tier_idx = node.tier
+        tier = self.tiers[tier_idx]
+        entry = tier.get(key)
+        if entry is None:
+            raise RuntimeError(f"tier {self._tier_names[tier_idx]} lost {key[:16]}... behind the store's back")
+        name = self._tier_names[tier_idx]
         self.stats.per_tier_hits[name] = self.stats.per_tier_hits.get(name, 0) + 1
         if tier_idx > 0:
-            self.tiers[tier_idx].remove(key)
+            tier.remove(key)
+            self._book(key, 0)
             self.stats.promoted += 1
-            self._put_into(0, entry)
+            if self._put_into(0, entry) is None:  # no tier took it back (everything protected)
+                self.stats.evicted += 1
+                self._unindex(key)
         return entry
 
     def peek(self, key: str) -> KVEntry | None:
-        found = self._find(key, count_access=False)
-        return None if found is None else found[1]
+        """The entry under ``key``, or None; no access counted, nothing moves."""
+        node = self._nodes.get(key)
+        if node is None or node.tier is None:
+            return None
+        return self.tiers[node.tier].peek(key)
 
     def __contains__(self, key: object) -> bool:
-        return any(key in tier for tier in self.tiers)
+        return key in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
 
     def children(self, parent_key: str) -> list[str]:
-        """Keys of stored chunks that directly follow the chunk ``parent_key`` (or a root key: prompt start)."""
-        return list(self._children.get(parent_key, ()))
+        """Keys of the exact entries whose parent is ``parent_key`` (a chunk key, or a root key: prompt start)."""
+        by_first = self._children.get(parent_key)
+        return [k for keys in by_first.values() for k in keys] if by_first else []
 
-    def with_content(self, content_key: str) -> list[str]:
-        """Keys of stored chunks with these tokens, at any position/history."""
-        return list(self._by_content.get(content_key, ()))
+    def children_with_first_token(self, parent_key: str, token_id: int) -> list[str]:
+        """``children(parent_key)`` restricted to those whose first token id is ``token_id``; O(matches)."""
+        by_first = self._children.get(parent_key)
+        if not by_first:
+            return []
+        return list(by_first.get(token_id, ()))
+
+    def has_children(self, key: str) -> bool:
+        """Whether some exact entry in the store (any tier) has ``key`` as its parent."""
+        return key in self._children
+
+    def find_segment(self, segment_key: str) -> KVEntry | None:
+        """An entry with this segment key, or None: the earliest-stored exact one if any (O(1)), else the
+        segment-only one. Counts an access, a per-tier hit, and promotes, like ``get``."""
+        exact = self._segment_exact.get(segment_key)
+        if exact:
+            return self.get(next(iter(exact)))
+        return self.get(segment_only_key(segment_key))
+
+    def has_segment(self, segment_key: str) -> bool:
+        """Whether an entry (exact or segment-only) has this segment key; no access counted."""
+        return segment_key in self._segment_exact or segment_only_key(segment_key) in self._nodes
 
     def touch_chain(self, keys: Iterable[str]) -> None:
         """Mark a chain of hits as used, deepest first, so its root ends up most recent."""
         for key in reversed(list(keys)):
-            for tier in self.tiers:
-                if key in tier:
-                    tier.touch(key)
-                    break
+            node = self._nodes.get(key)
+            if node is not None and node.tier is not None:
+                self.tiers[node.tier].touch(key)
 
     # ------------------------------------------------------------------ writes
     def put(self, entry: KVEntry) -> bool:
-        """Store ``entry`` in the first tier; returns False if no tier could hold it."""
-        if entry.key in self:
+        """Store ``entry`` in the first tier that takes it (replacing an entry with the same key, wherever it
+        is); returns False, with the entry not stored, if no tier could hold it."""
+        if entry.key in self._nodes:
             self.remove(entry.key)
         self._index(entry)
-        stored = self._put_into(0, entry)
-        if stored:
-            self.stats.stored += 1
-        return stored
+        self._book(entry.key, 0)
+        if self._put_into(0, entry) is None:
+            self.stats.rejected += 1
+            self._unindex(entry.key)
+            return False
+        self.stats.stored += 1
+        return True
 
-    def _put_into(self, tier_idx: int, entry: KVEntry) -> bool:
+    def _put_into(self, tier_idx: int, entry: KVEntry) -> int | None:
+        """Put ``entry`` (indexed, booked at ``tier_idx`` but in no tier) into that tier or, if refused, a later
+        one; cascade what the tier evicts down the tiers. Returns the index of the tier that holds it, or None
+        (then it is booked nowhere; the caller unindexes it).
+
+        Entries in flight are booked at the tier they are headed for before any of them moves on, so the
+        parent of each is protected while the others are put (the tiers only see the store's counts)."""
         overflow = self.tiers[tier_idx].put(entry)
-        stored = True
-        for out in overflow:
-            if out is entry:
-                stored = False
-            if tier_idx + 1 < len(self.tiers):
+        placed = all(out.key != entry.key for out in overflow)
+        evicted = [out for out in overflow if out.key != entry.key]
+        last = tier_idx + 1 == len(self.tiers)
+        for out in evicted if placed else [*evicted, entry]:
+            self._book(out.key, None if last else tier_idx + 1)
+        for out in evicted:
+            if not last:
                 self.stats.demoted += 1
-                if not self._put_into(tier_idx + 1, out) and out is entry:
-                    stored = False
-                elif out is entry:
-                    stored = True
-            else:
-                if out is entry:
-                    self.stats.rejected += 1
-                else:
-                    self.stats.evicted += 1
+            if last or self._put_into(tier_idx + 1, out) is None:
+                self.stats.evicted += 1
                 self._unindex(out.key)
-        return stored
+        if placed:
+            return tier_idx
+        return None if last else self._put_into(tier_idx + 1, entry)
 
     def remove(self, key: str) -> KVEntry | None:
-        found = None
-        for tier in self.tiers:
-            entry = tier.remove(key)
-            found = found or entry
+        """Drop ``key`` from the store; returns its entry, or None if it was not stored. Its children stay."""
+        node = self._nodes.get(key)
+        if node is None:
+            return None
+        entry = self.tiers[node.tier].remove(key) if node.tier is not None else None
+        self._book(key, None)
         self._unindex(key)
-        return found
+        return entry
 
     def clear(self) -> None:
+        """Drop every entry (the stats are kept)."""
         for tier in self.tiers:
             tier.clear()
+        self._nodes.clear()
         self._children.clear()
-        self._by_content.clear()
-        self._parent_of.clear()
+        self._child_tiers.clear()
+        self._segment_exact.clear()
+        self._segment_only = 0
 
+    # ------------------------------------------------------------------ bookkeeping (no tensors)
     def _index(self, entry: KVEntry) -> None:
-        self._children[entry.parent_key].add(entry.key)
-        self._by_content[entry.content_key].add(entry.key)
-        self._parent_of[entry.key] = (entry.parent_key, entry.content_key)
+        node = _Node(entry.parent_key if entry.exact else None, entry.first_token, entry.segment_key, entry.exact)
+        self._nodes[entry.key] = node
+        if node.exact:
+            assert node.parent is not None
+            self._children.setdefault(node.parent, {}).setdefault(node.first, {})[entry.key] = None
+            self._segment_exact.setdefault(node.segment, {})[entry.key] = None
+        else:
+            self._segment_only += 1
 
     def _unindex(self, key: str) -> None:
-        links = self._parent_of.pop(key, None)
-        if links is None:
+        if key not in self._nodes:
             return
-        parent, content = links
-        for index, idx_key in ((self._children, parent), (self._by_content, content)):
-            bucket = index.get(idx_key)
-            if bucket is not None:
-                bucket.discard(key)
-                if not bucket:
-                    del index[idx_key]
+        self._book(key, None)
+        node = self._nodes.pop(key)
+        if not node.exact:
+            self._segment_only -= 1
+            return
+        assert node.parent is not None
+        by_first = self._children[node.parent]
+        keys = by_first[node.first]
+        del keys[key]
+        if not keys:
+            del by_first[node.first]
+            if not by_first:
+                del self._children[node.parent]
+        seg = self._segment_exact[node.segment]
+        del seg[key]
+        if not seg:
+            del self._segment_exact[node.segment]
+
+    def _book(self, key: str, tier_idx: int | None) -> None:
+        """Book ``key`` at tier ``tier_idx`` (None: nowhere), keeping its parent's per-tier child counts."""
+        node = self._nodes[key]
+        if node.tier == tier_idx:
+            return
+        if node.parent is not None:
+            counts = self._child_tiers.get(node.parent)
+            if counts is None:
+                counts = self._child_tiers[node.parent] = [0] * len(self.tiers)
+            if node.tier is not None:
+                counts[node.tier] -= 1
+            if tier_idx is not None:
+                counts[tier_idx] += 1
+            if not any(counts):
+                del self._child_tiers[node.parent]
+        node.tier = tier_idx
+
+    def _resident_children(self, tier_idx: int, key: str) -> int:
+        """Children of ``key`` resident in tier ``tier_idx`` or a faster one (what tier ``tier_idx`` protects)."""
+        counts = self._child_tiers.get(key)
+        return sum(counts[: tier_idx + 1]) if counts else 0
+
+    def verify(self) -> None:
+        """Check the books against the tiers (raises AssertionError); for tests and debugging, O(entries)."""
+        seen: dict[str, int] = {}
+        for i, tier in enumerate(self.tiers):
+            assert tier.used_bytes <= tier.capacity_bytes, f"tier {i} over budget"
+            for key in tier.keys():
+                assert key not in seen, f"{key} in tiers {seen[key]} and {i}"
+                seen[key] = i
+        assert seen.keys() == self._nodes.keys(), "index and tiers disagree on the keys"
+        counts: dict[str, list[int]] = {}
+        for key, node in self._nodes.items():
+            assert node.tier == seen[key], f"{key}: indexed in tier {node.tier}, found in {seen[key]}"
+            entry = self.tiers[node.tier].peek(key)
+            assert entry is not None and entry.key == key and entry.segment_key == node.segment
+            assert entry.exact == node.exact and entry.first_token == node.first
+            if node.exact:
+                assert node.parent == entry.parent_key
+                assert key in self._children[node.parent][node.first]
+                assert key in self._segment_exact[node.segment]
+                counts.setdefault(node.parent, [0] * len(self.tiers))[node.tier] += 1
+            else:
+                assert node.parent is None and key == segment_only_key(node.segment)
+        assert counts == self._child_tiers, "resident-children counts are stale"
+        indexed = sum(len(keys) for by_first in self._children.values() for keys in by_first.values())
+        assert indexed == len(self._nodes) - self._segment_only, "child index holds extra keys"
+        assert sum(len(keys) for keys in self._segment_exact.values()) == indexed, "segment index holds extra keys"
 
     # ------------------------------------------------------------------ stats
-    def __len__(self) -> int:
-        return sum(len(t) for t in self.tiers)
-
     def summary(self) -> dict[str, object]:
-        s = self.stats
-        return {
+        """Occupancy (per tier: entries, used_bytes, capacity_bytes) and every ``StoreStats`` counter."""
+        out: dict[str, object] = {
             "entries": len(self),
+            "exact_entries": len(self) - self._segment_only,
+            "segment_only_entries": self._segment_only,
             "tiers": [
-                {"tier": getattr(t, "registry_name", "?"), "entries": len(t), "used_bytes": t.used_bytes,
-                 "capacity_bytes": t.capacity_bytes}
-                for t in self.tiers
-            ],  # fmt: skip
-            "exact_hits": s.exact_hits,
-            "partial_hits": s.partial_hits,
-            "misses": s.misses,
-            "hit_tokens": s.hit_tokens,
-            "stored": s.stored,
-            "rejected": s.rejected,
-            "evicted": s.evicted,
-            "demoted": s.demoted,
-            "promoted": s.promoted,
+                {"tier": name, "entries": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
+                for name, t in zip(self._tier_names, self.tiers)
+            ],
         }
+        for f in fields(self.stats):
+            value = getattr(self.stats, f.name)
+            out[f.name] = dict(value) if isinstance(value, dict) else value
+        return out

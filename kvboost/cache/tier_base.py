@@ -1,27 +1,49 @@
-"""Cache tier interface: a key -> KVEntry store with a byte budget."""
+"""Cache tier interface: a key -> KVEntry store with a byte budget, and the guard its eviction honours."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Container, Iterator
 
 from kvboost.cache.entry import KVEntry
 
+#: ``resident_children(key)``: how many exact entries whose parent is ``key`` are resident in this tier or a
+#: faster one, per the store's books when the current ``put`` began.
+ResidentChildren = Callable[[str], int]
+
 
 class CacheTier(ABC):
-    """One level of the KV store (memory, disk, ...).
+    """One level of the KV store (memory, disk, ...). It moves entries; the store keeps the indexes.
 
-    Contract (conformance tests run it on every registered tier):
-    - ``put`` stores the entry and returns the entries it had to evict to stay within
-      ``capacity_bytes`` (never the entry just put, unless it alone exceeds the budget: then it
-      is returned as rejected and not stored);
-    - ``get`` returns the stored entry or None and counts as an access for eviction;
-    - ``used_bytes`` never exceeds ``capacity_bytes`` after ``put`` returns;
-    - pinned entries are never evicted.
+    Contract (tests/test_cache_conformance.py runs it on every registered tier, built as
+    ``CACHE_TIERS.build({"name": ..., "capacity": ...})``):
+
+    - ``put`` stores the entry (replacing one with the same key) and returns the entries it evicted to stay
+      within ``capacity_bytes``; the entry just put is returned too, as rejected and not stored, when it
+      alone exceeds the budget or when everything else is protected. The returned entries are no longer in
+      the tier; nothing else leaves the tier during a put.
+    - ``used_bytes <= capacity_bytes`` after every ``put``.
+    - ``put`` never evicts a protected entry (see ``EvictionGuard``): pinned entries; and, unless the
+      eviction policy has ``leaves_first=False``, entries that still have children resident in this tier
+      or a faster one (``bind_store``), and the parent of the entry being put. A tier never given a
+      ``resident_children`` callable (used alone, outside a store) treats every entry as a leaf.
+    - ``get`` returns the stored entry or None and counts as an access for eviction; ``peek`` does not
+      count; ``remove`` returns the removed entry or None; a removed key is never returned again.
     """
 
     registry_name: str = "?"
     capacity_bytes: int
+    _resident_children: ResidentChildren | None = None
+
+    def bind_store(self, resident_children: ResidentChildren | None) -> None:
+        """Called by the ``KVStore`` that owns this tier (a tier belongs to one store)."""
+        self._resident_children = resident_children
+
+    def resident_children(self, key: str) -> int:
+        """The bound store's count of children of ``key`` in this tier or a faster one (0 if unbound)."""
+        fn = self._resident_children
+        return fn(key) if fn is not None else 0
 
     @abstractmethod
     def put(self, entry: KVEntry) -> list[KVEntry]: ...
@@ -56,3 +78,37 @@ class CacheTier(ABC):
     def clear(self) -> None:
         for key in list(self.keys()):
             self.remove(key)
+
+
+class EvictionGuard:
+    """The lazy ``protected`` container a tier passes to ``EvictionPolicy.victim`` during one ``put``.
+
+    A key is protected if it is pinned, or, with ``leaves_first``: if it is the parent of the entry being
+    put (evicting it would strand the new entry at once), or if it still has a resident child. The
+    store's count (``tier.resident_children``) was taken before the put; the tier reports each entry it
+    evicts with ``evicted`` so that a parent whose last child was just evicted becomes a leaf for the
+    next victim of the same put. Membership tests only; it cannot be iterated.
+    """
+
+    __slots__ = ("_evicted_children", "_incoming_parent", "_pinned", "_tier", "leaves_first")
+
+    def __init__(self, tier: CacheTier, pinned: Container[str], leaves_first: bool, incoming: KVEntry) -> None:
+        self._tier = tier
+        self._pinned = pinned
+        self.leaves_first = leaves_first
+        self._incoming_parent = incoming.parent_key if incoming.exact else None
+        self._evicted_children: Counter[str] = Counter()
+
+    def evicted(self, entry: KVEntry) -> None:
+        """``entry`` left the tier during this put: one resident child less for its parent."""
+        if entry.exact and entry.parent_key is not None:
+            self._evicted_children[entry.parent_key] += 1
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._pinned:
+            return True
+        if not self.leaves_first or not isinstance(key, str):
+            return False
+        if key == self._incoming_parent:
+            return True
+        return self._tier.resident_children(key) > self._evicted_children.get(key, 0)

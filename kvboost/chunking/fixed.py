@@ -4,28 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvboost.chunking.base import Chunker
+from kvboost.chunking.base import Chunker, fixed_spans
 from kvboost.registry import CHUNKERS
 from kvboost.types import ChunkSpan
 
 
+def check_chunk_size(owner: str, chunk_size: object) -> int:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"{owner} chunker: chunk_size must be a positive integer, got {chunk_size!r}")
+    return chunk_size
+
+
 @CHUNKERS.register("fixed")
 class FixedChunker(Chunker):
-    """Chunks of ``chunk_size`` tokens.
+    """Chunks of ``chunk_size`` tokens; the whole prompt is one segment.
 
     Smaller chunks lose less at the frontier but cost more entries and hashes; the engine's
     frontier matching recovers partial chunks anyway, so the size mostly trades lookup overhead
-    against how finely content hits can be placed.
+    against how finely hits can be placed.
     """
 
     def __init__(self, chunk_size: int = 64) -> None:
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"fixed chunker: chunk_size must be a positive integer, got {chunk_size!r}")
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size("fixed", chunk_size)
 
     def split(self, token_ids: Sequence[int]) -> list[ChunkSpan]:
-        n, size = len(token_ids), self.chunk_size
-        return [ChunkSpan(start, min(start + size, n)) for start in range(0, n, size)]
+        return fixed_spans(0, len(token_ids), self.chunk_size, 0)
 
     def fingerprint(self) -> str:
         return f"fixed:{self.chunk_size}"

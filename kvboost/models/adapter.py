@@ -2,15 +2,13 @@
 
 - shapes of the KV cache (layers, KV heads, head dim) and the context limit;
 - a forward over new tokens with an existing ``DynamicCache`` as past;
-- conversion between a ``DynamicCache`` and stacked tensors ``[layers, kv_heads, tokens, head_dim]``
-  (the layout the KV store keeps: one slice/concatenation for all layers at once);
+- preallocated KV buffers ``[layers, kv_heads, tokens, head_dim]`` (the layout the KV store keeps), reused
+  between requests up to a byte cap;
 - the model fingerprint that goes into every cache key (DESIGN.md invariant 3).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvboost.models.prealloc_cache import preallocated_cache
+from kvboost.models.fingerprint import ModelFingerprint
+from kvboost.models.prealloc_cache import PreallocatedKV, allocate_kv
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class ModelAdapter:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.kv_shape = KVShape(cfg.num_hidden_layers, kv_heads, head_dim)
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
-        self._fingerprint: str | None = None
+        self._fingerprint = ModelFingerprint(model, identity)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -67,27 +66,15 @@ class ModelAdapter:
 
     # ------------------------------------------------------------------ fingerprint
     def fingerprint(self) -> str:
-        """Model identity: path, config, dtype, weight quantization and a sample of the weights.
+        """The model's fingerprint as it is now: identity, config, dtype, library versions and a digest of all
+        weights (:class:`kvboost.models.fingerprint.ModelFingerprint`). Re-checked cheaply on every call, so a
+        ``model.to(...)``, an in-place weight edit or a merged adapter changes it."""
+        return self._fingerprint.current()
 
-        Two different checkpoints of the same architecture (fine-tunes) differ in their weights, so a
-        digest of a few parameter tensors is included, not only the config.
-        """
-        if self._fingerprint is None:
-            h = hashlib.sha256()
-            h.update(self.identity.encode())
-            cfg = self.model.config.to_dict()
-            cfg.pop("_name_or_path", None)
-            cfg.pop("transformers_version", None)
-            h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-            h.update(str(self.dtype).encode())
-            h.update(json.dumps(getattr(self.model.config, "quantization_config", None), sort_keys=True, default=str).encode())
-            with torch.no_grad():
-                params = list(self.model.parameters())
-                for p in (params[0], params[len(params) // 2], params[-1]):
-                    sample = p.detach().reshape(-1)[:4096].float().cpu().contiguous()
-                    h.update(sample.numpy().tobytes())
-            self._fingerprint = h.hexdigest()[:32]
-        return self._fingerprint
+    def invalidate_fingerprint(self) -> None:
+        """Forget the cached fingerprint after an edit the parameter signature cannot see (``param.data``
+        writes, config edits)."""
+        self._fingerprint.invalidate()
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -110,47 +97,30 @@ class ModelAdapter:
         """An empty cache of full (non-sliding) layers: every token's KV is kept so it can be stored."""
         return DynamicCache()
 
-    def cache_for(self, segments: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> DynamicCache:
-        """A preallocated cache of ``capacity`` tokens holding ``segments`` (stacked [L, H, t, D] each) first.
+    def allocate(self, capacity: int, *, keep_bytes: int | None = None) -> PreallocatedKV:
+        """An empty preallocated KV of ``capacity`` rows for one request.
 
         The buffers are recycled from the previous call (one slot): the engine stores copies of what it
-        keeps, so a request's cache is dead once ``generate`` returns. Hence one engine serves one request
-        at a time (not thread-safe).
+        keeps, so a request's KV is dead once ``generate`` returns. Hence one engine serves one request
+        at a time (not thread-safe). Buffers larger than ``keep_bytes`` are not kept for the next request
+        (one very long request must not pin its memory for the rest of the process).
         """
         s = self.kv_shape
-        cache, kbuf, vbuf = preallocated_cache(
+        kv = allocate_kv(
             s.num_layers, s.num_kv_heads, s.head_dim, capacity,
-            dtype=self.dtype, device=self.device, prefix_segments=segments, buffers=self._buffers,
+            dtype=self.dtype, device=self.device, buffers=self._buffers,
         )  # fmt: skip
-        self._buffers = (kbuf, vbuf)
-        return cache
+        nbytes = 2 * kv.keys.numel() * kv.keys.element_size()
+        self._buffers = (kv.keys, kv.values) if keep_bytes is None or nbytes <= keep_bytes else None
+        return kv
 
-    def cache_from_stacked(self, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
-        """A DynamicCache holding ``keys``/``values`` of shape [layers, kv_heads, tokens, head_dim] (batch 1).
-
-        The layers are given views of the stacked tensors, not copies: the first forward concatenates
-        new tokens onto them (a copy HF makes anyway), so assembly costs one concatenation in total.
-        """
-        cache = DynamicCache()
-        for layer_idx in range(keys.shape[0]):
-            layer = DynamicLayer()
-            layer.dtype, layer.device = keys.dtype, keys.device
-            layer.keys = keys[layer_idx].unsqueeze(0)
-            layer.values = values[layer_idx].unsqueeze(0)
-            layer.is_initialized = True
-            cache.layers.append(layer)
-        return cache
+    def release_buffers(self) -> None:
+        """Drop the recycled buffers."""
+        self._buffers = None
 
     @staticmethod
     def cache_length(cache: DynamicCache) -> int:
         return cache.get_seq_length() if len(cache.layers) else 0
-
-    @staticmethod
-    def stacked_slice(cache: DynamicCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of tokens [start, end) of every layer, stacked: two [layers, kv_heads, n, head_dim] tensors."""
-        keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
-        values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
-        return keys, values
 
     @staticmethod
     def truncated(cache: DynamicCache, length: int) -> DynamicCache:

@@ -128,6 +128,23 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(aliases)}") from None
 
 
+def _weights_folder(path: str, hf_kwargs: dict[str, Any]) -> str | None:
+    """The local folder the weights were read from: ``path`` (+ ``subfolder``), or a hub id's cached snapshot."""
+    subfolder = hf_kwargs.get("subfolder") or ""
+    if os.path.isdir(path):
+        return os.path.join(path, subfolder)
+    try:
+        from transformers.utils import cached_file
+
+        found = cached_file(
+            path, "config.json", subfolder=subfolder, revision=hf_kwargs.get("revision"), local_files_only=True,
+            _raise_exceptions_for_missing_entries=False,
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 - only an optimisation (the fingerprint's digest cache) depends on it
+        return None
+    return os.path.dirname(found) if found else None
+
+
 def load_model_and_tokenizer(
     model_name_or_path: str | os.PathLike[str] | None = None,
     *,
@@ -135,10 +152,16 @@ def load_model_and_tokenizer(
     device: str | torch.device | None = None,
     **hf_kwargs: Any,
 ) -> tuple[Any, Any, str]:
-    """Load (model, tokenizer, resolved path). The architecture is checked before weights are read."""
+    """Load (model, tokenizer, resolved path). The architecture is checked before weights are read.
+
+    The model carries where its weights came from and their load-time signature (``_kvboost_source_dir``,
+    ``_kvboost_load_signature``: see ``kvboost.models.fingerprint.record_load``), so its fingerprint can reuse a
+    weights digest cached beside the folder while the weights are unchanged.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvboost.models.compat import check_architecture
+    from kvboost.models.fingerprint import record_load
 
     path = resolve_model_path(model_name_or_path)
     config = AutoConfig.from_pretrained(path, **hf_kwargs)
@@ -147,5 +170,6 @@ def load_model_and_tokenizer(
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hf_kwargs).to(device)
     model.eval()
+    record_load(model, _weights_folder(path, hf_kwargs))
     tokenizer = AutoTokenizer.from_pretrained(path, **hf_kwargs)
     return model, tokenizer, path

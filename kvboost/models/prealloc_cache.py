@@ -1,4 +1,4 @@
-"""A DynamicCache whose layers write into preallocated buffers instead of concatenating.
+"""A DynamicCache whose layers write into preallocated buffers, at the end or at given positions.
 
 HF's ``DynamicLayer.update`` does ``torch.cat([keys, new])`` on every forward: assembling a cached
 prefix and then prefilling a suffix copies the prefix twice, and every decode step copies the whole
@@ -6,6 +6,12 @@ cache again (O(n) per token). The engine knows the final length in advance (prom
 so it allocates one buffer ``[layers, kv_heads, capacity, head_dim]`` per K and V, writes the reused
 chunks straight into it, and lets each layer append in place. Layers see views of the filled part.
 The numbers are the same ones HF computes; only the copies go.
+
+Layer-wise execution (content reuse, ``kvboost.models.layerwise``) computes a *subset* of positions in a
+layer whose other rows are already filled (cached, re-rotated): ``PreallocatedLayer.write_at(positions,
+visible)`` makes the layer's next ``update`` write the fresh rows at those positions and return the first
+``visible`` rows, instead of appending. transformers 5.x passes no ``cache_position`` to ``update``, so the
+positions are set on the layer just before it runs.
 """
 
 from __future__ import annotations
@@ -26,14 +32,35 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         self._kbuf, self._vbuf = key_buffer, value_buffer
         self.dtype, self.device = key_buffer.dtype, key_buffer.device
-        self.keys = key_buffer[:, :, :length]
-        self.values = value_buffer[:, :, :length]
         self.is_initialized = True
+        self._write: tuple[torch.Tensor, int] | None = None
+        self.set_length(length)
 
     def _owns_views(self) -> bool:
-        return self.keys.data_ptr() == self._kbuf.data_ptr() and self.values.data_ptr() == self._vbuf.data_ptr()
+        # Identity, not data_ptr: an empty view (length 0) may report a null data pointer.
+        return self.keys is self._views[0] and self.values is self._views[1]
+
+    def write_at(self, positions: torch.Tensor, visible: int) -> None:
+        """Make the next ``update`` write its rows at ``positions`` (int64, on the buffer's device) and return
+        rows ``[0, visible)`` (every row below ``visible`` must be filled by then)."""
+        if visible > self._kbuf.shape[-2]:
+            raise ValueError(f"cannot expose {visible} rows of a {self._kbuf.shape[-2]}-row cache buffer")
+        self._write = (positions, visible)
+
+    def set_length(self, length: int) -> None:
+        """Expose rows ``[0, length)`` (filled by the caller) as the layer's keys/values."""
+        self.keys = self._kbuf[:, :, :length]
+        self.values = self._vbuf[:, :, :length]
+        self._views = (self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._write is not None:
+            positions, visible = self._write
+            self._write = None
+            self._kbuf.index_copy_(2, positions, key_states)
+            self._vbuf.index_copy_(2, positions, value_states)
+            self.set_length(visible)
+            return self.keys, self.values
         length = self.keys.shape[-2]
         need = length + key_states.shape[-2]
         if not self._owns_views() or need > self._kbuf.shape[-2] or key_states.shape[0] != self._kbuf.shape[0]:
@@ -46,12 +73,56 @@ class PreallocatedLayer(DynamicLayer):
             self._kbuf, self._vbuf = kbuf, vbuf
         self._kbuf[:, :, length:need] = key_states
         self._vbuf[:, :, length:need] = value_states
-        self.keys = self._kbuf[:, :, :need]
-        self.values = self._vbuf[:, :, :need]
+        self.set_length(need)
         return self.keys, self.values
 
 
-def preallocated_cache(
+class PreallocatedKV:
+    """One request's KV: stacked buffers ``[layers, kv_heads, capacity, head_dim]`` and the cache over them.
+
+    ``write(start, keys, values)`` fills rows with stacked KV (reused chunks); ``set_length(n)`` exposes the
+    first ``n`` rows to the model; ``cache`` is what the model takes as ``past_key_values``.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+        self.cache = DynamicCache()
+        for layer_idx in range(keys.shape[0]):
+            self.cache.layers.append(PreallocatedLayer(keys[layer_idx].unsqueeze(0), values[layer_idx].unsqueeze(0)))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def layers(self) -> list[PreallocatedLayer]:
+        return self.cache.layers  # type: ignore[return-value]
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        t = keys.shape[2]
+        if start + t > self.capacity:
+            raise ValueError(f"rows {start}:{start + t} do not fit a {self.capacity}-row cache")
+        self.keys[:, :, start : start + t] = keys
+        self.values[:, :, start : start + t] = values
+
+    def set_length(self, length: int) -> None:
+        for layer in self.layers:
+            layer.set_length(length)
+
+    def length(self) -> int:
+        return self.cache.get_seq_length() if self.layers else 0
+
+    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of rows ``[start, end)`` of every layer, stacked ``[layers, kv_heads, end - start, head_dim]``.
+
+        Reads each layer's current tensors (a layer that grew past the capacity owns a new buffer).
+        """
+        keys = torch.stack([layer.keys[0, :, start:end] for layer in self.layers])
+        values = torch.stack([layer.values[0, :, start:end] for layer in self.layers])
+        return keys, values
+
+
+def allocate_kv(
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
@@ -59,18 +130,14 @@ def preallocated_cache(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    prefix_segments: list[tuple[torch.Tensor, torch.Tensor]] = (),  # type: ignore[assignment]
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """A cache of ``num_layers`` preallocated layers holding ``prefix_segments`` (stacked [L, H, t, D] each).
+) -> PreallocatedKV:
+    """A :class:`PreallocatedKV` of ``capacity`` rows, reusing ``buffers`` when they are large enough.
 
-    ``buffers`` (stacked [L, H, >= capacity, D] K and V) are reused when given and large enough: a fresh
-    allocation of this size is served by new pages from the OS on CPU, and faulting them in costs more than
-    the copy itself (~86 ms for 4k tokens of SmolLM2, vs ~6 ms when the pages are reused).
-    Returns the cache and the two stacked buffers (the caller may hand them back for the next request).
+    Reusing a previous request's buffers matters on CPU: a fresh allocation of this size is served by new
+    pages from the OS, and faulting them in costs more than the copy itself (~86 ms for 4k tokens of
+    SmolLM2, vs ~6 ms when the pages are reused).
     """
-    prefix = sum(k.shape[2] for k, _ in prefix_segments)
-    capacity = max(capacity, prefix + 1)
     shape = (num_layers, num_kv_heads, capacity, head_dim)
     if (
         buffers is not None
@@ -84,13 +151,4 @@ def preallocated_cache(
     else:
         kbuf = torch.empty(shape, dtype=dtype, device=device)
         vbuf = torch.empty_like(kbuf)
-    offset = 0
-    for k, v in prefix_segments:
-        t = k.shape[2]
-        kbuf[:, :, offset : offset + t] = k
-        vbuf[:, :, offset : offset + t] = v
-        offset += t
-    cache = DynamicCache()
-    for layer_idx in range(num_layers):
-        cache.layers.append(PreallocatedLayer(kbuf[layer_idx].unsqueeze(0), vbuf[layer_idx].unsqueeze(0), prefix))
-    return cache, kbuf, vbuf
+    return PreallocatedKV(kbuf, vbuf)

@@ -25,7 +25,9 @@ class KVQuantizer(ABC):
     - ``dequantize(quantize(k, v))`` returns tensors of the input's shape, dtype and device;
     - ``payload.nbytes`` is the payload's real memory footprint (used for the cache's byte budget);
     - ``fingerprint()`` changes with every setting that changes the stored numbers (it is part of the
-      cache keys: entries written under one quantizer are never read under another).
+      cache keys: entries written under one quantizer are never read under another);
+    - lossy quantizers bound their error: ``|dequantize(quantize(x)) - x| <= error_bound(x)`` elementwise,
+      checked against a float64 reference.
     """
 
     registry_name: str = "?"
@@ -38,6 +40,16 @@ class KVQuantizer(ABC):
     @abstractmethod
     def dequantize(self, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) as full-precision stacked tensors."""
+
+    def error_bound(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elementwise bound on the absolute round-trip error of keys and values (zeros when lossless).
+
+        A lossy quantizer must override it with its real bound (e.g. half a quantization step of each
+        element's group, plus the storage dtype's rounding), so the conformance test can hold it to it.
+        """
+        if not self.lossless:
+            raise NotImplementedError(f"lossy KV quantizer {self.registry_name!r} must define error_bound()")
+        return torch.zeros_like(keys, dtype=torch.float64), torch.zeros_like(values, dtype=torch.float64)
 
     def fingerprint(self) -> str:
         return self.registry_name

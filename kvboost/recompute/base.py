@@ -1,97 +1,76 @@
-"""Recompute strategy interface: repair what the cache serves before the suffix prefill."""
+"""Recompute strategy interface: which (token, layer) pairs to compute for a prompt with content hits.
+
+Exact hits (KV computed with this very history) never need repair. Content hits (the same tokens stored at
+another position or after another history) are re-rotated to their new positions by the engine, but their K/V
+still lacks attention to the new context: a strategy decides which of them to recompute, layer by layer.
+New tokens (nothing cached, including the suffix) are always computed. See ``kvboost.plan`` for the plan and
+the schedule, and DESIGN.md "Layer-wise execution".
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 
-from kvboost.types import ChunkRef
-
-
-class ReusePlan:
-    """What the lookup assembled for one prompt.
-
-    ``segments`` hold the stacked KV ``[layers, kv_heads, tokens, head_dim]`` of the first
-    ``reused_tokens`` prompt tokens, chunk by chunk, all exact hits (computed with this very
-    history). ``keys``/``values`` concatenate them on demand; assigning them replaces the segments.
-    The suffix ``prompt_ids[reused_tokens:]`` is prefilled after the strategy has run.
-    """
-
-    def __init__(
-        self,
-        prompt_ids: list[int],
-        chunks: list[ChunkRef],
-        reused_tokens: int,
-        segments: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        *,
-        exact_hit_tokens: int = 0,
-        content_hit_tokens: int = 0,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        self.prompt_ids = prompt_ids
-        self.chunks = chunks
-        self.reused_tokens = reused_tokens
-        self.segments = list(segments or [])
-        self.exact_hit_tokens = exact_hit_tokens
-        self.content_hit_tokens = content_hit_tokens
-        self.extra = extra or {}
-        held = sum(k.shape[2] for k, _ in self.segments)
-        if held != reused_tokens:
-            raise ValueError(f"reuse plan holds KV for {held} tokens but claims {reused_tokens}")
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return _cat([k for k, _ in self.segments])
-
-    @keys.setter
-    def keys(self, value: torch.Tensor) -> None:
-        self.segments = [(value, self.values)] if self.segments else []
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return _cat([v for _, v in self.segments])
-
-    @values.setter
-    def values(self, value: torch.Tensor) -> None:
-        self.segments = [(self.keys, value)] if self.segments else []
-
-    def cold(self) -> ReusePlan:
-        """The same prompt with nothing reused."""
-        return ReusePlan(self.prompt_ids, self.chunks, 0, [], extra=dict(self.extra))
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-
-@dataclass
-class RepairOutcome:
-    """The plan to prefill from, and what the strategy measured it recomputed."""
-
-    plan: ReusePlan
-    recomputed_token_layers: int  # (token, layer) pairs computed again although the cache had them
+from kvboost.plan import ComputeSchedule, ReusePlan
 
 
 class RecomputeStrategy(ABC):
-    """Decides which cached KV to refresh before it is used.
+    """Decides which cached (content-hit) tokens to recompute, and in which layers.
 
-    Contract (conformance tests run every registered strategy):
-    - the returned plan's ``reused_tokens`` is <= the input's, and its KV has exactly that many tokens;
-    - ``recomputed_token_layers`` counts what was really recomputed (measured, not assumed);
-    - exact hits need no repair: a strategy must keep generation equal to a cold prefill on a plan
-      made only of exact hits (``verify_correctness`` checks it).
+    Contract (the conformance tests run every registered strategy):
+    - ``schedule`` returns a :class:`ComputeSchedule` whose ``initial`` positions include every new position and
+      no exact one (the engine validates it and raises ``ScheduleError`` otherwise);
+    - ``select`` (called only after the layers in ``check_layers``) returns a sorted subset of the candidate
+      positions it was given;
+    - on a plan made only of exact hits and new tokens the output equals a cold prefill (nothing to repair);
+    - what was recomputed is measured by the engine from the schedule it ran (``recompute_ratio``), not
+      reported by the strategy.
+
+    Set ``needs_reference = True`` (research only) to receive ``plan.reference_deviation`` from a full prefill
+    before ``schedule`` is called; such a strategy's cost is reported as a full prefill.
     """
 
     registry_name: str = "?"
+    needs_reference: ClassVar[bool] = False
+
+    def check_model(self, num_layers: int) -> None:
+        """Raise ValueError if this strategy cannot run on a model with ``num_layers`` decoder layers (called by
+        the engine's constructor, so a misfit fails before any request)."""
 
     @abstractmethod
-    def repair(self, plan: ReusePlan, adapter: Any) -> RepairOutcome:
-        """Return the plan to prefill from."""
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        """The positions to compute from layer 0 on, and the layers after which to narrow them."""
+
+    def select(
+        self, plan: ReusePlan, layer: int, candidates: torch.Tensor, deviation: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Of ``candidates`` (sorted content positions computed at ``layer``), those to keep computing.
+
+        ``deviation["key"][i]`` / ``deviation["value"][i]``: mean squared difference between the fresh and the
+        cached (re-rotated) key / value rows of ``candidates[i]`` at ``layer``. Only called for strategies
+        that declare ``check_layers``.
+        """
+        raise NotImplementedError(f"recompute strategy {self.registry_name!r} declared check layers but no select()")
 
     def fingerprint(self) -> str:
         return self.registry_name
+
+
+def top_fraction(candidates: torch.Tensor, scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The ``round(fraction * len)`` candidates with the highest scores, sorted by position."""
+    k = int(round(fraction * candidates.numel()))
+    if k <= 0:
+        return candidates[:0]
+    if k >= candidates.numel():
+        return candidates
+    idx = torch.topk(scores.float(), k).indices
+    return torch.sort(candidates[idx.to(candidates.device)]).values
+
+
+def check_fraction(owner: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"recompute strategy {owner!r}: {name} must be a number in [0, 1], got {value!r}")
+    return float(value)

@@ -1,17 +1,21 @@
-"""Recompute everything: the reference every other strategy is compared to."""
+"""Recompute every content hit at every layer: the quality reference (equals a cold prefill)."""
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
-from kvboost.recompute.base import RecomputeStrategy, RepairOutcome, ReusePlan
+from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
+from kvboost.recompute.base import RecomputeStrategy
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("full")
 class FullRecompute(RecomputeStrategy):
-    """Discards every cached token and prefills the whole prompt (a cold prefill with lookup cost)."""
+    """Everything that is not an exact hit is computed at every layer.
 
-    def repair(self, plan: ReusePlan, adapter: Any) -> RepairOutcome:
-        recomputed = plan.reused_tokens * adapter.num_layers
-        return RepairOutcome(plan=plan.cold(), recomputed_token_layers=recomputed)
+    Exact hits are kept (they are what a cold prefill computes), so the result equals a cold prefill up to
+    matmul rounding, and the cost is a prefill of everything after the exact frontier.
+    """
+
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        return ComputeSchedule(torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten())

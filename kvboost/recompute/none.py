@@ -1,16 +1,15 @@
-"""No repair: cached KV is used as served."""
+"""No repair: content hits are used as re-rotated (CacheBlend's "full KV reuse" point)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvboost.recompute.base import RecomputeStrategy, RepairOutcome, ReusePlan
+from kvboost.plan import ComputeSchedule, ReusePlan
+from kvboost.recompute.base import RecomputeStrategy
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("none")
 class NoRecompute(RecomputeStrategy):
-    """Exact hits are reused as they are; nothing is recomputed."""
+    """Only new tokens are computed; exact and content hits are reused as served."""
 
-    def repair(self, plan: ReusePlan, adapter: Any) -> RepairOutcome:
-        return RepairOutcome(plan=plan, recomputed_token_layers=0)
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        return ComputeSchedule(plan.positions("new"))

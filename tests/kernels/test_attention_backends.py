@@ -346,7 +346,7 @@ def test_engine_reuse_path_under_inference_mode(backend):
     """The engine runs under torch.inference_mode with a cached prefix (masks are inference tensors)."""
     engine = make_engine("llama", attn=backend)
     prompt = random_ids(40, seed=1)
-    cold = engine.generate(prompt + [7, 8, 9], max_new_tokens=5, mode="baseline")
+    cold = engine.generate(prompt + [7, 8, 9], max_new_tokens=5, mode="cold")
     engine.generate(prompt, max_new_tokens=2)
     warm = engine.generate(prompt + [7, 8, 9], max_new_tokens=5)
     assert warm.cached_tokens == 40

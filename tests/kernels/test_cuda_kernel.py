@@ -7,11 +7,15 @@ Three layers, so that most of the kernel is checked on a machine without a GPU:
    per CUDA thread; ``mma.sync``, ``ldmatrix`` and warp shuffles are emulated from the PTX fragment layouts and
    ``cp.async`` copies are either done at issue or deferred to the wait (catches missing waits/barriers).  This
    checks tiling, masking, online softmax, GQA, strides and padding against a float64 reference, but not the
-   hardware itself.  Needs g++ with C++20 and the CUDA headers (cuda_fp16.h).
+   hardware itself.  Both kernels run: the one-pass kernel and the split-K (flash-decoding) kernel with its
+   combine kernel, whose fp32 partials are poisoned with NaN (a partial the split kernel forgets to write fails),
+   and each case checks the host planner's choice (plan_split).  Needs g++ with C++20 and the CUDA headers.
 3. On a CUDA machine: the built extension against a float64 torch reference on odd shapes, with the caching
-   allocator poisoned with NaN so that an output element the kernel forgets to write fails the comparison.
+   allocator poisoned with NaN so that an output element the kernel forgets to write fails the comparison; both
+   paths (forced and automatic) writing through a transposed ``out`` view; the planner's choices.
 
-Without CUDA, layer 3 is skipped and the CPU path is checked to fail with a clear message.
+Without CUDA, layer 3 is skipped and the CPU path is checked to fail with a clear message; the install-time model
+checks (``cuda_model_issues``) are pure functions of the config and run everywhere.
 """
 
 from __future__ import annotations
@@ -99,6 +103,83 @@ def test_q_positions_not_supported():
     q = torch.randn(1, 2, 3, 64, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="q_positions"):
         cuda_ext.cuda_flash_attn_forward(q, q, q, q_positions=torch.arange(3))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"out": torch.empty(1, 2, 3, 32, dtype=torch.float16)},
+        {"out": torch.empty(1, 2, 3, 64, dtype=torch.float32)},
+        {"out": [0.0]},
+        {"split_kv": 1},
+    ],
+    ids=["out_shape", "out_dtype", "out_type", "split_kv_int"],
+)
+def test_out_and_split_arguments_checked_before_the_gpu(bad):
+    """``out`` / ``split_kv`` are validated in Python, before the extension is needed (same error everywhere)."""
+    q = torch.randn(1, 2, 3, 64, dtype=torch.float16)
+    with pytest.raises((ValueError, TypeError)):
+        cuda_ext.cuda_flash_attn_forward(q, q, q, **bad)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2a. install-time model checks (pure functions of the config: no GPU needed)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _issues(config, dtype=torch.bfloat16):
+    from kvboost.attention.cuda import cuda_model_issues
+
+    return cuda_model_issues(config, dtype)
+
+
+def test_cuda_model_issues_accepts_supported_models():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    assert _issues(LlamaConfig(hidden_size=512, num_attention_heads=8)) == []  # head dim 64
+    assert _issues(LlamaConfig(head_dim=128), torch.float16) == []
+    assert _issues(Qwen2Config()) == []  # sliding_window set but use_sliding_window=False
+    # A window as long as the context is plain causal attention.
+    assert _issues(MistralConfig(sliding_window=4096, max_position_embeddings=4096)) == []
+    assert _issues(MistralConfig(sliding_window=None)) == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["fp32", "head_dim_96", "head_dim_256", "softcap", "sliding_window", "gemma2"],
+)
+def test_cuda_model_issues_refuses_with_alternative(case):
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+
+    config, dtype, expect = {
+        "fp32": (LlamaConfig(head_dim=64), torch.float32, ("float32", "attn=triton")),
+        "head_dim_96": (LlamaConfig(head_dim=96), torch.bfloat16, ("head dim 96", "attn=triton")),
+        "head_dim_256": (LlamaConfig(head_dim=256), torch.float16, ("head dim 256", "attn=sdpa")),
+        "softcap": (LlamaConfig(head_dim=64, attn_logit_softcapping=30.0), torch.bfloat16,
+                    ("soft-capping", "attn=eager")),
+        "sliding_window": (MistralConfig(sliding_window=1024, max_position_embeddings=8192), torch.bfloat16,
+                           ("sliding_window=1024", "attn=sdpa")),
+        "gemma2": (Gemma2Config(head_dim=128), torch.bfloat16, ("soft-capping", "sliding_window=4096")),
+    }[case]
+    issues = _issues(config, dtype)
+    text = " | ".join(issues)
+    assert issues and all(word in text for word in expect), text
+
+
+def test_cuda_check_model_refuses_before_install():
+    """check_model (called by install after check_available) raises with every reason, on any machine."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvboost.attention.cuda import CudaBackend
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=1, vocab_size=32, head_dim=32)
+    model = LlamaForCausalLM(config)  # fp32, head dim 32: two issues
+    with pytest.raises(ValueError, match="cannot run this model") as info:
+        CudaBackend().check_model(model)
+    assert "float32" in str(info.value) and "head dim 32" in str(info.value)
+    config.head_dim = 64
+    CudaBackend().check_model(LlamaForCausalLM(config).to(torch.bfloat16))  # supported: no error
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -225,9 +306,11 @@ inline float fast_exp2(float x) { return exp2f(x); }
 
 using namespace kvboost_fa;
 
-template <typename T, int D>
-void run_grid(const Params& p, const unsigned grid[3]) {
-  gridDim = {grid[0], grid[1], grid[2]};
+using KernelFn = void (*)(const Params);
+
+// Runs every block of a grid, one after the other, with kThreads std::threads (shared memory is reused).
+void run_grid(KernelFn kernel, const Params& p, unsigned gx, unsigned gy, unsigned gz) {
+  gridDim = {gx, gy, gz};
   std::barrier<> bb(kThreads);
   g_block_bar = &bb;
   for (int w = 0; w < kWarps; ++w) g_warp_bar[w] = new std::barrier<>(32);
@@ -235,11 +318,11 @@ void run_grid(const Params& p, const unsigned grid[3]) {
   for (int t = 0; t < kThreads; ++t)
     th.emplace_back([&, t]() {
       threadIdx = {unsigned(t), 0, 0};
-      for (unsigned z = 0; z < grid[2]; ++z)
-        for (unsigned y = 0; y < grid[1]; ++y)
-          for (unsigned x = 0; x < grid[0]; ++x) {
+      for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+          for (unsigned x = 0; x < gx; ++x) {
             blockIdx = {x, y, z};
-            flash_attn_fwd_kernel<T, D>(p);
+            kernel(p);
             cp_async_wait_all();
             bb.arrive_and_wait();  // blocks run one after the other (shared memory is reused)
           }
@@ -248,9 +331,21 @@ void run_grid(const Params& p, const unsigned grid[3]) {
   for (int w = 0; w < kWarps; ++w) delete g_warp_bar[w];
 }
 
-// One case per input line: B Hq Hkv Lq Lk D causal bf16 padding odd_strides bshd async_mode
+template <typename T, int D>
+void run_launch(const Launch& l) {
+  if (l.split) {
+    run_grid(&flash_attn_fwd_kernel<T, D, true>, l.p, l.grid[0], l.grid[1], l.grid[2]);
+    if (l.combine_blocks > 0) run_grid(&flash_attn_combine_kernel<T, D>, l.p, l.combine_blocks, 1, 1);
+  } else {
+    run_grid(&flash_attn_fwd_kernel<T, D, false>, l.p, l.grid[0], l.grid[1], l.grid[2]);
+  }
+}
+
+// One case per input line: B Hq Hkv Lq Lk D causal bf16 padding odd_strides bshd async_mode split_kv num_sms
+// split_len expect_splits.  split_kv / num_sms go to plan_split; split_len > 0 then overrides the plan's split
+// length (many splits on short keys); expect_splits >= 0 checks the plan (0: one-pass kernel).
 int run_case(int B, int Hq, int Hkv, int Lq, int Lk, int D, int causal, int bf16, int padding, int odd, int bshd,
-             int async_mode, unsigned seed) {
+             int async_mode, int split_kv, int num_sms, int split_len, int expect_splits, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   auto layout = [&](int H, int L, int64_t st[3]) -> int64_t {
@@ -278,18 +373,30 @@ int run_case(int B, int Hq, int Hkv, int Lq, int Lk, int D, int causal, int bf16
     if (b == 1) { kst[b] = Lk / 2; kln[b] = Lk; }  // causal: the first queries of the row see no key
   }
   const float scale = 1.f / std::sqrt(float(D));
-  Params p; unsigned grid[3]; bool launch = false;
+  KvboostFlashAttnPlan plan = plan_split(B, Hq, Hkv, Lq, Lk, D, num_sms, split_kv);
+  if (split_len > 0 && plan.num_splits > 0) {
+    plan.split_len = split_len;
+    plan.num_splits = (Lk + split_len - 1) / split_len;
+    plan.workspace_bytes = workspace_bytes(B, Hq, Lq, D, plan.num_splits);
+  }
+  if (expect_splits >= 0 && plan.num_splits != expect_splits) {
+    printf("FAIL plan: %d splits (split_len %d), expected %d\n", plan.num_splits, plan.split_len, expect_splits);
+    return 1;
+  }
+  // Partials poisoned with NaN: a partial the split kernel forgets to write poisons the combined output.
+  std::vector<float> workspace(plan.workspace_bytes / sizeof(float) + 1, NAN);
+  Launch l;
   if (prepare(Q.data(), K.data(), V.data(), O.data(), padding ? kst.data() : nullptr, padding ? kln.data() : nullptr,
               B, Hq, Hkv, Lq, Lk, D, qs, ks, vs, os, causal, scale,
-              bf16 ? KvboostDType::kBFloat16 : KvboostDType::kFloat16, &p, grid, &launch) != cudaSuccess) {
+              bf16 ? KvboostDType::kBFloat16 : KvboostDType::kFloat16, plan, workspace.data(), &l) != cudaSuccess) {
     printf("FAIL prepare\n");
     return 1;
   }
-  if (p.vec != (odd ? 0 : 1)) { printf("FAIL vec flag %d\n", p.vec); return 1; }
+  if (l.p.vec != (odd ? 0 : 1)) { printf("FAIL vec flag %d\n", l.p.vec); return 1; }
   g_async_mode = async_mode;
-  if (launch) {
-    if (bf16) { if (D == 64) run_grid<__nv_bfloat16, 64>(p, grid); else run_grid<__nv_bfloat16, 128>(p, grid); }
-    else { if (D == 64) run_grid<__half, 64>(p, grid); else run_grid<__half, 128>(p, grid); }
+  if (l.needed) {
+    if (bf16) { if (D == 64) run_launch<__nv_bfloat16, 64>(l); else run_launch<__nv_bfloat16, 128>(l); }
+    else { if (D == 64) run_launch<__half, 64>(l); else run_launch<__half, 128>(l); }
   }
   double max_err = 0, max_ref = 0;
   const int G = Hq / Hkv;
@@ -324,36 +431,56 @@ int run_case(int B, int Hq, int Hkv, int Lq, int Lk, int D, int causal, int bf16
       }
   const double rel = max_err / std::max(max_ref, 1e-6);
   const bool pass = rel < 1e-2;
-  printf("%s B=%d Hq=%d Hkv=%d Lq=%d Lk=%d D=%d causal=%d %s padding=%d odd=%d bshd=%d async=%d rel_err=%.3g\n",
+  printf("%s B=%d Hq=%d Hkv=%d Lq=%d Lk=%d D=%d causal=%d %s padding=%d odd=%d bshd=%d async=%d splits=%d "
+         "split_len=%d rel_err=%.3g\n",
          pass ? "PASS" : "FAIL", B, Hq, Hkv, Lq, Lk, D, causal, bf16 ? "bf16" : "fp16", padding, odd, bshd,
-         async_mode, rel);
+         async_mode, plan.num_splits, plan.split_len, rel);
   return pass ? 0 : 1;
 }
 
 int main() {
-  int c[12], fails = 0;
+  int c[16], fails = 0;
   unsigned seed = 1;
-  while (std::cin >> c[0] >> c[1] >> c[2] >> c[3] >> c[4] >> c[5] >> c[6] >> c[7] >> c[8] >> c[9] >> c[10] >> c[11])
-    fails += run_case(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], seed++);
+  while (true) {
+    for (int i = 0; i < 16; ++i)
+      if (!(std::cin >> c[i])) goto done;
+    fails += run_case(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13], c[14],
+                      c[15], seed++);
+  }
+done:
   printf("%d failures\n", fails);
   return fails ? 1 : 0;
 }
 """
 
-# B Hq Hkv Lq Lk D causal bf16 padding odd_strides bshd async_mode: every feature at least once, both copy
-# paths, both cp.async timings, partial query and key tiles, rows without keys, decode (Lq = 1), Lk = 0.
+# B Hq Hkv Lq Lk D causal bf16 padding odd_strides bshd async_mode split_kv num_sms split_len expect_splits.
+# One-pass kernel (split_kv 0, or automatic where it picks one-pass): every feature at least once, both copy
+# paths, both cp.async timings, partial query and key tiles, rows without keys, Lk = 0.
+# Split-K kernel: decode (automatic plan), GQA packing with 1..2 row blocks, several splits (split_len override
+# on short keys) merged by the combine kernel, a single split (direct output), splits that are empty for some
+# rows (causal, padding), odd strides (scalar copies and stores), HF's [B, L, H, D] layout, and the automatic
+# plan for a short prefill over >= 2048 keys.
 _EMU_CASES = [
-    (1, 2, 1, 64, 64, 64, 1, 0, 0, 0, 0, 1),
-    (2, 4, 2, 37, 101, 64, 1, 0, 1, 0, 0, 1),
-    (1, 2, 2, 130, 130, 128, 1, 1, 0, 0, 0, 0),
-    (2, 3, 1, 70, 200, 128, 0, 1, 1, 0, 1, 1),
-    (1, 2, 1, 5, 77, 64, 1, 1, 1, 1, 0, 0),
-    (1, 2, 2, 65, 65, 128, 1, 0, 0, 1, 1, 1),
-    (3, 2, 1, 100, 100, 64, 1, 1, 1, 0, 0, 1),
-    (3, 2, 2, 70, 90, 128, 1, 0, 1, 1, 0, 0),
-    (2, 2, 2, 1, 300, 128, 1, 1, 1, 0, 1, 1),
-    (1, 4, 2, 129, 129, 64, 0, 0, 0, 0, 0, 1),
-    (1, 1, 1, 3, 0, 64, 0, 0, 0, 0, 0, 0),
+    (1, 2, 1, 64, 64, 64, 1, 0, 0, 0, 0, 1, 0, 132, 0, 0),
+    (2, 4, 2, 37, 101, 64, 1, 0, 1, 0, 0, 1, 0, 132, 0, 0),
+    (1, 2, 2, 130, 130, 128, 1, 1, 0, 0, 0, 0, 0, 132, 0, 0),
+    (2, 3, 1, 70, 200, 128, 0, 1, 1, 0, 1, 1, 0, 132, 0, 0),
+    (1, 2, 1, 5, 77, 64, 1, 1, 1, 1, 0, 0, -1, 132, 0, 0),
+    (1, 2, 2, 65, 65, 128, 1, 0, 0, 1, 1, 1, 0, 132, 0, 0),
+    (3, 2, 1, 100, 100, 64, 1, 1, 1, 0, 0, 1, 0, 132, 0, 0),
+    (3, 2, 2, 70, 90, 128, 1, 0, 1, 1, 0, 0, 0, 132, 0, 0),
+    (1, 4, 2, 1, 90, 64, 1, 0, 1, 0, 0, 0, 0, 132, 0, 0),
+    (1, 4, 2, 129, 129, 64, 0, 0, 0, 0, 0, 1, 0, 132, 0, 0),
+    (1, 1, 1, 3, 0, 64, 0, 0, 0, 0, 0, 0, 1, 132, 0, 0),
+    # split-K
+    (2, 2, 2, 1, 300, 128, 1, 1, 1, 0, 1, 1, -1, 132, 0, 2),
+    (2, 8, 2, 1, 300, 128, 1, 0, 1, 0, 0, 0, -1, 132, 64, 5),
+    (1, 4, 1, 3, 200, 64, 1, 0, 0, 0, 0, 1, 1, 132, 64, 4),
+    (2, 8, 2, 20, 333, 64, 1, 1, 1, 0, 0, 1, 1, 132, 64, 6),
+    (1, 6, 2, 37, 150, 128, 0, 0, 1, 1, 0, 0, 1, 132, 64, 3),
+    (3, 4, 4, 5, 70, 64, 1, 1, 1, 0, 1, 1, 1, 132, 0, 1),
+    (1, 2, 2, 4, 130, 64, 1, 0, 1, 1, 1, 0, 1, 132, 64, 3),
+    (1, 8, 1, 9, 2100, 64, 1, 0, 0, 0, 0, 1, -1, 132, 0, 5),
 ]
 
 
@@ -531,3 +658,64 @@ def test_cuda_kernel_input_checks():
     with pytest.raises(RuntimeError, match="CUDA tensor"):
         x = torch.randn(1, 1, 8, 64, dtype=torch.float16)
         ext.forward(x, x, x, True, None, None, None)
+
+
+# (B, Hq, Hkv, Lq, Lk, D, causal, padding): decode (GQA 4 and 8), a 3-query verification step, short suffixes
+# over long caches (one and two row blocks per kv head), a suffix whose automatic plan splits over >= 2048 keys,
+# and a square prefill (automatic: one-pass).
+SPLIT_CASES = [
+    (2, 8, 2, 1, 1000, 128, True, True),
+    (1, 32, 4, 1, 4097, 64, True, False),
+    (3, 6, 2, 3, 777, 64, True, True),
+    (2, 8, 2, 17, 1500, 128, True, True),
+    (1, 8, 2, 33, 2500, 64, False, False),
+    (1, 32, 8, 100, 4096, 128, True, False),
+    (2, 4, 4, 200, 200, 64, True, True),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("split_kv", [None, True, False], ids=["auto", "split", "one_pass"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", SPLIT_CASES, ids=lambda c: "B{}_H{}-{}_L{}-{}_D{}_{}{}".format(
+        c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", "_pad" if c[7] else "")
+)
+def test_cuda_split_k_and_strided_out(case, dtype, split_kv, record_error):
+    """Both kernels (forced and automatic) against the reference, writing through the [B, Hq, Lq, D] view of a
+    NaN-poisoned [B, Lq, Hq, D] buffer (as FlashKernelBackend does), so that every element must be written."""
+    B, Hq, Hkv, Lq, Lk, D, causal, padding = case
+    g = torch.Generator().manual_seed(zlib.crc32(repr((case, split_kv)).encode()))
+    q = torch.randn(B, Hq, Lq, D, generator=g).to("cuda", dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g).to("cuda", dtype)
+    v = torch.randn(B, Hkv, Lk, D, generator=g).to("cuda", dtype)
+    kw = {}
+    if padding:
+        starts = torch.randint(0, Lk // 3, (B,), generator=g)
+        ends = Lk - torch.randint(0, Lk // 3, (B,), generator=g)
+        starts[0], ends[0] = Lk // 2, Lk // 2  # a row without any key -> zeros
+        kw = {"kv_start": starts.to("cuda"), "kv_len": ends.to("cuda")}
+    buf = torch.full((B, Lq, Hq, D), float("nan"), dtype=dtype, device="cuda")
+    res = cuda_ext.cuda_flash_attn_forward(q, k, v, causal=causal, out=buf.transpose(1, 2), split_kv=split_kv, **kw)
+    torch.cuda.synchronize()
+    assert res.data_ptr() == buf.data_ptr()
+    err = rel_err(buf.transpose(1, 2), reference_attention(q, k, v, causal=causal, **kw))
+    record_error("cuda_fa2_split" if split_kv is not False else "cuda_fa2", dtype, err)
+    assert err < 1e-2, f"relative error {err:.3e}"
+
+
+@needs_gpu
+def test_cuda_out_without_contiguous_last_dim_and_plan():
+    """An out whose last dim is strided goes through a temporary; the plan follows the documented rule."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 40, 64, generator=g).to("cuda", torch.float16) for _ in range(3))
+    out = torch.full((1, 4, 40, 128), float("nan"), dtype=torch.float16, device="cuda")[..., ::2]
+    cuda_ext.cuda_flash_attn_forward(q, k, v, out=out)
+    assert rel_err(out, reference_attention(q, k, v, causal=True)) < 1e-2
+    plan = cuda_ext.cuda_flash_attn_plan
+    assert plan(1, 32, 8, 100, 16384, 128, num_sms=132)[0] > 1  # short suffix over a long cache: split
+    assert plan(1, 32, 8, 4096, 4096, 128, num_sms=132)[0] == 0  # square 4k prefill: one pass
+    assert plan(64, 32, 8, 1, 4096, 128, num_sms=132)[0] == 1  # decode, busy GPU: packed, no key split
+    assert plan(1, 32, 8, 1, 4096, 128, num_sms=132)[0] > 1  # decode, idle GPU: key splits
+    with pytest.raises(ValueError, match="out must be"):
+        cuda_ext.cuda_flash_attn_forward(q, k, v, out=torch.empty_like(q)[:, :2])

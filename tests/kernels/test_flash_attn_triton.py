@@ -6,6 +6,9 @@ every mode x dtype x shape combination runs once, with the head dim rotated thro
 
 Every kernel run writes into an output buffer poisoned with NaN, so an element the kernel forgets to write fails
 the comparison.
+
+The split-KV path (GQA-packed rows, key splits, reduce kernel) is forced with ``split_kv=True`` (under the
+interpreter the SM-count heuristic never picks it); the heuristic itself is tested as a function of the SM count.
 """
 
 import math
@@ -17,9 +20,13 @@ import kernels_triton.flash_attn as fa
 from kernels_triton.flash_attn import (
     DECODE_MAX_Q,
     _decode_split_len,
+    _interp_tiles,
     _uses_decode_path,
+    autotune_warmup,
     flash_attn_forward,
     is_interpreter,
+    use_split_kv,
+    warmup_shapes,
 )
 from kernels_triton.flash_attn_reference import attention_mask, flash_attn_reference
 
@@ -85,15 +92,15 @@ def mode_kwargs(mode: str, B: int, Lq: int, Lk: int, seed: int) -> dict:
     return kw
 
 
-def run_checked(q, k, v, record=None, tol=None, **kw):
+def run_checked(q, k, v, record=None, tol=None, split_kv=None, **kw):
     """Run the kernel into a NaN-poisoned ``out``, compare with the float64 reference, return (out, err)."""
     out = torch.full_like(q, float("nan"))
-    res = flash_attn_forward(q, k, v, out=out, **kw)
+    res = flash_attn_forward(q, k, v, out=out, split_kv=split_kv, **kw)
     assert res is out
     ref = flash_attn_reference(q.double(), k.double(), v.double(), **kw)
     err = rel_err(out, ref)
     if record is not None:
-        record("flash_attn", q.dtype, err)
+        record("flash_attn_split" if split_kv else "flash_attn", q.dtype, err)
     assert err < (tol if tol is not None else TOL[q.dtype]), f"relative error {err:.3e}"
     return out, err
 
@@ -131,6 +138,218 @@ def test_paths_are_exercised():
     assert not _uses_decode_path(7, 3)
     if is_interpreter():
         assert math.ceil(53 / _decode_split_len(2, 2, 53, DEVICE)) > 1
+        # The split-KV tests below: several splits and (with GQA 4) several row blocks per kv head.
+        for Lq, Lk in [(5, 100), (16, 100), (33, 100), (33, 300)]:
+            _, _, split_len = _interp_tiles(Lq, Lk)
+            assert math.ceil(Lk / split_len) > 1
+        assert math.ceil(4 * 33 / _interp_tiles(33, 100)[0]) > 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# split-KV prefill (short queries over long keys)
+# ----------------------------------------------------------------------------------------------------------------
+
+SPLIT_MODES = ["causal", "qpos", "window", "noncausal"]
+
+
+def split_mode_kwargs(mode: str, B: int, Lq: int, Lk: int, seed: int) -> dict:
+    """Mask arguments for the split-KV tests: default bottom-right causal; explicit unsorted positions with -1
+    rows (queries that see nothing); kv_start/kv_len windows incl. an empty row and a window that ends inside a
+    split; non-causal with a window."""
+    g = torch.Generator().manual_seed(seed)
+    if mode == "causal":
+        return {}
+    if mode == "qpos":
+        pos = torch.stack([torch.randperm(Lk, generator=g)[:Lq] for _ in range(B)])
+        pos[0, ::3] = -1
+        return {"q_positions": pos.to(DEVICE)}
+    starts = torch.tensor([3, Lk // 2][:B])
+    stops = torch.tensor([Lk - 7, Lk // 2][:B])  # row 1 (if any): empty window -> zeros
+    kw = {"kv_start": starts.to(DEVICE), "kv_len": stops.to(DEVICE)}
+    if mode == "noncausal":
+        kw.update(causal=False, kv_start=torch.tensor([0, 13][:B], device=DEVICE),
+                  kv_len=torch.tensor([Lk, Lk - 20][:B], device=DEVICE))
+    return kw
+
+
+@pytest.mark.parametrize("mode", SPLIT_MODES)
+@pytest.mark.parametrize("gqa", [4, 1], ids=["gqa4", "mha"])
+@pytest.mark.parametrize("Lk", [100, 300])
+@pytest.mark.parametrize("Lq", [5, 16, 33])
+def test_split_kv_matches_reference(Lq, Lk, gqa, mode, record_error):
+    """Forced split-KV prefill vs the float64 reference: every (Lq, Lk, GQA, mode), dtype and head dim rotated."""
+    i = 8 * [5, 16, 33].index(Lq) + 4 * [100, 300].index(Lk) + 2 * (gqa == 1) + SPLIT_MODES.index(mode)
+    dtype = DTYPES[i % len(DTYPES)]
+    D = [64, 80, 128][(i // 3) % 3]
+    B, Hkv = 2, 2
+    q, k, v = make_qkv(B, Hkv * gqa, Hkv, Lq, Lk, D, dtype, seed=1000 + i)
+    run_checked(q, k, v, record_error, split_kv=True, **split_mode_kwargs(mode, B, Lq, Lk, seed=i))
+
+
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_forced_paths_for_decode(split_kv, record_error):
+    """``split_kv`` forces either kernel for a decode step too (the one-pass kernel with Lq = 1)."""
+    q, k, v = make_qkv(2, 8, 2, 1, 70, 64, torch.float16, seed=5)
+    run_checked(q, k, v, record_error, split_kv=split_kv, kv_start=torch.tensor([0, 9], device=DEVICE))
+
+
+def test_split_kv_heuristic():
+    """The path choice as a function of the SM count: a short suffix over a long cache splits, a square prefill
+    or a GPU already full of programs does not; CPU (1 "SM") never splits."""
+    h100 = 132
+    assert use_split_kv(1, 32, 8, 100, 16384, h100)
+    assert use_split_kv(1, 32, 8, 16, 4096, h100)
+    assert use_split_kv(1, 32, 8, 512, 4096, h100)  # 4 tiles x 32 heads = 128 programs
+    assert not use_split_kv(1, 32, 8, 4096, 4096, h100)  # square 4k prefill: 1024 programs
+    assert not use_split_kv(8, 32, 8, 100, 16384, h100)  # batch 8 already fills the GPU
+    assert not use_split_kv(1, 32, 8, 100, 1024, h100)  # keys too short to be worth splitting
+    assert not use_split_kv(1, 32, 8, 100, 16384, 1)
+    assert use_split_kv(1, 32, 8, 100, 16384, 1000)  # a wider GPU splits more shapes
+
+
+@pytest.mark.parametrize(
+    "Lq, Lk, split_kv",
+    [(13, 29, False), (1, 53, None), (3, 53, None), (21, 90, True), (9, 14, True)],
+    ids=["prefill", "decode", "decode3", "split", "split_single"],
+)
+def test_transposed_out_all_paths(Lq, Lk, split_kv, record_error):
+    """``out`` as FlashKernelBackend passes it: the [B, Hq, Lq, D] view of a NaN-poisoned [B, Lq, Hq, D] buffer.
+    Every path (one-pass, decode split + reduce, split-KV prefill + reduce, single split writing directly) must
+    fill the whole buffer with the right values."""
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, torch.float32, seed=Lq + Lk)
+    buf = torch.full((B, Lq, Hq, D), float("nan"), device=DEVICE)
+    kw = {"kv_start": torch.tensor([0, 4], device=DEVICE)}
+    res = flash_attn_forward(q, k, v, out=buf.transpose(1, 2), split_kv=split_kv, **kw)
+    assert res.data_ptr() == buf.data_ptr() and torch.isfinite(buf).all()
+    err = rel_err(buf.transpose(1, 2), flash_attn_reference(q.double(), k.double(), v.double(), **kw))
+    record_error("flash_attn_split" if split_kv else "flash_attn", q.dtype, err)
+    assert err < TOL[torch.float32]
+
+
+def test_warmup_shapes_cover_every_bucket():
+    """Warm-up visits every power-of-two (q, kv) bucket the engine can hit, both paths for q > DECODE_MAX_Q."""
+    shapes = warmup_shapes(1000)
+    kv_buckets = {kv for _, kv, _ in shapes}
+    assert kv_buckets == {2**i for i in range(11)}  # 1 .. 1024 = next_pow2(1000)
+    for kv in (16, 1024):
+        assert {q for q, k, s in shapes if k == kv and s is None} == set(range(1, DECODE_MAX_Q + 1))
+        for qb in [2**i for i in range(3, 11) if 2**i <= kv]:
+            assert (qb, kv, True) in shapes and (qb, kv, False) in shapes
+    assert all(q <= kv for q, kv, _ in shapes)
+
+
+def test_autotune_warmup_is_a_noop_without_gpu():
+    if not is_interpreter() and DEVICE.type == "cuda":
+        pytest.skip("checks the CPU / interpreter no-op")
+    kw = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": torch.float16, "max_len": 4096}
+    assert autotune_warmup(device=DEVICE, **kw) == 0
+    from kvboost.attention.triton import TritonBackend
+
+    backend = TritonBackend()
+    backend.warmup(device=DEVICE, **kw)
+    assert backend.warmup_calls == 0 and backend.kernel_calls == 0
+
+
+@pytest.fixture
+def gpu_launch_code(monkeypatch):
+    """Run the GPU launch code (Triton's autotuner over the config lists, grid functions of the tuned tiles)
+    under the interpreter: the timer is replaced by a CPU clock and is_interpreter() answers False for the
+    launches (input validation, which needs CUDA tensors when compiled, is done before)."""
+    if not is_interpreter():
+        pytest.skip("the compiled path runs for real on a GPU")
+    import time
+
+    benched = []
+
+    def cpu_bench(kernel_call, quantiles):
+        benched.append(1)
+        start = time.perf_counter()
+        kernel_call()
+        elapsed = time.perf_counter() - start
+        return [elapsed] * len(quantiles)
+
+    monkeypatch.setattr(fa, "_tune_bench", cpu_bench)
+    monkeypatch.setattr(fa, "_autotuned", {})
+    real_interpreter, real_launch = fa.is_interpreter, fa._launch
+
+    def launch(*args, **kwargs):
+        monkeypatch.setattr(fa, "is_interpreter", lambda: False)
+        try:
+            return real_launch(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(fa, "is_interpreter", real_interpreter)
+
+    launch.benched = benched
+
+    return launch
+
+
+@pytest.mark.parametrize(
+    "Lq, Lk, split, num_splits",
+    [(20, 40, False, None), (1, 300, True, None), (3, 300, True, 3), (20, 300, True, 3), (20, 50, True, 1)],
+    ids=["one_pass", "decode_single_split", "decode_splits", "split_prefill", "split_prefill_direct"],
+)
+def test_autotuned_launch_paths(gpu_launch_code, Lq, Lk, split, num_splits, record_error):
+    """Each autotuned kernel (fwd, decode, split) with every config of its list (fp16, GPU tile sizes, transposed
+    out): the launch arguments, grid functions and config pruning of the GPU path."""
+    B, Hq, Hkv, D = 1, 4, 2, 64
+    q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, torch.float16, seed=Lq + Lk)
+    buf = torch.full((B, Lq, Hq, D), float("nan"), dtype=q.dtype, device=DEVICE)
+    out = buf.transpose(1, 2)
+    kv_start = torch.tensor([2], device=DEVICE)
+    sm_scale, qpos, ks, kl = fa._validate(q, k, v, None, None, kv_start, None, out)
+    gpu_launch_code(q, k, v, out, True, sm_scale, qpos, ks, kl, split, num_splits=num_splits)
+    name = "fwd" if not split else ("decode" if _uses_decode_path(Lq, Hq // Hkv) else "split")
+    assert len(fa._autotuned[name].cache) == 1  # tuned once for this key ...
+    assert len(gpu_launch_code.benched) > 1  # ... over several configs
+    err = rel_err(out, flash_attn_reference(q.double(), k.double(), v.double(), kv_start=kv_start))
+    record_error("flash_attn_gpu_cfg", q.dtype, err)
+    assert err < TOL[q.dtype]
+
+
+def test_warmup_loop_tunes_every_key(gpu_launch_code, monkeypatch):
+    """The warm-up loop (GPU launch code, under the interpreter) makes one tuning key per bucket and path."""
+    calls = []
+    monkeypatch.setattr(fa, "_launch", lambda *a, **kw: calls.append(kw.get("num_splits")) or gpu_launch_code(*a, **kw))
+    q, k, v = make_qkv(1, 4, 2, 8, 8, 64, torch.float16, seed=0)
+    n = fa._run_warmup(q, k, v, max_len=8, padding_variants=False)
+    assert n == len(calls) > 0 and 1 in calls
+    keys = {name: len(a.cache) for name, a in fa._autotuned.items()}
+    assert keys["fwd"] >= 1 and keys["split"] >= 1 and keys["decode"] >= 4  # decode: kv buckets 1..8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# install-time model checks of the triton backend
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_triton_model_issues():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+
+    from kvboost.attention.triton import triton_model_issues
+
+    assert triton_model_issues(LlamaConfig(head_dim=80), torch.float32) == []
+    assert triton_model_issues(MistralConfig(sliding_window=16), torch.bfloat16) == []  # SDPA fallback, counted
+    assert "attn=sdpa" in triton_model_issues(LlamaConfig(head_dim=64), torch.float64)[0]
+    assert "256" in triton_model_issues(LlamaConfig(head_dim=512), torch.float16)[0]
+    issues = triton_model_issues(Gemma2Config(), torch.bfloat16)
+    assert len(issues) == 1 and "soft-capping" in issues[0] and "attn=eager" in issues[0]
+
+
+def test_triton_install_refuses_softcapping_model():
+    """Gemma2-style soft-capping is refused when the backend is installed, and the model is left untouched."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from kvboost.registry import ATTENTION
+
+    config = Gemma2Config(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config._attn_implementation = "eager"
+    model = Gemma2ForCausalLM(config)
+    with pytest.raises(ValueError, match="soft-capping"):
+        ATTENTION.build("triton").install(model)
+    assert model.config._attn_implementation == "eager"
 
 
 def test_multi_query_block_and_long_keys(record_error):

@@ -1,0 +1,93 @@
+"""Configs are data, checked when composed: every plugin name is registered and every field an argument.
+
+``check_config(cfg)`` runs before the runner loads anything, so a typo (``chunker.chunk_szie=32``, an unknown
+recompute strategy, a workload field that does not exist) fails at start-up with the field's name, not after
+a model was loaded and half a run was measured. ``tests/test_configs.py`` composes every config file of every
+group with Hydra's compose API and runs it through here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from experiments.modes import MODES
+from experiments.workloads import WORKLOADS
+from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, EVICTION, HASHERS, KV_QUANT, RECOMPUTE
+
+#: config group -> registry of the plugin it names
+PLUGIN_GROUPS = {
+    "chunker": CHUNKERS,
+    "hasher": HASHERS,
+    "recompute": RECOMPUTE,
+    "quant": KV_QUANT,
+    "attn": ATTENTION,
+    "eviction": EVICTION,
+}
+#: workload config fields the runner reads itself (not passed to the workload)
+RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
+LOGGERS = ("none", "wandb")
+ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes")
+
+
+def split_workload_config(cfg: dict[str, Any]) -> tuple[str, dict[str, Any], list[str], int]:
+    """(workload name, its own fields, runner modes, repeats) from ``cfg["workload"]``."""
+    workload = dict(cfg.get("workload") or {"name": "sharegpt_replay"})
+    workload.pop("description", None)
+    name = workload.pop("name", "sharegpt_replay")
+    modes = list(workload.pop("modes", None) or ["baseline", "hf_prefix", "kvboost_cold", "kvboost"])
+    repeats = workload.pop("repeats", 1)
+    return name, workload, modes, repeats
+
+
+def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of ``InferenceEngine`` from a run config."""
+    return dict(
+        chunker=cfg.get("chunker", "fixed"),
+        hasher=cfg.get("hasher", "sha256"),
+        cache=cfg.get("cache"),
+        eviction=cfg.get("eviction"),
+        recompute=cfg.get("recompute", "none"),
+        quant=cfg.get("quant", "none"),
+        attn=cfg.get("attn", "sdpa"),
+        **(cfg.get("engine") or {}),
+    )
+
+
+def check_config(cfg: dict[str, Any]) -> None:
+    """Raise ValueError (or UnknownPluginError) for the first thing in ``cfg`` no run could use."""
+    for group, registry in PLUGIN_GROUPS.items():
+        if cfg.get(group) is not None:
+            registry.validate(cfg[group])
+    cache = cfg.get("cache")
+    for tier in cache if isinstance(cache, list) else [cache] if cache is not None else []:
+        CACHE_TIERS.validate(tier)
+    unknown_engine = sorted(set(cfg.get("engine") or {}) - set(ENGINE_OPTIONS))
+    if unknown_engine:
+        raise ValueError(f"engine: unknown option(s) {unknown_engine}; accepted: {', '.join(ENGINE_OPTIONS)}")
+
+    name, fields, modes, repeats = split_workload_config(cfg)
+    WORKLOADS.validate({"name": name, **fields}, provided=("env",))
+    unknown_modes = [m for m in modes if m not in MODES]
+    if unknown_modes or not modes:
+        raise ValueError(f"unknown modes {unknown_modes or modes}; available: {', '.join(MODES.names())}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"workload.modes lists a mode twice: {modes}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"workload.repeats must be a positive integer, got {repeats!r}")
+
+    logger = dict(cfg.get("logger") or {"name": "none"})
+    if logger.get("name", "none") not in LOGGERS:
+        raise ValueError(f"unknown logger {logger.get('name')!r}; use one of: {', '.join(LOGGERS)}")
+    model = dict(cfg.get("model") or {})
+    if model.get("dtype") is not None:
+        from kvboost.models.loading import resolve_dtype
+
+        resolve_dtype(model["dtype"])
+
+
+def engine_signature_options() -> list[str]:
+    """The keyword options ``InferenceEngine`` takes (kept in sync with ENGINE_OPTIONS by a test)."""
+    from kvboost.engine import InferenceEngine
+
+    return [p for p in inspect.signature(InferenceEngine.__init__).parameters if p not in ("self", "model", "tokenizer")]

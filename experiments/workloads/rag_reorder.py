@@ -1,0 +1,105 @@
+"""RAG with reordered documents: the same documents, retrieved in a new order and mix for every query.
+
+A corpus of documents built from real text (long ShareGPT messages), each with one planted fact, and questions
+with known answers (``experiments/rag_corpus.py``). Each query puts ``docs_per_query`` documents (one of them
+holds the answer) in a fresh random order between the question asked before and after them, and prefills the
+start of the answer. After the first queries, a prefix cache (``hf_prefix``, vLLM, SGLang, llama.cpp) finds
+almost nothing to reuse; kvboost's segment keys find every document wherever it sits (content hits, re-rotated
+and repaired by the configured recompute strategy).
+
+Documents are warmed before timing as declared shared context (``warm_documents: true``, DESIGN.md invariant 5:
+a document collection is known in advance, the query is not), or only stored by earlier queries
+(``warm_documents: false``). Measured per mode: TTFT, answer accuracy, and against the baseline (full prefill)
+the first-token KL, greedy match and log-probability of the right answer.
+
+Use it with a segmenting chunker (``chunker=separator``, the workload's config selects it): otherwise documents
+are tokenized as part of the whole prompt and can only be prefix hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from experiments import rag_corpus
+from experiments.workloads import WORKLOADS
+from experiments.workloads.base import Request, Workload, WorkloadEnv
+
+
+@dataclass
+class RagReorderConfig:
+    num_documents: int = 24
+    num_queries: int = 60
+    docs_per_query: int = 5
+    doc_tokens: int = 280
+    seed: int = 0
+    separator: str = "\n\n"
+    warm_documents: bool = True
+    max_new_tokens: int = 8
+    system_prompt: str | None = None  # None: the corpus module's default
+
+    def __post_init__(self) -> None:
+        for name in ("num_documents", "num_queries", "docs_per_query", "doc_tokens", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
+        if self.doc_tokens < rag_corpus.MIN_DOC_TOKENS:
+            raise ValueError(f"workload.doc_tokens must be >= {rag_corpus.MIN_DOC_TOKENS}, got {self.doc_tokens}")
+        if self.num_documents > len(rag_corpus.SUBJECT_NAMES):
+            raise ValueError(
+                f"workload.num_documents ({self.num_documents}) exceeds the {len(rag_corpus.SUBJECT_NAMES)} subject "
+                "names the corpus has"
+            )
+        if self.docs_per_query > self.num_documents:
+            raise ValueError(
+                f"workload.docs_per_query ({self.docs_per_query}) exceeds workload.num_documents ({self.num_documents})"
+            )
+
+
+@WORKLOADS.register("rag_reorder")
+class RagReorder(Workload):
+    """Queries over reordered subsets of a document corpus with planted facts."""
+
+    config_class = RagReorderConfig
+
+    def __init__(self, *, env: WorkloadEnv, **fields) -> None:
+        self.corpus = rag_corpus
+        cfg = RagReorderConfig(**fields)
+        self.cfg = cfg
+        self.max_new_tokens = cfg.max_new_tokens
+        self.tokenizer = env.tokenizer
+        self.documents = self.corpus.build_corpus(
+            num_documents=cfg.num_documents, seed=cfg.seed, doc_tokens=cfg.doc_tokens,
+            count_tokens=lambda text: len(env.tokenizer(text, add_special_tokens=False)["input_ids"]),
+        )  # fmt: skip
+        self.by_id = {d.doc_id: d for d in self.documents}
+        self.queries = self.corpus.build_queries(
+            self.documents, num_queries=cfg.num_queries, docs_per_query=cfg.docs_per_query, seed=cfg.seed
+        )
+        self._prompt_tokens: list[int] = []
+        self._count = env.count_tokens
+
+    def num_requests_upper_bound(self) -> int:
+        return len(self.queries)
+
+    def shared_context(self) -> list[str]:
+        return [d.text for d in self.documents] if self.cfg.warm_documents else []
+
+    def requests(self) -> Iterator[Request]:
+        kwargs = {"separator": self.cfg.separator}
+        if self.cfg.system_prompt is not None:
+            kwargs["system_prompt"] = self.cfg.system_prompt
+        for q in self.queries:
+            prompt = self.corpus.render_prompt(self.tokenizer, q, self.by_id, **kwargs)
+            # The answer continues the prefilled answer start: score it with a leading space, as it follows.
+            score = [int(t) for t in self.tokenizer(" " + q.answer, add_special_tokens=False)["input_ids"]]
+            yield Request(
+                request_id=q.query_id, conversation_id=q.query_id, turn=1, prompt=prompt, expected=q.answer,
+                score_ids=score, info={"target_position": q.doc_ids.index(q.target_doc)},
+            )  # fmt: skip
+
+    def is_correct(self, request: Request, output_text: str) -> bool | None:
+        return self.corpus.is_correct(output_text, request.expected or "")
+
+    def stats(self) -> dict[str, int]:
+        return {"documents": len(self.documents), "queries": len(self.queries), "docs_per_query": self.cfg.docs_per_query}

@@ -1,0 +1,41 @@
+"""The oracle (research only): recompute the tokens that truly deviate most, known from a full prefill.
+
+It shows how good a selection at a given ratio can be, so CacheBlend's layer-1 proxy can be judged: the engine
+runs a full prefill first, measures each content token's K/V deviation from it (summed over all layers), and
+the oracle recomputes the top ``ratio`` at every layer. It costs more than a full prefill and is reported as
+costing one (``recompute_ratio`` counts every reused token at every layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
+from kvboost.recompute.base import RecomputeStrategy, check_fraction, top_fraction
+from kvboost.registry import RECOMPUTE
+
+
+@RECOMPUTE.register("oracle")
+class OracleRecompute(RecomputeStrategy):
+    """Top ``ratio`` of content tokens by their true K/V deviation from a full prefill.
+
+    Args:
+        ratio: fraction of content-hit tokens recomputed (at every layer).
+    """
+
+    needs_reference = True
+
+    def __init__(self, ratio: float = 0.15) -> None:
+        self.ratio = check_fraction("oracle", "ratio", ratio)
+
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        content = plan.positions("content")
+        if content.numel() and (plan.reference_deviation is None or plan.reference_deviation.numel() != content.numel()):
+            raise ValueError("recompute strategy 'oracle' needs plan.reference_deviation for every content position")
+        chosen = top_fraction(content, plan.reference_deviation, self.ratio) if content.numel() else content
+        keep = plan.kinds == KIND_CODES["new"]
+        keep[chosen] = True
+        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten(), full_prefill_cost=True)
+
+    def fingerprint(self) -> str:
+        return f"oracle:{self.ratio}"

@@ -1,0 +1,45 @@
+"""Recompute the first tokens of every content-hit run: a cheap, position-based repair."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
+from kvboost.recompute.base import RecomputeStrategy
+from kvboost.registry import RECOMPUTE
+
+
+@RECOMPUTE.register("selective")
+class SelectiveRecompute(RecomputeStrategy):
+    """The first ``r`` tokens of every run of content hits, and the first ``sink`` non-exact prompt tokens.
+
+    A document cached on its own was computed from position 0: its first tokens carry the attention-sink role
+    a sequence start gets, and they attended to nothing before them. Placed after other text, those first
+    tokens deviate most; recomputing them (at every layer) is the simplest repair, chosen by position rather
+    than measured deviation (compare ``cacheblend``).
+
+    Args:
+        r: tokens recomputed at the start of each run of consecutive content-hit positions.
+        sink: also recompute the first ``sink`` positions of the prompt that are not exact hits (the real
+            sequence start, when the prompt itself begins with a content hit).
+    """
+
+    def __init__(self, r: int = 16, sink: int = 0) -> None:
+        for name, value in (("r", r), ("sink", sink)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"recompute strategy 'selective': {name} must be a non-negative integer, got {value!r}")
+        self.r, self.sink = r, sink
+
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        n = len(plan)
+        pos = torch.arange(n)
+        content = plan.kinds == KIND_CODES["content"]
+        previous_content = torch.cat([torch.zeros(1, dtype=torch.bool), content[:-1]])
+        run_start = torch.where(content & ~previous_content, pos, torch.zeros_like(pos)).cummax(0).values
+        keep = (plan.kinds == KIND_CODES["new"]) | (content & (pos - run_start < self.r))
+        if self.sink:
+            keep[torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten()[: self.sink]] = True
+        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
+
+    def fingerprint(self) -> str:
+        return f"selective:{self.r}:{self.sink}"
