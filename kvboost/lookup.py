@@ -34,12 +34,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def chunk_keys(
-    ids: Sequence[int], spans: list[ChunkSpan], hasher: Hasher, fingerprint: str, salt: str = ""
-) -> list[ChunkKey]:
-    return hasher.chunk_keys(ids, spans, fingerprint, salt)
-
-
 def chunk_prompt(
     ids: Sequence[int], chunker: Chunker, hasher: Hasher, fingerprint: str, salt: str = ""
 ) -> tuple[list[ChunkSpan], list[ChunkKey]]:
