@@ -34,6 +34,7 @@ from kvboost.lookup import common_prefix_length, lookup
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
 from kvboost.models.layerwise import LayerwiseModel
+from kvboost.models.probe import ReaderAttentionProbe, observing
 from kvboost.models.prealloc_cache import PreallocatedKV
 from kvboost.plan import ReusePlan, validate_schedule, validate_selection
 from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
@@ -340,9 +341,17 @@ class InferenceEngine:
         counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
                              content_tokens=plan.content_tokens)  # fmt: skip
         frontier = plan.exact_prefix
+        probed = False
         if plan.content_tokens:
             reference = self._reference_deviation(plan, kv) if self.recompute.needs_reference else None
             plan.reference_deviation = reference
+            if check_schedule and self.recompute.needs_reader_attention:
+                self._assemble_content(plan, kv)
+                clock.mark("assembled")
+                plan.reader_attention = self._reader_attention(plan, kv, ids)
+                clock.mark("probed")
+                counts.extra["probe_ms"] = clock.ms("assembled", "probed")
+                probed = True
         schedule = self.recompute.schedule(plan, num_layers) if check_schedule else None
         positions = validate_schedule(schedule, plan, num_layers, self.recompute.registry_name) if schedule else None
         if positions is None or (not schedule.check_layers and positions.numel() == n - frontier):
@@ -356,11 +365,9 @@ class InferenceEngine:
                 counts.recomputed_pairs = plan.reused_tokens * num_layers  # it ran a full prefill to decide
             return _Prefill(logits, counts, approx_from=None)
 
-        for p in plan.placements:
-            if p.kind == "content":
-                keys = p.keys.to(device=device, dtype=kv.keys.dtype)
-                kv.write(p.start, self.rotator.rotate(keys, p.shift) if p.shift else keys, p.values)
-        clock.mark("assembled")
+        if not probed:
+            self._assemble_content(plan, kv)
+            clock.mark("assembled")
         content_mask = plan.kinds == 1
         strategy = self.recompute
 
@@ -391,6 +398,34 @@ class InferenceEngine:
         approx = content_mask & ~torch.isin(torch.arange(n), stats.final_positions)
         hits = torch.nonzero(approx, as_tuple=False)
         return _Prefill(logits, counts, approx_from=int(hits[0]) if hits.numel() else None)
+
+    def _assemble_content(self, plan: ReusePlan, kv: PreallocatedKV) -> None:
+        """Write every content hit into ``kv``, its keys re-rotated to their new positions."""
+        device = self.adapter.device
+        for p in plan.placements:
+            if p.kind == "content":
+                keys = p.keys.to(device=device, dtype=kv.keys.dtype)
+                kv.write(p.start, self.rotator.rotate(keys, p.shift) if p.shift else keys, p.values)
+
+    def _reader_attention(self, plan: ReusePlan, kv: PreallocatedKV, ids: torch.Tensor) -> torch.Tensor:
+        """The probe pass for ``needs_reader_attention`` strategies: compute only the new tokens over the
+        assembled (re-rotated) content hits and record what the reader queries, the positions after the last
+        content hit, attend to. Returns ``[layers, heads, content]``. The new tokens' K/V it writes are
+        computed again by the real pass (the schedule always includes every new position)."""
+        n, num_layers = len(plan), self.adapter.num_layers
+        layers = tuple(self.recompute.reader_layers(num_layers))
+        if not layers or any(not 0 <= layer < num_layers for layer in layers):
+            raise ValueError(
+                f"recompute strategy {self.recompute.registry_name!r}: reader_layers must name layers in "
+                f"[0, {num_layers}), got {list(layers)}"
+            )
+        content = plan.positions("content")
+        new = plan.positions("new")
+        readers = new[new > int(content[-1])]
+        probe = ReaderAttentionProbe(layers, n, readers)
+        with observing(self.attention, probe):
+            self.layerwise.prefill(ids.to(self.adapter.device), kv, new, content_mask=plan.kinds == 1)
+        return probe.result()[:, :, content]
 
     def _reference_deviation(self, plan: ReusePlan, kv: PreallocatedKV) -> torch.Tensor:
         """Per content position, the squared K/V error of the re-rotated cached rows against a full prefill,

@@ -58,6 +58,10 @@ class ReusePlan:
         reference_deviation: set by the engine for strategies with ``needs_reference`` (the ``oracle``): per
             content position (in ``positions("content")`` order), how far the cached K/V is from a full
             prefill's, summed over layers.
+        reader_attention: set by the engine for strategies with ``needs_reader_attention``: ``[layers, heads,
+            content]`` float32, the mean softmax attention of the prompt's reader queries (the positions after
+            the last content hit) over each content position (in ``positions("content")`` order), measured in a
+            probe pass that reuses every content hit as re-rotated, at the layers the strategy asked for.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class ReusePlan:
         self.spans = list(spans)
         self.keys = list(keys)
         self.reference_deviation: torch.Tensor | None = None
+        self.reader_attention: torch.Tensor | None = None
         n = len(prompt_ids)
         pos = 0
         kinds = torch.empty(n, dtype=torch.int8)

@@ -174,6 +174,10 @@ def test_recompute_schedule_contract_on_content_hits(name):
     assert plan.content_tokens > 0
     if engine.recompute.needs_reference:
         plan.reference_deviation = torch.rand(plan.content_tokens)
+    if engine.recompute.needs_reader_attention:
+        layers = engine.recompute.reader_layers(engine.adapter.num_layers)
+        assert layers and all(0 <= layer < engine.adapter.num_layers for layer in layers)
+        plan.reader_attention = torch.rand(len(layers), 2, plan.content_tokens)
     schedule = engine.recompute.schedule(plan, engine.adapter.num_layers)
     initial = validate_schedule(schedule, plan, engine.adapter.num_layers, name)  # raises on a contract breach
     assert set(plan.positions("new").tolist()) <= set(initial.tolist())
@@ -187,5 +191,5 @@ def test_recompute_schedule_contract_on_content_hits(name):
 
 def test_conformance_sees_every_family():
     assert all(reg.names() for reg in (CHUNKERS, HASHERS, CACHE_TIERS, EVICTION, KV_QUANT, RECOMPUTE))
-    assert {"none", "selective", "cacheblend", "full", "oracle"} <= set(RECOMPUTE.names())
+    assert {"none", "selective", "cacheblend", "query_aware", "full", "oracle"} <= set(RECOMPUTE.names())
     assert {"fixed", "separator", "boundary_window"} <= set(CHUNKERS.names())

@@ -66,6 +66,9 @@ class AttentionBackend(ABC):
 
     def __init__(self) -> None:
         self.kernel_calls = 0
+        #: Called as ``observer(module, query, key, scaling)`` before every attention call while set (the
+        #: reader-attention probe of ``kvboost.models.probe`` uses it); None in normal operation.
+        self.query_observer: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, float | None], None] | None = None
 
     # ------------------------------------------------------------------ to implement
     @abstractmethod
@@ -228,6 +231,9 @@ def _make_dispatcher(key: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor
         backend = getattr(module, MODULE_BACKEND_ATTR, None)
         if backend is None or backend.impl_name != key:
             backend = _LATEST_BACKEND[key]
+        observer = getattr(backend, "query_observer", None)
+        if observer is not None:
+            observer(module, query, key_states, kwargs.get("scaling"))
         return backend.attention_forward(module, query, key_states, value_states, attention_mask, **kwargs)
 
     kvboost_attention.__name__ = f"{key}_attention_forward"

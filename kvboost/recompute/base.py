@@ -31,14 +31,23 @@ class RecomputeStrategy(ABC):
 
     Set ``needs_reference = True`` (research only) to receive ``plan.reference_deviation`` from a full prefill
     before ``schedule`` is called; such a strategy's cost is reported as a full prefill.
+
+    Set ``needs_reader_attention = True`` to receive ``plan.reader_attention`` (what the prompt's closing
+    tokens attend to, at the layers ``reader_layers`` names) from a probe pass the engine runs first: only the
+    new tokens computed, every content hit reused as re-rotated; its time is inside TTFT.
     """
 
     registry_name: str = "?"
     needs_reference: ClassVar[bool] = False
+    needs_reader_attention: ClassVar[bool] = False
 
     def check_model(self, num_layers: int) -> None:
         """Raise ValueError if this strategy cannot run on a model with ``num_layers`` decoder layers (called by
         the engine's constructor, so a misfit fails before any request)."""
+
+    def reader_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers whose reader attention ``plan.reader_attention`` must hold (``needs_reader_attention``)."""
+        return ()
 
     @abstractmethod
     def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:

@@ -1,0 +1,67 @@
+"""Query-aware recomputation: repair the content-hit tokens the prompt's question actually reads.
+
+CacheBlend ranks tokens by how far their K/V drift at an early layer. On a small model that proxy mostly finds
+each document's first tokens (the standalone KV's attention sinks) and misses what matters for the answer: the
+sentences the question is about, whose K/V in a full prefill attend to the question asked before the documents.
+This strategy asks the prompt itself. A probe pass computes only the new tokens (the question after the
+documents and the answer start) over the re-rotated content hits, as ``recompute=none`` does, and records the
+attention of those reader queries over every content token at the upper half of the layers. The
+``ratio`` of content tokens read most are then recomputed at every layer together with the new tokens.
+
+Cost: the probe (about a ``none`` prefill) plus ``ratio`` of the content at every layer; no full prefill.
+Measured on the RAG-reorder workload (experiments/results/README.md): see the strategies table there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
+from kvboost.recompute.base import RecomputeStrategy, check_fraction, top_fraction
+from kvboost.registry import RECOMPUTE
+
+HEAD_REDUCTIONS = ("mean", "max")
+
+
+@RECOMPUTE.register("query_aware")
+class QueryAware(RecomputeStrategy):
+    """Recompute the top ``ratio`` of content-hit tokens by the attention the prompt's reader queries pay them.
+
+    Args:
+        ratio: fraction of content-hit tokens recomputed (at every layer).
+        from_layer: first probed layer as a fraction of the model's depth (0.5: the upper half); the
+            attention is summed over the probed layers.
+        heads: how a layer's heads are combined: ``mean`` (the average reader) or ``max`` (any head that
+            reads the token strongly, e.g. a retrieval head).
+    """
+
+    needs_reader_attention = True
+
+    def __init__(self, ratio: float = 0.15, from_layer: float = 0.5, heads: str = "mean") -> None:
+        self.ratio = check_fraction("query_aware", "ratio", ratio)
+        self.from_layer = check_fraction("query_aware", "from_layer", from_layer)
+        if heads not in HEAD_REDUCTIONS:
+            raise ValueError(f"recompute strategy 'query_aware': heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
+        self.heads = heads
+
+    def reader_layers(self, num_layers: int) -> tuple[int, ...]:
+        first = min(num_layers - 1, int(round(self.from_layer * num_layers)))
+        return tuple(range(first, num_layers))
+
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        content = plan.positions("content")
+        keep = plan.kinds == KIND_CODES["new"]
+        if content.numel():
+            attention = plan.reader_attention
+            if attention is None or attention.dim() != 3 or attention.shape[2] != content.numel():
+                raise ValueError(
+                    "recompute strategy 'query_aware' needs plan.reader_attention [layers, heads, content] for "
+                    "every content position (the engine's probe pass provides it)"
+                )
+            per_head = attention.float()
+            score = (per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)).sum(dim=0)
+            keep[top_fraction(content, score, self.ratio)] = True
+        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
+
+    def fingerprint(self) -> str:
+        return f"query_aware:{self.ratio}:{self.from_layer}:{self.heads}"

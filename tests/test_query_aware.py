@@ -1,0 +1,95 @@
+"""The query_aware recompute strategy and the reader-attention probe it relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_content_reuse import DOCS, blend_engine, rag_prompt
+from tiny import random_ids, tiny_model
+
+from kvboost.models.probe import ReaderAttentionProbe, observing
+from kvboost.plan import Placement, ReusePlan
+from kvboost.recompute.query_aware import QueryAware
+
+
+def _warmed(recompute, attn="sdpa"):
+    engine = blend_engine(recompute=recompute, attn=attn)
+    for doc in DOCS:
+        engine.warm(doc)
+    return engine
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+def test_the_probe_measures_the_models_own_attention(arch, attn):
+    """The probe's probabilities equal the eager attention weights HF returns, for the last queries."""
+    ids = torch.tensor([random_ids(40, seed=1)])
+    readers = torch.arange(33, 40)
+    reference = tiny_model(arch, max_position_embeddings=1024, num_hidden_layers=4)  # blend_engine's model
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = reference(ids, output_attentions=True).attentions
+    engine = blend_engine(arch, attn=attn)  # same seed, same weights; attention through a kvboost backend
+    probe = ReaderAttentionProbe((0, 3), 40, readers)
+    with torch.no_grad(), observing(engine.attention, probe):
+        engine.model(ids)
+    got = probe.result()
+    assert got.shape == (2, attentions[0].shape[1], 40)
+    for row, layer in enumerate((0, 3)):
+        want = attentions[layer][0, :, 33:40].mean(dim=1)
+        assert float((got[row] - want).abs().max()) < 1e-5
+    assert engine.attention.query_observer is None  # removed after the block
+
+
+def test_ratio_one_equals_full_and_ratio_zero_equals_none():
+    prompt = rag_prompt([2, 1, 0])
+    full = _warmed("full").generate(prompt, max_new_tokens=5)
+    none = _warmed("none").generate(prompt, max_new_tokens=5)
+    one = _warmed({"name": "query_aware", "ratio": 1.0}).generate(prompt, max_new_tokens=5)
+    zero = _warmed({"name": "query_aware", "ratio": 0.0}).generate(prompt, max_new_tokens=5)
+    assert one.content_hit_tokens > 0 and "probe_ms" in one.extra
+    assert float((one.first_token_logits - full.first_token_logits).abs().max()) <= 1e-4
+    assert one.output_ids == full.output_ids
+    # The probe's writes of the new tokens are computed again by the real pass: nothing of it leaks.
+    assert float((zero.first_token_logits - none.first_token_logits).abs().max()) <= 1e-5
+    assert zero.recompute_ratio == 0.0
+
+
+def test_cost_follows_the_ratio():
+    fractions = {}
+    for ratio in (0.1, 0.4):
+        r = _warmed({"name": "query_aware", "ratio": ratio}).generate(rag_prompt([0, 2, 1]), max_new_tokens=2)
+        fractions[ratio] = r.recompute_ratio * r.prompt_tokens / r.content_hit_tokens
+    # every layer recomputes the same chosen tokens: the measured share of content is the ratio (rounding)
+    assert fractions[0.1] == pytest.approx(0.1, abs=0.02)
+    assert fractions[0.4] == pytest.approx(0.4, abs=0.02)
+
+
+def test_the_tokens_read_most_are_the_ones_recomputed():
+    plan = ReusePlan(
+        list(range(12)),
+        [
+            Placement(0, 2, "new"),
+            Placement(2, 10, "content", stored_start=0, keys=torch.zeros(1, 1, 8, 2), values=torch.zeros(1, 1, 8, 2)),
+            Placement(10, 12, "new"),
+        ],
+    )
+    attention = torch.zeros(3, 2, 8)
+    attention[1, 0, 5] = 0.9  # content position 7: one head of one layer reads it strongly
+    attention[:, :, 1] = 0.2  # content position 3: every head of every layer reads it a little
+    mean = QueryAware(ratio=0.125, heads="mean")
+    peak = QueryAware(ratio=0.125, heads="max")
+    plan.reader_attention = attention
+    # mean over heads: position 3 reads 0.2 x 3 layers = 0.6 > position 7's 0.45; max over heads: 0.9 > 0.6
+    assert mean.schedule(plan, 3).initial.tolist() == [0, 1, 3, 10, 11]
+    assert peak.schedule(plan, 3).initial.tolist() == [0, 1, 7, 10, 11]
+    plan.reader_attention = None
+    with pytest.raises(ValueError, match="reader_attention"):
+        mean.schedule(plan, 3)
+
+
+def test_probed_layers_and_bad_settings():
+    assert QueryAware().reader_layers(30) == tuple(range(15, 30))
+    assert QueryAware(from_layer=1.0).reader_layers(4) == (3,)  # at least the last layer
+    for bad in ({"ratio": 1.5}, {"from_layer": -0.1}, {"heads": "median"}):
+        with pytest.raises(ValueError, match="query_aware"):
+            QueryAware(**bad)
