@@ -58,11 +58,11 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
 def check_config(cfg: dict[str, Any]) -> None:
     """Raise ValueError (or UnknownPluginError) for the first thing in ``cfg`` no run could use."""
     for group, registry in PLUGIN_GROUPS.items():
-        if cfg.get(group) is not None:
+        if cfg.get(group) is not None and registry is not CACHE_TIERS:
             registry.validate(cfg[group])
     cache = cfg.get("cache")
     for tier in cache if isinstance(cache, list) else [cache] if cache is not None else []:
-        CACHE_TIERS.validate(tier)
+        CACHE_TIERS.validate(tier, provided=("write_through",))  # write_through is the store's, per tier
     unknown_engine = sorted(set(cfg.get("engine") or {}) - set(ENGINE_OPTIONS))
     if unknown_engine:
         raise ValueError(f"engine: unknown option(s) {unknown_engine}; accepted: {', '.join(ENGINE_OPTIONS)}")

@@ -3,7 +3,7 @@
 Two steps, results merged into ``experiments/results/kv_quant/kv_quant.json``:
 
 1. ``bytes``: the store's used bytes (``engine.cache_stats()``) per stored token for quant none / kivi8 / kivi4 /
-   kivi2 (and kivi4 at group 64) on the bundled SmolLM2-135M in fp32, after warming a few real ShareGPT chat
+   kivi2 (and kivi4 at KIVI's group 32) on the bundled SmolLM2-135M in fp32, after warming a few real ShareGPT chat
    prompts (chat template applied, the project's default 64-token fixed chunks), against the model's own fp32
    KV and an fp16 KV of the same shape::
 
@@ -35,9 +35,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "kv_quant"
 QUANTS: dict[str, Any] = {
     "none": "none",
     "kivi8": {"name": "kivi8"},
-    "kivi4": {"name": "kivi4"},
+    "kivi4": {"name": "kivi4"},  # group_size 64 (its default)
     "kivi2": {"name": "kivi2"},
-    "kivi4_g64": {"name": "kivi4", "group_size": 64},
+    "kivi4_g32": {"name": "kivi4", "group_size": 32},
 }
 
 

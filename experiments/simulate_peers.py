@@ -372,6 +372,8 @@ class _TokenPayload:
 class _TokenCountQuantizer:
     """The quantizer seam of ``lookup`` and ``_store_sequence``: payloads carry token counts only."""
 
+    lossless = True  # lookup "dequantizes" every hit (to row counts) instead of handing the payload on
+
     def __init__(self, bytes_per_token: int) -> None:
         self.bytes_per_token = bytes_per_token
 

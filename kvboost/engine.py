@@ -31,7 +31,7 @@ from kvboost.cache.memory import parse_bytes
 from kvboost.cache.store import KVStore
 from kvboost.decoding import Sampling, decode_loop, eos_token_ids, pick_token
 from kvboost.generation import PhaseClock, ReuseCounts, build_result
-from kvboost.lookup import common_prefix_length, lookup
+from kvboost.lookup import common_prefix_length, lookup, write_exact
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
 from kvboost.models.layerwise import LayerwiseModel
@@ -121,8 +121,9 @@ class InferenceEngine:
         recompute.check_model(model.config.get_text_config(decoder=True).num_hidden_layers)
         quantizer = KV_QUANT.build(quant)
         tier_specs = list(cache) if isinstance(cache, (list, tuple)) else [cache or {"name": "memory"}]
+        tier_specs, write_through = zip(*(_split_write_through(spec) for spec in tier_specs))
         tiers = [CACHE_TIERS.build(_with_eviction(spec, eviction)) for spec in tier_specs]
-        store = KVStore(tiers)
+        store = KVStore(tiers, write_through=write_through)
         owner = _live_owner(model)
         if owner is not None and not share_model:
             raise RuntimeError(
@@ -349,7 +350,7 @@ class InferenceEngine:
         ids = torch.tensor(plan.prompt_ids, dtype=torch.long)
         for p in plan.placements:
             if p.kind == "exact":
-                kv.write(p.start, p.keys, p.values)
+                write_exact(kv, p, self.quantizer)
         counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
                              content_tokens=plan.content_tokens)  # fmt: skip
         frontier = plan.exact_prefix
@@ -492,7 +493,7 @@ class InferenceEngine:
                 kv = self.adapter.allocate(n, keep_bytes=self.keep_buffer_bytes)
                 for p in plan.placements:
                     if p.kind == "exact":
-                        kv.write(p.start, p.keys, p.values)
+                        write_exact(kv, p, self.quantizer)
                 kv.set_length(plan.exact_prefix)
                 self.adapter.forward(torch.tensor(ids[plan.exact_prefix :]), kv.cache)
                 stored = self._store_sequence(ids, spans, kv, approx_from=None, salt=cache_salt, pin=pin)
@@ -632,6 +633,17 @@ class InferenceEngine:
             self.store = saved_store
             self._requests, self._prompt_tokens, self._cached_tokens = saved_counters
         return CorrectnessReport(checks=checks, kl_tolerance=kl_tolerance)
+
+
+def _split_write_through(spec: Any) -> tuple[Any, bool]:
+    """A tier spec without its ``write_through`` flag (a store setting, not the tier's), and the flag."""
+    if isinstance(spec, str) or not (isinstance(spec, dict) or type(spec).__module__.startswith("omegaconf")):
+        return spec, False
+    spec = dict(spec)
+    flag = spec.pop("write_through", False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"cache tier {spec.get('name')!r}: write_through must be true or false, got {flag!r}")
+    return spec, flag
 
 
 def _with_eviction(spec: Any, eviction: Any) -> Any:

@@ -42,6 +42,16 @@ def chunk_prompt(
     return spans, hasher.chunk_keys(ids, spans, fingerprint, salt)
 
 
+def write_exact(kv, placement: Placement, quantizer: KVQuantizer) -> None:
+    """Put an exact placement's KV into rows ``[start, end)`` of ``kv`` (a ``PreallocatedKV``): a payload is
+    decoded in place by the quantizer, dequantized KV is copied."""
+    if placement.payload is not None:
+        rows = slice(placement.start, placement.end)
+        quantizer.dequantize_into(placement.payload, kv.keys[:, :, rows], kv.values[:, :, rows])
+    else:
+        kv.write(placement.start, placement.keys, placement.values)
+
+
 def _append(placements: list[Placement], p: Placement) -> None:
     """Append, merging adjacent new placements (they carry no KV)."""
     if p.kind == "new" and placements and placements[-1].kind == "new" and placements[-1].end == p.start:
@@ -67,6 +77,19 @@ def lookup(
     """
     n = len(ids)
     limit = n if max_reuse is None else max(0, min(max_reuse, n))
+    # Start reading, in the background, what lower tiers hold of this prompt (in chain order): each chunk's
+    # exact entry, else (content lookup on) the entry its segment key would serve.
+    wanted = []
+    for span, key in zip(spans, keys):
+        if span.start >= limit:
+            break
+        if key.prefix_key in store:
+            wanted.append(key.prefix_key)
+        elif content:
+            seg_key = store.segment_entry_key(key.segment_key)
+            if seg_key is not None:
+                wanted.append(seg_key)
+    store.prefetch(wanted)
     placements: list[Placement] = []
     hit_keys: list[str] = []
     stats = store.stats
@@ -87,16 +110,17 @@ def lookup(
                 chunk = ids[span.start : span.end]
                 best, best_len = None, 0
                 for child_key in store.children_with_first_token(key.parent_key, chunk[0]):
-                    child = store.peek(child_key)
+                    child = store.peek_meta(child_key)  # token ids only: no payload loaded from a lower tier
                     if child is not None:
                         common = common_prefix_length(child.token_ids, chunk)
                         if common > best_len:
                             best, best_len = child, common
                 if best is not None:
                     entry = store.get(best.key, access=False)  # a hit: touch_chain counts it
+                if entry is not None:
                     take, kind = best_len, "exact"
                     stats.partial_hits += 1
-                else:
+                else:  # no partial match, or its record turned out damaged (dropped by its tier)
                     stats.misses += 1
         elif content:
             entry = store.find_segment(key.segment_key)
@@ -108,13 +132,16 @@ def lookup(
                 stats.misses += 1
         take = min(take, limit - span.start)
         if take > 0 and entry is not None:
-            k, v = quantizer.dequantize(entry.payload)
-            if take < k.shape[2]:
-                k, v = k[:, :, :take], v[:, :, :take]
-            placements.append(
-                Placement(span.start, span.start + take, kind, entry_key=entry.key,
-                          stored_start=entry.start if kind == "content" else None, keys=k, values=v)
-            )  # fmt: skip
+            if kind == "exact" and not getattr(quantizer, "lossless", True):  # (a duck-typed one: dequantize)
+                # decoded later straight into the request's cache (engine: write_exact), no temporary
+                placement = Placement(span.start, span.start + take, kind, entry_key=entry.key, payload=entry.payload)
+            else:
+                k, v = quantizer.dequantize(entry.payload)
+                if take < k.shape[2]:
+                    k, v = k[:, :, :take], v[:, :, :take]
+                placement = Placement(span.start, span.start + take, kind, entry_key=entry.key,
+                                      stored_start=entry.start if kind == "content" else None, keys=k, values=v)
+            placements.append(placement)
             if kind == "exact":
                 hit_keys.append(entry.key)
             if take < len(span):

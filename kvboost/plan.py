@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -26,8 +26,11 @@ class Placement:
     """Prompt positions ``[start, end)`` and where their KV comes from.
 
     ``keys``/``values`` (stacked ``[layers, kv_heads, end - start, head_dim]``) are set for exact and content
-    placements. ``stored_start`` is the position the entry's KV was computed at: a content placement's keys
-    are re-rotated by ``start - stored_start`` when assembled.
+    placements, except exact hits under a lossy quantizer: those carry the stored ``payload`` instead, and the
+    engine decodes its first ``end - start`` tokens straight into the request's cache
+    (``KVQuantizer.dequantize_into``), so a quantized hit costs no full-size temporary. ``stored_start`` is the
+    position the entry's KV was computed at: a content placement's keys are re-rotated by
+    ``start - stored_start`` when assembled.
     """
 
     start: int
@@ -37,6 +40,7 @@ class Placement:
     stored_start: int | None = None
     keys: torch.Tensor | None = field(default=None, repr=False)
     values: torch.Tensor | None = field(default=None, repr=False)
+    payload: Any = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -87,8 +91,13 @@ class ReusePlan:
             if p.kind not in KIND_CODES:
                 raise ValueError(f"unknown placement kind {p.kind!r}")
             if p.kind == "new":
-                if p.keys is not None:
+                if p.keys is not None or p.payload is not None:
                     raise ValueError(f"a new placement carries no KV: {p}")
+            elif p.kind == "exact" and p.payload is not None:
+                if p.keys is not None or p.payload.num_tokens < len(p):
+                    raise ValueError(
+                        f"exact placement {p.start}:{p.end} carries either KV or a payload of at least {len(p)} tokens"
+                    )
             elif p.keys is None or p.values is None or p.keys.shape[2] != len(p) or p.values.shape[2] != len(p):
                 raise ValueError(f"{p.kind} placement {p.start}:{p.end} needs KV for exactly {len(p)} tokens")
             kinds[p.start : p.end] = KIND_CODES[p.kind]

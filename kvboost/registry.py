@@ -172,7 +172,7 @@ class Registry(Generic[T]):
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return
         accepted = [p for p, v in params.items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
-        unknown = sorted(set(cfg) - set(accepted))
+        unknown = sorted(set(cfg) - set(accepted) - set(provided))
         if unknown:
             raise ValueError(
                 f"{self.family} plugin {name!r}: unknown argument(s) {unknown}; accepted: {', '.join(accepted) or '(none)'}"

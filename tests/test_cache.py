@@ -230,6 +230,52 @@ def test_promotion_keeps_the_books():
     store.verify()
 
 
+class CountingTier(MemoryTier):
+    """A memory tier that counts the puts it receives."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity=capacity)
+        self.puts = 0
+
+    def put(self, e: KVEntry) -> list[KVEntry]:
+        self.puts += 1
+        return super().put(e)
+
+
+def test_write_through_copies_every_put_and_eviction_then_writes_nothing():
+    fast, slow = MemoryTier(capacity=2 * BYTES), CountingTier(capacity=4 * BYTES)
+    store = KVStore([fast, slow], write_through=[False, True])
+    store.put(entry("a"))
+    assert "a" in fast and "a" in slow and slow.puts == 1 and store.stats.written_through == 1
+    store.put(entry("b"))
+    store.put(entry("c"))  # fast evicts a: its copy in slow is where it lives now, no write
+    assert "a" not in fast and "a" in slow and slow.puts == 3 and store.stats.demoted == 1
+    store.verify()
+    assert store.get("a") is not None  # promoted; the copy stays in slow (no second write, nothing removed)
+    assert "a" in fast and "a" in slow and slow.puts == 3 and store.stats.promoted == 1
+    store.verify()
+    store.remove("a")  # the entry and its copy
+    assert "a" not in fast and "a" not in slow and "a" not in store
+    store.verify()
+
+
+def test_a_copy_the_write_through_tier_evicts_is_dropped_and_the_entry_stays():
+    fast, slow = MemoryTier(capacity=4 * BYTES), MemoryTier(capacity=2 * BYTES)
+    store = KVStore([fast, slow], write_through=[False, True])
+    for key in "abc":
+        store.put(entry(key))
+    assert set(fast.keys()) == {"a", "b", "c"} and set(slow.keys()) == {"b", "c"}  # a's copy made room
+    assert store.stats.evicted == 0 and len(store) == 3
+    store.verify()
+
+
+def test_write_through_settings_are_checked():
+    with pytest.raises(ValueError, match="below the first"):
+        KVStore([MemoryTier(capacity=BYTES), MemoryTier(capacity=BYTES)], write_through=[True, False])
+    with pytest.raises(ValueError, match="names 1 tiers"):
+        KVStore([MemoryTier(capacity=BYTES), MemoryTier(capacity=BYTES)], write_through=[False])
+
+
 # ---------------------------------------------------------------------------------------------- indexes
 def test_store_indexes_follow_evictions():
     store = KVStore([MemoryTier(capacity=2 * BYTES)])

@@ -236,6 +236,17 @@ def test_tiers_in_a_store_keep_the_books_without_leaves_first(name, policy):
     _random_workload(KVStore(tiers), seed=7, steps=300, check_tree=False)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", TIERS)
+@pytest.mark.parametrize("levels", [2, 3])
+def test_write_through_tiers_keep_the_books_and_the_tree(name, policy, levels):
+    """Every tier below the first written through: copies, rebooking on eviction, promotion keeping the copy."""
+    tiers = [_tier(name, (6 + 4 * i) * SIZE, policy) for i in range(levels)]
+    store = KVStore(tiers, write_through=[False] + [True] * (levels - 1))
+    _random_workload(store, seed=100 + levels, steps=300, check_tree=True)
+    assert store.stats.written_through > 0
+
+
 # ---------------------------------------------------------------------------------------------- eviction
 @pytest.mark.parametrize("name", POLICIES)
 def test_eviction_contract(name):

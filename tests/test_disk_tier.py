@@ -256,6 +256,82 @@ def test_another_fingerprint_is_never_served(tmp_path):
     assert same(same_fp.get("a"), entry_for("a"))
 
 
+# ---------------------------------------------------------------------------------------------- background reads
+def _chain(n: int, prefix: str = "c") -> list[KVEntry]:
+    return [entry_for(f"{prefix}{i}", parent=ROOT if i == 0 else f"{prefix}{i - 1}") for i in range(n)]
+
+
+def _written(tmp_path: Path, entries: list[KVEntry]) -> None:
+    writer = DiskTier(path=tmp_path, capacity=100 * SIZE)
+    for e in entries:
+        writer.put(e)
+    writer.close()
+
+
+def test_a_chain_is_read_in_order_on_the_background_reader(tmp_path, monkeypatch):
+    entries = _chain(8)
+    _written(tmp_path, entries)
+    seen: list[tuple[str, str]] = []
+    real = disk_mod._read_bytes
+
+    def recorded(file):
+        seen.append((file.name, threading.current_thread().name))
+        return real(file)
+
+    monkeypatch.setattr(disk_mod, "_read_bytes", recorded)
+    tier = DiskTier(path=tmp_path, capacity=100 * SIZE)
+    store = KVStore([MemoryTier(capacity=100 * SIZE), tier])
+    keys = [e.key for e in entries]
+    assert store.prefetch([*keys, "not-stored"]) == 8
+    assert store.prefetch(keys) == 0  # already queued
+    assert all(same(store.get(k), e) for k, e in zip(keys, entries))  # waited for, promoted
+    assert [name for name, _ in seen] == [disk_mod.record_name(k) for k in keys]  # chain order, each read once
+    assert all(name.startswith("kvboost-disk-read") for _, name in seen)  # not on the caller's thread
+    stats = tier.stats()
+    assert stats["background_queued"] == 8 and stats["background_used"] == 8 and stats["reads"] == 8
+    per_tier = store.summary()["per_tier"]
+    assert per_tier["disk"]["hits"] == 8 and per_tier["disk"]["loads"] == 8
+    assert per_tier["disk"]["background_used"] == 8 and per_tier["disk"]["load_ms_per_mib"] > 0
+    assert per_tier["memory"]["hits"] == 0 and "loads" not in per_tier["memory"]
+    store.verify()
+    tier.close()
+
+
+def test_background_reads_of_damaged_replaced_or_foreign_records_are_not_served(tmp_path):
+    entries = _chain(4)
+    _written(tmp_path, entries + _chain(2, "d"))
+    name = disk_mod.record_name("c2")
+    _corrupt(tmp_path / name[:2] / name, "flip_tensor")  # passes the header scan, fails the checksum
+    tier = DiskTier(path=tmp_path, capacity=100 * SIZE)
+    store = KVStore([MemoryTier(capacity=100 * SIZE), tier])
+    assert store.prefetch([e.key for e in entries]) == 4
+    assert same(store.get("c0"), entries[0]) and same(store.get("c1"), entries[1])
+    assert store.get("c2") is None and "c2" not in store  # checked on use: dropped, counted, file deleted
+    assert tier.stats()["corrupt_dropped"] == 1 and not (tmp_path / name[:2] / name).exists()
+    store.verify()
+    tier.close()
+
+    fresh = DiskTier(path=tmp_path, capacity=100 * SIZE)
+    assert fresh.prefetch_async(["d0", "d1"]) == 2
+    newer = KVEntry("d1", "s-new", "d0", (1, 2, 3, 4), 0, entry_for("other").payload)
+    fresh.put(newer)  # replaced after its read was queued: the old read is dropped
+    got = fresh.get("d1")
+    assert got.segment_key == "s-new" and torch.equal(got.payload.keys, newer.payload.keys)
+    fresh.close()
+
+    fingerprint = ["model-A"]
+    mine = DiskTier(path=tmp_path, capacity=100 * SIZE)
+    mine.bind_context(fingerprint="model-A")
+    mine.put(entry_for("fa"))
+    mine.close()
+    reader = DiskTier(path=tmp_path, capacity=100 * SIZE)
+    reader.bind_context(fingerprint=lambda: fingerprint[0])
+    assert reader.prefetch_async(["fa"]) == 1
+    fingerprint[0] = "model-B"  # the engine's fingerprint changed while the read was queued
+    assert reader.get("fa") is None and reader.stats()["foreign_skipped"] == 1  # decoded against the current one
+    reader.close()
+
+
 def test_pending_writes_are_flushed_at_interpreter_exit(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
@@ -404,8 +480,34 @@ def test_restart_reuses_the_previous_process_cache(tmp_path, conversations, cold
     assert len(second.store.tiers[0]) == 0 and len(second.store.tiers[1]) > 0
     got = _serve(second, conversations, range(2, 4), cold_outputs)
     assert got == {k: v for k, v in reference.items() if k[1] >= 2}  # the same reuse, turn by turn
-    assert second.cache_stats()["per_tier_hits"]["disk"] > 0
+    stats = second.cache_stats()
+    assert stats["per_tier_hits"]["disk"] > 0
+    disk = stats["per_tier"]["disk"]  # the lookup had the chains read in the background
+    assert disk["hits"] == stats["per_tier_hits"]["disk"] and disk["background_used"] > 0 and disk["loads"] > 0
     second.close()
+
+
+def test_write_through_puts_every_entry_on_disk_at_once(tmp_path, conversations, cold_outputs):
+    tiers = _tiers(tmp_path)
+    tiers[1]["write_through"] = True
+    first = make_engine("llama", cache=tiers)
+    _serve(first, conversations, range(2), cold_outputs)
+    first.store.flush()
+    stats = first.cache_stats()
+    assert stats["written_through"] > 0  # (entries the full memory tier refused went to disk directly)
+    other = DiskTier(path=tmp_path, capacity="64MiB")  # another process, before this one closes
+    assert set(other.keys()) == set(first.store.tiers[0].keys()) | set(first.store.tiers[1].keys())
+    other.close()
+    records = len(files(tmp_path))
+    demoted = stats["demoted"]
+    first.close()  # nothing left to spill: every entry is on disk already
+    assert len(files(tmp_path)) == records and first.cache_stats()["demoted"] == demoted
+    second = make_engine("llama", cache=_tiers(tmp_path))
+    got = _serve(second, conversations, range(2, 4), cold_outputs)
+    assert sum(got.values()) > 0 and second.cache_stats()["per_tier_hits"]["disk"] > 0
+    second.close()
+    with pytest.raises(ValueError, match="write_through"):
+        make_engine("llama", cache=[{"name": "memory", "write_through": "yes"}])
 
 
 def test_damaged_files_are_recomputed_with_cold_outputs(tmp_path, conversations, cold_outputs):

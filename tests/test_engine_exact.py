@@ -35,7 +35,7 @@ def test_logits_match_along_the_whole_suffix(arch):
     engine.warm(ids[:50])
     with torch.inference_mode():
         ref = engine.model(input_ids=torch.tensor([ids])).logits[0, 50:]
-        from kvboost.lookup import chunk_prompt, lookup
+        from kvboost.lookup import chunk_prompt, lookup, write_exact
 
         spans, keys = chunk_prompt(ids, engine.chunker, engine.hasher, engine.fingerprint)
         plan = lookup(ids, spans, keys, engine.store, engine.quantizer)
@@ -43,7 +43,7 @@ def test_logits_match_along_the_whole_suffix(arch):
         kv = engine.adapter.allocate(len(ids))
         for p in plan.placements:
             if p.kind == "exact":
-                kv.write(p.start, p.keys, p.values)
+                write_exact(kv, p, engine.quantizer)
         kv.set_length(50)
         out = engine.adapter.forward(torch.tensor(ids[50:]), kv.cache, logits_to_keep=40)
     assert _max_diff(ref, out) <= 1e-4

@@ -311,7 +311,8 @@ def test_yaml_configs_build():
     root = Path(__file__).resolve().parents[1] / "configs" / "quant"
     for b in BITS:
         q = KV_QUANT.build(OmegaConf.load(root / f"kivi{b}.yaml"))
-        assert q.bits == b and q.group_size == 32 and q.residual == 0
+        assert q.bits == b and q.group_size == (64 if b == 4 else 32) and q.residual == 0
+        assert q.group_size == KV_QUANT.build(f"kivi{b}").group_size  # the yaml and the class agree
 
 
 # ---------------------------------------------------------------------------------------------- engine and disk
@@ -329,6 +330,37 @@ def test_engine_serves_a_repeated_prompt_from_a_kivi8_cache():
     kl, _ = first_token_kl(cold.first_token_logits, again.first_token_logits)
     assert kl < 1e-3
     assert again.output_ids == cold.output_ids
+    engine.close()
+
+
+def test_exact_hits_decode_straight_into_the_request_cache():
+    """Under a lossy quantizer an exact hit carries the stored payload, not a dequantized copy; write_exact
+    decodes it (whole chunks and a partial frontier chunk) into the request's rows, equal to dequantize."""
+    from kvboost.lookup import chunk_prompt, lookup, write_exact
+    from kvboost.plan import Placement, ReusePlan
+
+    engine = make_engine("llama", quant={"name": "kivi4", "group_size": 8})
+    first = random_ids(70, seed=21)
+    engine.warm(first)
+    ids = first[:40] + random_ids(20, seed=22)  # 2 whole chunks of 16 and 8 tokens of the third
+    with torch.inference_mode():
+        spans, keys = chunk_prompt(ids, engine.chunker, engine.hasher, engine.fingerprint)
+        plan = lookup(ids, spans, keys, engine.store, engine.quantizer)
+        exact = [p for p in plan.placements if p.kind == "exact"]
+        assert [len(p) for p in exact] == [16, 16, 8] and plan.exact_tokens == 40
+        assert all(p.keys is None and p.values is None and isinstance(p.payload, KiviPayload) for p in exact)
+        kv = engine.adapter.allocate(len(ids))
+        kv.keys.fill_(float("nan"))
+        kv.values.fill_(float("nan"))
+        for p in exact:
+            write_exact(kv, p, engine.quantizer)
+        for p in exact:
+            k, v = engine.quantizer.dequantize(p.payload)
+            assert torch.equal(kv.keys[:, :, p.start : p.end], k[:, :, : len(p)])
+            assert torch.equal(kv.values[:, :, p.start : p.end], v[:, :, : len(p)])
+        assert bool(kv.keys[:, :, 40:].isnan().all())  # nothing written past the hits
+    with pytest.raises(ValueError, match="payload"):  # a payload shorter than its placement
+        ReusePlan(ids[:20], [Placement(0, 20, "exact", payload=exact[0].payload)])
     engine.close()
 
 

@@ -47,6 +47,16 @@ def chain(n: int, prefix: str = "c") -> list[KVEntry]:
     return [entry_for(f"{prefix}{i}", parent=ROOT if i == 0 else f"{prefix}{i - 1}") for i in range(n)]
 
 
+def stored_chain(server, ns: str, n: int) -> list[KVEntry]:
+    """``chain(n)`` written to the namespace by a tier that then closes (another process's work)."""
+    entries = chain(n)
+    writer = tier_on(server, ns)
+    for e in entries:
+        writer.put(e)
+    writer.close()
+    return entries
+
+
 def corrupt(client, record_key: str, how: str) -> None:
     data = bytearray(client.get(record_key))
     if how == "flip_tensor":
@@ -200,11 +210,7 @@ def _get_calls(client) -> int:
 
 
 def test_prefetch_loads_a_chain_in_one_round_trip(redis_server, ns, monkeypatch):
-    entries = chain(8)
-    writer = tier_on(redis_server, ns)
-    for e in entries:
-        writer.put(e)
-    writer.close()
+    entries = stored_chain(redis_server, ns, 8)
     admin = redis_server.client()
     keys = [e.key for e in entries]
     sends = _Sends(monkeypatch)
@@ -229,6 +235,41 @@ def test_prefetch_loads_a_chain_in_one_round_trip(redis_server, ns, monkeypatch)
     sends.n = 0
     assert all(same(ahead.get(k), e) for k, e in zip(keys, entries))
     assert sends.n == 1 and ahead.stats()["prefetched"] == 7 and ahead.stats()["prefetch_hits"] == 7
+
+
+def test_a_chain_is_read_in_the_background_in_one_round_trip(redis_server, ns, monkeypatch):
+    entries = stored_chain(redis_server, ns, 8)
+    keys = [e.key for e in entries]
+    sends = _Sends(monkeypatch)
+    tier = tier_on(redis_server, ns, readahead=0)
+    store = KVStore([MemoryTier(capacity=100 * SIZE), tier])
+    sends.n = 0  # after the tier read its index
+    assert store.prefetch([*keys, "not-stored"]) == 8
+    assert all(same(store.get(k), e) for k, e in zip(keys, entries))
+    stats = tier.stats()
+    assert sends.n == 1 and stats["round_trips"] == 1 and stats["reads"] == 8
+    assert stats["background_used"] == 8 and store.summary()["per_tier"]["redis"]["background_used"] == 8
+    store.verify()
+    tier.close()
+
+
+def test_a_background_read_against_a_dead_server_is_a_miss():
+    server = RedisServer()
+    try:
+        ns = new_namespace()
+        tier = tier_on(server, ns, retry_after_s=0.2, socket_timeout_s=1.0, readahead=0)
+        for e in chain(3):
+            tier.put(e)
+        tier.flush()
+        server.stop()
+        store = KVStore([tier])
+        assert store.prefetch(["c0", "c1", "c2"]) == 3
+        assert store.get("c0") is None and "c0" not in store  # a miss, no exception
+        assert tier.stats()["read_errors"] >= 1 and tier.stats()["connection_errors"] >= 1
+        store.verify()
+        tier.close()
+    finally:
+        server.close()
 
 
 def test_a_dead_server_means_misses_and_dropped_writes(monkeypatch):

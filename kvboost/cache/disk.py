@@ -49,7 +49,7 @@ import uuid
 import weakref
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ import xxhash
 from kvboost.cache import payload as fmt
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.memory import parse_bytes
-from kvboost.cache.record_tier import RecordTier
+from kvboost.cache.record_tier import Loaded, RecordTier, decode_record
 from kvboost.cache.tier_base import choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
@@ -398,6 +398,8 @@ class DiskTier(RecordTier):
             they are still never torn, and a damaged one is detected on read).
         max_pending_bytes: payload bytes the write queue may hold before ``put`` waits for the writer.
         device: where loaded tensors go (default: the device they were stored from, when available, else CPU).
+        background_bytes: records a prompt's lookup may have read ahead on the tier's reader thread at once
+            (``prefetch_async``; 0 turns background reads off).
 
     See the module docstring for the file layout, crash safety and sharing a folder between processes.
     """
@@ -411,6 +413,7 @@ class DiskTier(RecordTier):
         fsync: bool = True,
         max_pending_bytes: int | str = "256MiB",
         device: str | None = None,
+        background_bytes: int | str = "256MiB",
     ) -> None:
         self.capacity_bytes = parse_bytes(capacity)
         self.eviction = EVICTION.build("lru" if eviction is None else eviction)
@@ -418,6 +421,7 @@ class DiskTier(RecordTier):
         self.root.mkdir(parents=True, exist_ok=True)
         self.persistent = not private
         self.device = device
+        self.background_bytes = parse_bytes(background_bytes, allow_zero=True)
         self.disk_stats = DiskStats()
         self._writer = _Writer(bool(fsync), parse_bytes(max_pending_bytes), self.disk_stats)
         self._index: dict[str, _Rec] = {}
@@ -478,11 +482,13 @@ class DiskTier(RecordTier):
     def close(self) -> None:
         """Flush and stop the writer (a private folder is deleted instead). Idempotent."""
         self._closed = True
+        self._stop_background()
         self._finalizer()
 
     def stats(self) -> dict[str, Any]:
         pending, pending_bytes = self._writer.pending_count()
         out: dict[str, Any] = dataclasses.asdict(self.disk_stats)
+        out.update(self._background_stats())
         out.update(path=str(self.root), persistent=self.persistent, pending_writes=pending,
                    pending_bytes=pending_bytes)  # fmt: skip
         out["read_ms_per_mib"] = out["read_ms"] / (out["read_bytes"] / 2**20) if out["read_bytes"] else None
@@ -509,6 +515,7 @@ class DiskTier(RecordTier):
             self.eviction.on_remove(key)
         if self._last is not None and self._last[0] == key:
             self._last = None
+        self._drop_ahead(key)
         return rec
 
     def _discard(self, key: str) -> None:
@@ -542,61 +549,44 @@ class DiskTier(RecordTier):
         return entry
 
     def _load(self, key: str, rec: _Rec, *, drop_on_error: bool) -> KVEntry | None:
-        """Read and check the record of ``key``; on failure None, and (``drop_on_error``) the key forgotten and a
-        damaged file deleted."""
-        t0 = time.perf_counter()
-        try:
-            with open(rec.file, "rb") as handle:
-                ino = os.fstat(handle.fileno()).st_ino
-                data = handle.read()
-        except FileNotFoundError:
-            if drop_on_error:
-                self.disk_stats.missing_dropped += 1
-                self._forget(key)
-            return None
-        except OSError as exc:
-            log.warning("kvboost disk tier: cannot read %s: %s", rec.file, exc)
-            if drop_on_error:
-                self.disk_stats.missing_dropped += 1
-                self._forget(key)
-            return None
-        try:
-            entry = fmt.decode(data, expected_fingerprint=self._current_fingerprint(), expected_key=key,
-                               device=self._load_device(data))  # fmt: skip
-        except fmt.CorruptRecord as exc:
+        """Read (or take the background read of) and check the record of ``key``; on failure None, and
+        (``drop_on_error``) the key forgotten and a damaged file deleted."""
+        loaded = self._take_ahead(key)
+        if loaded is None:
+            loaded = _read_record(rec.file, key, self._current_fingerprint(), self.device)
+        exc = loaded.error
+        if exc is None:
+            self.disk_stats.reads += 1
+            self.disk_stats.read_bytes += loaded.read_bytes
+            self.disk_stats.read_ms += loaded.ms
+            return loaded.entry
+        if isinstance(exc, fmt.CorruptRecord):
             log.warning("kvboost disk tier: dropping damaged record %s: %s", rec.file, exc)
             self.disk_stats.corrupt_dropped += 1
             self._forget(key)
-            _unlink(rec.file, ino)
+            _unlink(rec.file, loaded.ino)
             return None
-        except fmt.ForeignRecord:
+        if isinstance(exc, OSError):
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("kvboost disk tier: cannot read %s: %s", rec.file, exc)
+            if drop_on_error:
+                self.disk_stats.missing_dropped += 1
+        elif isinstance(exc, fmt.ForeignRecord):
             self.disk_stats.foreign_skipped += 1
-            if drop_on_error:
-                self._forget(key)
-            return None
-        except fmt.RecordError:  # another format version, an unknown payload type
+        else:  # another format version, an unknown payload type
             self.disk_stats.other_version_skipped += 1
-            if drop_on_error:
-                self._forget(key)
-            return None
-        self.disk_stats.reads += 1
-        self.disk_stats.read_bytes += len(data)
-        self.disk_stats.read_ms += (time.perf_counter() - t0) * 1e3
-        return entry
+        if drop_on_error:
+            self._forget(key)
+        return None
 
-    def _load_device(self, data: bytes) -> str | None:
-        if self.device is not None:
-            return self.device
-        # the device the first tensor was stored from, when this process has it
-        if not torch.cuda.is_available():
-            return None
-        try:
-            header = fmt.decode_header(data)
-            devices = {spec.get("device", "cpu") for spec in header["tensors"].values()}
-        except fmt.RecordError:
-            return None
-        device = next(iter(devices)) if len(devices) == 1 else "cpu"
-        return device if device != "cpu" else None
+    def _read_job(self, keys: list[str]) -> Iterator[tuple[str, Loaded]]:
+        files = [(k, self._index[k].file) for k in keys]
+
+        def job() -> Iterator[tuple[str, Loaded]]:
+            for key, file in files:
+                yield key, _read_bytes(file)
+
+        return job()
 
     def _scan(self) -> None:
         """Index the records under ``root`` from their headers; clean temp files of dead writers."""
@@ -713,3 +703,24 @@ def _unlink(file: Path, ino: int | None = None) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _read_bytes(file: Path) -> Loaded:
+    """Read one record file, not decoded (pure: no books touched, so it runs on the background reader too)."""
+    t0 = time.perf_counter()
+    try:
+        with open(file, "rb") as handle:
+            ino = os.fstat(handle.fileno()).st_ino
+            data = handle.read()
+    except OSError as exc:
+        return Loaded(None, exc, 0, (time.perf_counter() - t0) * 1e3)
+    return Loaded(None, None, len(data), (time.perf_counter() - t0) * 1e3, ino=ino, data=data)
+
+
+def _read_record(file: Path, key: str, fingerprint: str | None, device: str | None) -> Loaded:
+    """Read and decode one record file."""
+    t0 = time.perf_counter()
+    raw = _read_bytes(file)
+    if raw.data is None:
+        return raw
+    return decode_record(raw.data, key, fingerprint, device, t0, ino=raw.ino)

@@ -10,8 +10,8 @@ from kvboost.cache.tier_base import CacheTier, choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """``1024``, ``"512MB"``, ``"2GiB"``, ``"1.5G"`` -> bytes."""
+def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
+    """``1024``, ``"512MB"``, ``"2GiB"``, ``"1.5G"`` -> bytes (positive, or ``>= 0`` with ``allow_zero``)."""
     if isinstance(value, (int, float)):
         out = int(value)
     else:
@@ -30,8 +30,8 @@ def parse_bytes(value: int | float | str) -> int:
                 out = int(float(text))
             except ValueError:
                 raise ValueError(f"cannot read a byte size from {value!r} (try '512MB' or '2GiB')") from None
-    if out <= 0:
-        raise ValueError(f"a byte budget must be positive, got {value!r}")
+    if out < 0 or (out == 0 and not allow_zero):
+        raise ValueError(f"a byte budget must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
     return out
 
 

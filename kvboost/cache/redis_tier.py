@@ -69,17 +69,15 @@ import time
 import weakref
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from kvboost.cache import payload as fmt
 from kvboost.cache.disk import _detach, _Job, _MetaPayload, _Writer
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.memory import parse_bytes
-from kvboost.cache.record_tier import RecordTier
+from kvboost.cache.record_tier import Loaded, RecordTier, decode_record
 from kvboost.cache.tier_base import choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
@@ -287,6 +285,10 @@ class _Unavailable(Exception):
     """The server could not be reached (already counted and logged)."""
 
 
+class _RecordGone(Exception):
+    """An indexed key whose record was not in Redis (evicted by the server, or deleted by another process)."""
+
+
 def _shutdown(writer: _Writer) -> None:
     writer.close()
 
@@ -311,6 +313,8 @@ class RedisTier(RecordTier):
         delete_on_remove: ``remove`` (promotion to a faster tier) deletes the record too (default: it stays for
             the other processes; only eviction deletes).
         device: where loaded tensors go (default: the device they were stored from, when available, else CPU).
+        background_bytes: records a prompt's lookup may have read ahead on the tier's reader thread at once
+            (``prefetch_async``; 0 turns background reads off).
 
     See the module docstring for what another process sees, capacity and the Redis-side settings.
     """
@@ -331,6 +335,7 @@ class RedisTier(RecordTier):
         retry_after_s: float = 2.0,
         delete_on_remove: bool = False,
         device: str | None = None,
+        background_bytes: int | str = "256MiB",
     ) -> None:
         if not namespace or any(c in namespace for c in ":#"):
             raise ValueError(f"redis tier namespace must be non-empty without ':' or '#', got {namespace!r}")
@@ -342,6 +347,7 @@ class RedisTier(RecordTier):
         self.pipeline_bytes = parse_bytes(pipeline_bytes)
         self.delete_on_remove = bool(delete_on_remove)
         self.device = device
+        self.background_bytes = parse_bytes(background_bytes, allow_zero=True)
         self.redis_stats = RedisStats()
         self._link = _Link(url, namespace, float(socket_timeout_s), float(retry_after_s), self.redis_stats)
         self._writer = _RedisWriter(self._link, parse_bytes(max_pending_bytes), self.redis_stats)
@@ -446,6 +452,7 @@ class RedisTier(RecordTier):
     def close(self) -> None:
         """Flush and stop the writer; close the connections. Idempotent."""
         self._closed = True
+        self._stop_background()
         self._finalizer()
         try:
             self._link.client.close()
@@ -455,6 +462,7 @@ class RedisTier(RecordTier):
     def stats(self) -> dict[str, Any]:
         pending, pending_bytes = self._writer.pending_count()
         out: dict[str, Any] = dataclasses.asdict(self.redis_stats)
+        out.update(self._background_stats())
         out.update(url=_redact(self.url), namespace=self.namespace, persistent=self.persistent,
                    pending_writes=pending, pending_bytes=pending_bytes)  # fmt: skip
         out["read_ms_per_mib"] = out["read_ms"] / (out["read_bytes"] / 2**20) if out["read_bytes"] else None
@@ -490,6 +498,7 @@ class RedisTier(RecordTier):
         if self._last is not None and self._last[0] == key:
             self._last = None
         self._unbuffer(key)
+        self._drop_ahead(key)
         return rec
 
     def _discard(self, key: str) -> None:
@@ -515,8 +524,7 @@ class RedisTier(RecordTier):
         return data
 
     def _needs_fetch(self, key: str) -> bool:
-        return (key in self._index and key not in self._buffer and self._cached(key) is None
-                and self._writer.pending_entry(key) is None)  # fmt: skip
+        return key not in self._buffer and super()._needs_fetch(key)
 
     # ------------------------------------------------------------------ reads
     def _read(self, key: str) -> KVEntry | None:
@@ -559,16 +567,7 @@ class RedisTier(RecordTier):
         if not link.available():
             self.redis_stats.read_errors += 1
             raise _Unavailable
-        groups: list[list[str]] = [[]]
-        size = 0
-        for k in keys:
-            rec = self._index.get(k)
-            n = rec.nbytes if rec is not None else 0
-            if groups[-1] and size + n > self.pipeline_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(k)
-            size += n
+        groups = self._pipeline_groups(keys)
         t0 = time.perf_counter()
         values: list[bytes | None] = []
         try:
@@ -586,6 +585,20 @@ class RedisTier(RecordTier):
         self.redis_stats.read_bytes += sum(len(v) for v in values if v is not None)
         return values
 
+    def _pipeline_groups(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` cut into pipelines of at most ``pipeline_bytes`` of payload (one key at least each)."""
+        groups: list[list[str]] = [[]]
+        size = 0
+        for k in keys:
+            rec = self._index.get(k)
+            n = rec.nbytes if rec is not None else 0
+            if groups[-1] and size + n > self.pipeline_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += n
+        return groups
+
     def _buffer_put(self, keys: list[str], values: list[bytes | None]) -> None:
         for k, value in zip(keys, values):
             self._unbuffer(k)
@@ -602,49 +615,96 @@ class RedisTier(RecordTier):
         self._buffer_put(keys, self._fetch(keys))
 
     def _load(self, key: str, *, drop_on_error: bool, ahead: bool = True) -> KVEntry | None:
-        """Read (from the prefetch buffer, or from Redis reading ahead along the chain) and check the record of
-        ``key``; on failure None, and (``drop_on_error``) the key forgotten and a damaged record deleted."""
-        data = self._unbuffer(key)
-        if isinstance(data, bytes):
-            self.redis_stats.prefetch_hits += 1
-        elif data is None:
-            later = self._chain_after(key) if ahead else []
-            try:
-                values = self._fetch([key, *later])
-            except _Unavailable:
-                if drop_on_error:
-                    self._forget(key)  # the store forgets it too (a miss)
-                return None
-            data = values[0]
-            self._buffer_put(later, values[1:])
-        if not isinstance(data, bytes):
+        """Read (from a background read, the prefetch buffer, or Redis reading ahead along the chain) and check the
+        record of ``key``; on failure None, and (``drop_on_error``) the key forgotten and a damaged record
+        deleted."""
+        loaded = self._take_ahead(key)
+        if loaded is None:
+            data = self._unbuffer(key)
+            if isinstance(data, bytes):
+                self.redis_stats.prefetch_hits += 1
+            elif data is None:
+                later = self._chain_after(key) if ahead else []
+                try:
+                    values = self._fetch([key, *later])  # counts bytes, time and errors itself
+                except _Unavailable:
+                    if drop_on_error:
+                        self._forget(key)  # the store forgets it too (a miss)
+                    return None
+                data = values[0]
+                self._buffer_put(later, values[1:])
+            if not isinstance(data, bytes):
+                loaded = Loaded(None, _RecordGone(), 0, 0.0)
+            else:
+                loaded = decode_record(data, key, self._current_fingerprint(), self.device, time.perf_counter())
+                loaded.read_bytes = 0  # _fetch counted it
+        return self._settle(key, loaded, drop_on_error=drop_on_error)
+
+    def _settle(self, key: str, loaded: Loaded, *, drop_on_error: bool) -> KVEntry | None:
+        """Count a read and act on its outcome (on the caller's thread: the books change here only)."""
+        stats = self.redis_stats
+        stats.round_trips += loaded.round_trips
+        stats.read_bytes += loaded.read_bytes
+        stats.read_ms += loaded.ms
+        exc = loaded.error
+        if exc is None:
+            stats.reads += 1
+            return loaded.entry
+        if isinstance(exc, _Unavailable):  # a background read found the server away (logged by the link)
+            stats.read_errors += 1
             if drop_on_error:
-                self.redis_stats.missing_dropped += 1
+                self._forget(key)
+        elif isinstance(exc, _RecordGone):
+            if drop_on_error:
+                stats.missing_dropped += 1
                 self._forget(key)
                 self._unindex_if_gone(key)
-            return None
-        t0 = time.perf_counter()
-        try:
-            entry = fmt.decode(data, expected_fingerprint=self._current_fingerprint(), expected_key=key,
-                               device=self._load_device(data))  # fmt: skip
-        except fmt.CorruptRecord as exc:
+        elif isinstance(exc, fmt.CorruptRecord):
             log.warning("kvboost redis tier: dropping damaged record %s:%s: %s", self.namespace, key[:16], exc)
-            self.redis_stats.corrupt_dropped += 1
+            stats.corrupt_dropped += 1
             self._discard(key)
-            return None
-        except fmt.ForeignRecord:
-            self.redis_stats.foreign_skipped += 1
+        elif isinstance(exc, fmt.ForeignRecord):
+            stats.foreign_skipped += 1
             if drop_on_error:
                 self._forget(key)
-            return None
-        except fmt.RecordError:  # another format version, an unknown payload type
-            self.redis_stats.other_version_skipped += 1
+        else:  # another format version, an unknown payload type
+            stats.other_version_skipped += 1
             if drop_on_error:
                 self._forget(key)
-            return None
-        self.redis_stats.reads += 1
-        self.redis_stats.read_ms += (time.perf_counter() - t0) * 1e3
-        return entry
+        return None
+
+    def _read_job(self, keys: list[str]) -> Iterator[tuple[str, Loaded]]:
+        groups = self._pipeline_groups(keys)
+        link = self._link
+        record_keys = {k: link.record_key(k) for k in keys}
+
+        def job() -> Iterator[tuple[str, Loaded]]:
+            for n, group in enumerate(groups):
+                t0 = time.perf_counter()
+                try:
+                    if not link.available():
+                        raise _Unavailable
+                    pipe = link.client.pipeline(transaction=False)
+                    for k in group:
+                        pipe.get(record_keys[k])
+                    values = pipe.execute()
+                except (_Unavailable, *link.errors) as exc:
+                    if not isinstance(exc, _Unavailable):
+                        link.failed("read", exc)
+                    for k in (k for g in groups[n:] for k in g):
+                        yield k, Loaded(None, _Unavailable(), 0, 0.0)
+                    return
+                fetch_ms = (time.perf_counter() - t0) * 1e3
+                total = sum(len(v) for v in values if v is not None) or 1
+                for i, (k, value) in enumerate(zip(group, values)):
+                    trips = 1 if i == 0 else 0
+                    if value is None:
+                        yield k, Loaded(None, _RecordGone(), 0, 0.0, round_trips=trips)
+                        continue
+                    share = fetch_ms * len(value) / total  # its share of the pipeline's network time
+                    yield k, Loaded(None, None, len(value), share, round_trips=trips, data=value)
+
+        return job()
 
     def _unindex_if_gone(self, key: str) -> None:
         link = self._link
@@ -655,19 +715,6 @@ class RedisTier(RecordTier):
                 self.redis_stats.stale_index_dropped += 1
         except link.errors as exc:
             link.failed("index cleanup", exc)
-
-    def _load_device(self, data: bytes) -> str | None:
-        if self.device is not None:
-            return self.device
-        if not torch.cuda.is_available():
-            return None
-        try:
-            header = fmt.decode_header(data)
-            devices = {spec.get("device", "cpu") for spec in header["tensors"].values()}
-        except fmt.RecordError:
-            return None
-        device = next(iter(devices)) if len(devices) == 1 else "cpu"
-        return device if device != "cpu" else None
 
     # ------------------------------------------------------------------ the index in Redis
     def _load_index(self) -> None:

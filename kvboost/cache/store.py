@@ -20,8 +20,8 @@ class StoreStats:
     key), ``misses``, ``hit_tokens`` (all reused tokens) and ``content_hit_tokens``. The store counts the
     movements: ``stored`` (puts that some tier took), ``rejected`` (puts that no tier took), ``evicted``
     (resident entries dropped by the last tier), ``demoted`` (resident entries moved down a tier),
-    ``promoted`` (hits in a lower tier moved to the first) and ``per_tier_hits`` (``get``/``find_segment``
-    hits by tier name).
+    ``promoted`` (hits in a lower tier moved to the first), ``written_through`` (copies put into write-through
+    tiers) and ``per_tier_hits`` (``get``/``find_segment`` hits by tier name).
     """
 
     exact_hits: int = 0
@@ -33,6 +33,7 @@ class StoreStats:
     evicted: int = 0
     demoted: int = 0
     promoted: int = 0
+    written_through: int = 0
     hit_tokens: int = 0
     content_hit_tokens: int = 0
     per_tier_hits: dict[str, int] = field(default_factory=dict)
@@ -47,19 +48,26 @@ class _Node:
     segment: str
     exact: bool
     tier: int | None = None  # the tier holding it (or, while it moves, the tier it is headed for)
+    copies: set[int] | None = None  # write-through tiers below ``tier`` holding a copy
 
 
 class KVStore:
     """Entries across tiers, with a prefix-tree index (children by parent and first token) and a segment index.
 
     ``tiers`` are ordered fastest first. New entries and hits in a lower tier go to the first tier; an entry a
-    tier evicts moves to the next tier, and leaves the store (and its indexes) only when the last tier
-    evicts it. Tensors move only inside the tiers; this class keeps the books.
+    tier evicts moves to the next tier (write-back), and leaves the store (and its indexes) only when the last
+    tier evicts it. Tensors move only inside the tiers; this class keeps the books.
+
+    Write-through (``write_through[i]`` for a tier below the first): every new entry is also put into tier
+    ``i`` at once, as a copy; an entry evicted from a faster tier then needs no write (its copy becomes where it
+    lives), a hit served from tier ``i`` keeps its copy there when promoted, and ``close`` has nothing to spill
+    for it. A copy the write-through tier evicts is simply dropped (the entry still lives above).
 
     Invariants (``verify`` checks them):
 
-    - every key lives in exactly one tier, and the indexes describe exactly the entries resident in the
-      tiers: tiers must only be changed through the store (a tier belongs to one store);
+    - every key lives in exactly one tier (its primary) plus write-through tiers below it holding copies, and
+      the indexes describe exactly the entries resident in the tiers: tiers must only be changed through the
+      store (a tier belongs to one store);
     - the child index holds exact entries only, under ``(parent_key, first token id)``; segment-only
       entries (``exact=False``, key ``"seg:" + segment_key``) have no parent and no children;
     - every entry is in the segment index under its ``segment_key``;
@@ -74,10 +82,16 @@ class KVStore:
     removes leaves).
     """
 
-    def __init__(self, tiers: Sequence[CacheTier]) -> None:
+    def __init__(self, tiers: Sequence[CacheTier], *, write_through: Sequence[bool] | None = None) -> None:
         if not tiers:
             raise ValueError("the KV store needs at least one cache tier")
         self.tiers = list(tiers)
+        flags = [False] * len(self.tiers) if write_through is None else [bool(w) for w in write_through]
+        if len(flags) != len(self.tiers):
+            raise ValueError(f"write_through names {len(flags)} tiers, the store has {len(self.tiers)}")
+        if flags[0]:
+            raise ValueError("write_through applies to tiers below the first (every put already goes to the first)")
+        self.write_through = flags
         names = [getattr(t, "registry_name", "?") for t in self.tiers]
         self._tier_names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self._nodes: dict[str, _Node] = {}
@@ -89,14 +103,17 @@ class KVStore:
         self._segment_only = 0  # how many entries are segment-only
         self.stats = StoreStats()
         for i, tier in enumerate(self.tiers):
-            tier.bind_store(partial(self._resident_children, i))
+            tier.bind_store(partial(self._resident_children, i), partial(self._is_copy, i))
             tier.last_in_store = i + 1 == len(self.tiers)
             for key in list(tier.keys()):  # a tier handed over with entries in it (a disk tier's records)
                 entry = tier.peek_meta(key)
                 if entry is None:
                     continue
                 if key in self._nodes:
-                    raise ValueError(f"entry {key[:16]}... is in two tiers")
+                    if not flags[i]:
+                        raise ValueError(f"entry {key[:16]}... is in two tiers")
+                    self._add_copy(self._nodes[key], i)  # a write-through tier's copy of an entry above
+                    continue
                 self._index(entry)
                 self._book(key, i)
 
@@ -138,7 +155,18 @@ class KVStore:
             raise RuntimeError(f"tier {self._tier_names[tier_idx]} lost {key[:16]}... behind the store's back")
         name = self._tier_names[tier_idx]
         self.stats.per_tier_hits[name] = self.stats.per_tier_hits.get(name, 0) + 1
-        if tier_idx > 0:
+        if tier_idx > 0 and self.write_through[tier_idx]:  # promote, keeping the record as the copy
+            node = self._nodes[key]
+            self._book(key, 0)
+            self._add_copy(node, tier_idx)
+            overflow = self.tiers[0].put(entry)
+            if any(out.key == key for out in overflow):  # the first tier refused it: it stays where it was
+                self._drop_copy(node, tier_idx)
+                self._book(key, tier_idx)
+            else:
+                self.stats.promoted += 1
+            self._evicted_from(0, [out for out in overflow if out.key != key])
+        elif tier_idx > 0:
             tier.remove(key)
             self._book(key, 0)
             self.stats.promoted += 1
@@ -180,13 +208,44 @@ class KVStore:
         """Whether some exact entry in the store (any tier) has ``key`` as its parent."""
         return key in self._children
 
-    def find_segment(self, segment_key: str) -> KVEntry | None:
-        """An entry with this segment key, or None: the earliest-stored exact one if any (O(1)), else the
-        segment-only one. Counts an access, a per-tier hit, and promotes, like ``get``."""
+    def segment_entry_key(self, segment_key: str) -> str | None:
+        """The key ``find_segment`` serves for this segment key: the earliest-stored exact entry with it if any
+        (O(1)), else the segment-only one; None if neither is stored."""
         exact = self._segment_exact.get(segment_key)
         if exact:
-            return self.get(next(iter(exact)))
-        return self.get(segment_only_key(segment_key))
+            return next(iter(exact))
+        key = segment_only_key(segment_key)
+        return key if key in self._nodes else None
+
+    def find_segment(self, segment_key: str) -> KVEntry | None:
+        """The entry under ``segment_entry_key(segment_key)``, or None. Counts an access, a per-tier hit, and
+        promotes, like ``get``."""
+        key = self.segment_entry_key(segment_key)
+        return self.get(key) if key is not None else None
+
+    def peek_meta(self, key: str) -> KVEntry | None:
+        """The books of ``key`` (token ids, links, size), or None; a tier below memory does not load the payload."""
+        node = self._nodes.get(key)
+        if node is None or node.tier is None:
+            return None
+        return self.tiers[node.tier].peek_meta(key)
+
+    def prefetch(self, keys: Iterable[str]) -> int:
+        """Start loading, in the background, the entries of ``keys`` (in this order) held by tiers that can
+        (``prefetch_async``: disk, redis; memory has nothing to load); a later ``get`` of each then waits for
+        that read instead of starting its own. The lookup calls it with a prompt's chain before walking it, so
+        the read of chunk ``i + 1`` overlaps the work on chunk ``i``. Returns the number of reads queued."""
+        by_tier: dict[int, list[str]] = {}
+        for key in keys:
+            node = self._nodes.get(key)
+            if node is not None and node.tier is not None:
+                by_tier.setdefault(node.tier, []).append(key)
+        queued = 0
+        for tier_idx, tier_keys in by_tier.items():
+            start = getattr(self.tiers[tier_idx], "prefetch_async", None)
+            if start is not None:
+                queued += start(tier_keys)
+        return queued
 
     def has_segment(self, segment_key: str) -> bool:
         """Whether an entry (exact or segment-only) has this segment key; no access counted."""
@@ -207,12 +266,27 @@ class KVStore:
             self.remove(entry.key)
         self._index(entry)
         self._book(entry.key, 0)
-        if self._put_into(0, entry) is None:
+        placed = self._put_into(0, entry)
+        if placed is None:
             self.stats.rejected += 1
             self._unindex(entry.key)
             return False
         self.stats.stored += 1
+        for tier_idx in range(placed + 1, len(self.tiers)):
+            if self.write_through[tier_idx] and entry.key in self._nodes:
+                self._copy_into(tier_idx, entry)
         return True
+
+    def _copy_into(self, tier_idx: int, entry: KVEntry) -> None:
+        """Put a write-through copy of ``entry`` (booked in a faster tier) into tier ``tier_idx``."""
+        node = self._nodes[entry.key]
+        self._add_copy(node, tier_idx)
+        overflow = self.tiers[tier_idx].put(entry)
+        if any(out.key == entry.key for out in overflow):  # refused (too large, or everything protected)
+            self._drop_copy(node, tier_idx)
+        else:
+            self.stats.written_through += 1
+        self._evicted_from(tier_idx, [out for out in overflow if out.key != entry.key])
 
     def _put_into(self, tier_idx: int, entry: KVEntry) -> int | None:
         """Put ``entry`` (indexed, booked at ``tier_idx`` but in no tier) into that tier or, if refused, a later
@@ -223,19 +297,50 @@ class KVStore:
         parent of each is protected while the others are put (the tiers only see the store's counts)."""
         overflow = self.tiers[tier_idx].put(entry)
         placed = all(out.key != entry.key for out in overflow)
-        evicted = [out for out in overflow if out.key != entry.key]
         last = tier_idx + 1 == len(self.tiers)
-        for out in evicted if placed else [*evicted, entry]:
-            self._book(out.key, None if last else tier_idx + 1)
+        if not placed:
+            self._book(entry.key, None if last else tier_idx + 1)
+        self._evicted_from(tier_idx, [out for out in overflow if out.key != entry.key])
+        if placed:
+            return tier_idx
+        return None if last else self._put_into(tier_idx + 1, entry)
+
+    def _evicted_from(self, tier_idx: int, evicted: list[KVEntry]) -> None:
+        """Settle what tier ``tier_idx`` evicted during a put: a write-through copy is just dropped; an entry with
+        a copy below now lives there (nothing to write); any other moves down a tier (or leaves the store from
+        the last one)."""
+        last = tier_idx + 1 == len(self.tiers)
+        moving = []
         for out in evicted:
+            node = self._nodes[out.key]
+            if node.tier != tier_idx:  # a copy (the entry lives in a faster tier)
+                self._drop_copy(node, tier_idx)
+            elif node.copies:
+                below = min(node.copies)
+                self._drop_copy(node, below)
+                self._book(out.key, below)
+                self.stats.demoted += 1
+            else:
+                moving.append(out)
+        for out in moving:  # booked where they are headed before any moves, so each protects its parent
+            self._book(out.key, None if last else tier_idx + 1)
+        for out in moving:
             if not last:
                 self.stats.demoted += 1
             if last or self._put_into(tier_idx + 1, out) is None:
                 self.stats.evicted += 1
                 self._unindex(out.key)
-        if placed:
-            return tier_idx
-        return None if last else self._put_into(tier_idx + 1, entry)
+
+    def _add_copy(self, node: _Node, tier_idx: int) -> None:
+        if node.copies is None:
+            node.copies = set()
+        node.copies.add(tier_idx)
+
+    def _drop_copy(self, node: _Node, tier_idx: int) -> None:
+        if node.copies:
+            node.copies.discard(tier_idx)
+            if not node.copies:
+                node.copies = None
 
     def remove(self, key: str) -> KVEntry | None:
         """Drop ``key`` from the store; returns its entry, or None if it was not stored. Its children stay."""
@@ -244,7 +349,7 @@ class KVStore:
             return None
         entry = self.tiers[node.tier].remove(key) if node.tier is not None else None
         self._book(key, None)
-        self._unindex(key)
+        self._unindex(key)  # removes the copies too
         return entry
 
     # ------------------------------------------------------------------ lifecycle (tiers below memory)
@@ -268,6 +373,13 @@ class KVStore:
             if tier.persistent:
                 continue
             for key in list(tier.keys()):  # oldest first in a memory tier
+                node = self._nodes.get(key)
+                if node is not None and node.tier == i and node.copies:  # already written through below
+                    tier.discard(key)
+                    below = min(node.copies)
+                    self._drop_copy(node, below)
+                    self._book(key, below)
+                    continue
                 entry = tier.remove(key)
                 if entry is None or key not in self._nodes:
                     continue
@@ -305,6 +417,8 @@ class KVStore:
             return
         self._book(key, None)
         node = self._nodes.pop(key)
+        for tier_idx in node.copies or ():  # the entry leaves the store: its copies too
+            self.tiers[tier_idx].discard(key)
         if not node.exact:
             self._segment_only -= 1
             return
@@ -338,6 +452,11 @@ class KVStore:
                 del self._child_tiers[node.parent]
         node.tier = tier_idx
 
+    def _is_copy(self, tier_idx: int, key: str) -> bool:
+        """Whether tier ``tier_idx`` holds ``key`` as a write-through copy."""
+        node = self._nodes.get(key)
+        return node is not None and node.tier != tier_idx and bool(node.copies) and tier_idx in node.copies
+
     def _resident_children(self, tier_idx: int, key: str) -> int:
         """Children of ``key`` resident in tier ``tier_idx`` or a faster one (what tier ``tier_idx`` protects)."""
         counts = self._child_tiers.get(key)
@@ -345,16 +464,18 @@ class KVStore:
 
     def verify(self) -> None:
         """Check the books against the tiers (raises AssertionError); for tests and debugging, O(entries)."""
-        seen: dict[str, int] = {}
+        where: dict[str, set[int]] = {}
         for i, tier in enumerate(self.tiers):
             assert tier.used_bytes <= tier.capacity_bytes, f"tier {i} over budget"
             for key in tier.keys():
-                assert key not in seen, f"{key} in tiers {seen[key]} and {i}"
-                seen[key] = i
-        assert seen.keys() == self._nodes.keys(), "index and tiers disagree on the keys"
+                where.setdefault(key, set()).add(i)
+        assert where.keys() == self._nodes.keys(), "index and tiers disagree on the keys"
         counts: dict[str, list[int]] = {}
         for key, node in self._nodes.items():
-            assert node.tier == seen[key], f"{key}: indexed in tier {node.tier}, found in {seen[key]}"
+            copies = node.copies or set()
+            assert node.copies is None or node.copies, f"{key}: empty copy set"
+            assert where[key] == {node.tier} | copies, f"{key}: booked in {node.tier} + copies {copies}, found in {where[key]}"
+            assert all(c > node.tier and self.write_through[c] for c in copies), f"{key}: copy outside write-through"
             entry = self.tiers[node.tier].peek_meta(key)
             assert entry is not None and entry.key == key and entry.segment_key == node.segment
             assert entry.exact == node.exact and entry.first_token == node.first
@@ -386,4 +507,22 @@ class KVStore:
         for f in fields(self.stats):
             value = getattr(self.stats, f.name)
             out[f.name] = dict(value) if isinstance(value, dict) else value
+        out["per_tier"] = self._per_tier(out["tiers"])  # type: ignore[arg-type]
+        return out
+
+    def _per_tier(self, tiers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Per tier: hits served, and for tiers below memory the loads, their cost (ms per MiB of record, mean ms
+        per load) and how many came from a background read (``prefetch``), from the tiers' own counters."""
+        out: dict[str, dict[str, Any]] = {}
+        for row in tiers:
+            name = row["tier"]
+            cell: dict[str, Any] = {"hits": self.stats.per_tier_hits.get(name, 0), "entries": row["entries"],
+                                    "used_bytes": row["used_bytes"]}  # fmt: skip
+            if "reads" in row:
+                loads, ms, mib = row["reads"], row.get("read_ms", 0.0), row.get("read_bytes", 0) / 2**20
+                cell.update(loads=loads, load_ms=ms, load_mib=mib,
+                            load_ms_per_mib=ms / mib if mib else None, load_ms_mean=ms / loads if loads else None,
+                            background_used=row.get("background_used", 0),
+                            background_wait_ms=row.get("background_wait_ms", 0.0))  # fmt: skip
+            out[name] = cell
         return out

@@ -45,9 +45,17 @@ class CacheTier(ABC):
     #: True when the entries outlive the process (``KVStore.close`` spills the faster tiers into it).
     persistent: bool = False
 
-    def bind_store(self, resident_children: ResidentChildren | None) -> None:
-        """Called by the ``KVStore`` that owns this tier (a tier belongs to one store)."""
+    def bind_store(self, resident_children: ResidentChildren | None,
+                   is_copy: Callable[[str], bool] | None = None) -> None:  # fmt: skip
+        """Called by the ``KVStore`` that owns this tier (a tier belongs to one store). ``is_copy(key)``: whether
+        the tier holds ``key`` as a write-through copy of an entry that lives in a faster tier."""
         self._resident_children = resident_children
+        self._is_copy = is_copy
+
+    def is_copy(self, key: str) -> bool:
+        """Whether ``key`` is a write-through copy here (its entry lives in a faster tier); False if unbound."""
+        fn = getattr(self, "_is_copy", None)
+        return fn(key) if fn is not None else False
 
     def resident_children(self, key: str) -> int:
         """The bound store's count of children of ``key`` in this tier or a faster one (0 if unbound)."""
@@ -101,6 +109,10 @@ class CacheTier(ABC):
         """Tier-specific counters for ``KVStore.summary`` (none for memory)."""
         return {}
 
+    def discard(self, key: str) -> None:
+        """Remove ``key`` when its entry is not needed (a tier below memory need not load it first)."""
+        self.remove(key)
+
     def touch(self, key: str) -> None:
         """Mark ``key`` as used now (for eviction order) without returning it."""
         self.get(key)
@@ -113,8 +125,8 @@ class CacheTier(ABC):
 class EvictionGuard:
     """The lazy ``protected`` container a tier passes to ``EvictionPolicy.victim`` during one ``put``.
 
-    A key is protected if it is pinned, or, with ``leaves_first``: if it is the parent of the entry being
-    put (evicting it would strand the new entry at once), or if it still has a resident child. The
+    A write-through copy is never protected (its entry lives in a faster tier). Another key is protected if it
+    is pinned, or, with ``leaves_first``: if it is the parent of the entry being put (evicting it would strand the new entry at once), or if it still has a resident child. The
     store's count (``tier.resident_children``) was taken before the put; the tier reports each entry it
     evicts with ``evicted`` so that a parent whose last child was just evicted becomes a leaf for the
     next victim of the same put. Membership tests only; it cannot be iterated.
@@ -130,11 +142,14 @@ class EvictionGuard:
         self._evicted_children: Counter[str] = Counter()
 
     def evicted(self, entry: KVEntry) -> None:
-        """``entry`` left the tier during this put: one resident child less for its parent."""
-        if entry.exact and entry.parent_key is not None:
+        """``entry`` left the tier during this put: one resident child less for its parent (unless it was a
+        write-through copy: the child still lives in a faster tier)."""
+        if entry.exact and entry.parent_key is not None and not self._tier.is_copy(entry.key):
             self._evicted_children[entry.parent_key] += 1
 
     def __contains__(self, key: object) -> bool:
+        if isinstance(key, str) and self._tier.is_copy(key):
+            return False  # a write-through copy: its entry lives above, dropping the copy loses nothing
         if key in self._pinned:
             return True
         if not self.leaves_first or not isinstance(key, str):
