@@ -381,6 +381,12 @@ class InferenceEngine:
         if not probed:
             self._assemble_content(plan, kv)
             clock.mark("assembled")
+        elif max(self.recompute.reader_layers(num_layers)) == num_layers - 1:
+            # The probe computed every new token before the first content hit, at every layer, over exact rows
+            # only (attention is causal): those rows are final; the real pass need not compute them again.
+            first_content = int(plan.positions("content")[0])
+            counts.extra["probe_kept_tokens"] = int((positions < first_content).sum())
+            positions = positions[positions >= first_content]
         content_mask = plan.kinds == 1
         strategy = self.recompute
 
@@ -424,7 +430,9 @@ class InferenceEngine:
         """The probe pass for ``needs_reader_attention`` strategies: compute only the new tokens over the
         assembled (re-rotated) content hits and record what the reader queries, the positions after the last
         content hit, attend to. Returns ``[layers, heads, content]``. The new tokens' K/V it writes are
-        computed again by the real pass (the schedule always includes every new position)."""
+        computed again by the real pass (the schedule always includes every new position), except those before
+        the first content hit when the probe ran every layer: they attended to exact rows only, so ``_prefill``
+        keeps them (``probe_kept_tokens``). The probe stops after the last probed layer."""
         n, num_layers = len(plan), self.adapter.num_layers
         layers = tuple(self.recompute.reader_layers(num_layers))
         if not layers or any(not 0 <= layer < num_layers for layer in layers):
@@ -436,8 +444,9 @@ class InferenceEngine:
         new = plan.positions("new")
         readers = new[new > int(content[-1])]
         probe = ReaderAttentionProbe(layers, n, readers)
-        with observing(self.attention, probe):
-            self.layerwise.prefill(ids.to(self.adapter.device), kv, new, content_mask=plan.kinds == 1)
+        with observing(self.attention, probe):  # no layer after the last probed one is needed
+            self.layerwise.prefill(ids.to(self.adapter.device), kv, new, content_mask=plan.kinds == 1,
+                                   stop_after_layer=max(layers))  # fmt: skip
         return probe.result()[:, :, content]
 
     def _reference_deviation(self, plan: ReusePlan, kv: PreallocatedKV) -> torch.Tensor:

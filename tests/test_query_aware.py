@@ -47,11 +47,47 @@ def test_ratio_one_equals_full_and_ratio_zero_equals_none():
     one = _warmed({"name": "query_aware", "ratio": 1.0}).generate(prompt, max_new_tokens=5)
     zero = _warmed({"name": "query_aware", "ratio": 0.0}).generate(prompt, max_new_tokens=5)
     assert one.content_hit_tokens > 0 and "probe_ms" in one.extra
+    # the leading new tokens (the system line before the documents) were computed exactly by the probe: the real
+    # pass of a partial ratio skips them
+    half = _warmed({"name": "query_aware", "ratio": 0.5}).generate(prompt, max_new_tokens=5)
+    assert half.extra["probe_kept_tokens"] > 0
     assert float((one.first_token_logits - full.first_token_logits).abs().max()) <= 1e-4
     assert one.output_ids == full.output_ids
     # The probe's writes of the new tokens are computed again by the real pass: nothing of it leaks.
     assert float((zero.first_token_logits - none.first_token_logits).abs().max()) <= 1e-5
     assert zero.recompute_ratio == 0.0
+
+
+def test_a_probe_that_stops_early_leaks_nothing():
+    """to_layer < 1 stops the probe pass after its last probed layer: the new tokens' rows of the later layers are
+    never written by it, and the real pass still computes them (ratio 0 equals none, ratio 1 equals full)."""
+    prompt = rag_prompt([1, 0, 2])
+    full = _warmed("full").generate(prompt, max_new_tokens=5)
+    none = _warmed("none").generate(prompt, max_new_tokens=5)
+    low = {"name": "query_aware", "from_layer": 0.25, "to_layer": 0.5}  # probes layer 1 of 4, stops after it
+    one = _warmed({**low, "ratio": 1.0}).generate(prompt, max_new_tokens=5)
+    zero = _warmed({**low, "ratio": 0.0}).generate(prompt, max_new_tokens=5)
+    assert float((one.first_token_logits - full.first_token_logits).abs().max()) <= 1e-4
+    assert one.output_ids == full.output_ids
+    assert float((zero.first_token_logits - none.first_token_logits).abs().max()) <= 1e-5
+
+
+def test_stop_after_layer_computes_only_the_layers_asked_for():
+    engine = _warmed("none")
+    ids = torch.tensor(random_ids(30, seed=4))
+    positions = torch.arange(30)
+    mask = torch.zeros(30, dtype=torch.bool)
+    with torch.inference_mode():
+        kv_all = engine.adapter.allocate(30)
+        logits, stats_all = engine.layerwise.prefill(ids, kv_all, positions, content_mask=mask)
+        want = kv_all.keys[:, :, :30].clone()
+        kv_two = engine.adapter.allocate(30)  # (may be the same kept buffer)
+        kv_two.keys.zero_()
+        stopped, stats_two = engine.layerwise.prefill(ids, kv_two, positions, content_mask=mask, stop_after_layer=1)
+        got = kv_two.keys[:, :, :30].clone()
+    assert logits is not None and stopped is None
+    assert len(stats_all.computed_per_layer) == 4 and len(stats_two.computed_per_layer) == 2
+    assert torch.equal(got[:2], want[:2]) and not got[2:].any()
 
 
 def test_cost_follows_the_ratio():
@@ -90,6 +126,8 @@ def test_the_tokens_read_most_are_the_ones_recomputed():
 def test_probed_layers_and_bad_settings():
     assert QueryAware().reader_layers(30) == tuple(range(15, 30))
     assert QueryAware(from_layer=1.0).reader_layers(4) == (3,)  # at least the last layer
-    for bad in ({"ratio": 1.5}, {"from_layer": -0.1}, {"heads": "median"}):
+    assert QueryAware(from_layer=0.3, to_layer=0.6).reader_layers(30) == tuple(range(9, 18))
+    assert QueryAware(from_layer=0.5, to_layer=0.5).reader_layers(4) == (2,)
+    for bad in ({"ratio": 1.5}, {"from_layer": -0.1}, {"heads": "median"}, {"from_layer": 0.6, "to_layer": 0.3}):
         with pytest.raises(ValueError, match="query_aware"):
             QueryAware(**bad)

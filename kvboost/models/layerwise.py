@@ -92,13 +92,16 @@ class LayerwiseModel:
         content_mask: torch.Tensor,
         check_layers: tuple[int, ...] = (),
         on_check: CheckCallback | None = None,
-    ) -> tuple[torch.Tensor, LayerwiseStats]:
+        stop_after_layer: int | None = None,
+    ) -> tuple[torch.Tensor | None, LayerwiseStats]:
         """Run the prompt ``input_ids`` ([n], on the model's device) computing ``positions`` from layer 0.
 
         Every row of ``kv`` below ``n`` not in ``positions`` must already hold its K/V (exact or re-rotated
         content hits). After each layer in ``check_layers``, the content positions just computed are ranked by
         ``on_check`` (given their K/V deviation from the rows they replaced) and the set narrows to the new
         positions plus those it keeps. The last position must be computed (its logits are returned).
+        ``stop_after_layer``: stop after that layer (a probe pass that only needs what the layers up to it
+        see); the later layers' rows of ``positions`` are left unwritten and the logits are None.
 
         Returns the last position's logits (float32, [vocab]) and what was computed per layer.
         """
@@ -154,6 +157,10 @@ class LayerwiseModel:
                 keep = ~is_content | torch.isin(positions, keep_content.to(device))
                 positions, hidden, is_content = positions[keep], hidden[:, keep], is_content[keep]
                 pos_ids, cos_sin, attn_inputs = inputs_for(positions)
+            if stop_after_layer is not None and layer_idx >= stop_after_layer:
+                kv.set_length(n)
+                stats.final_positions = positions.cpu()
+                return None, stats
         kv.set_length(n)
         stats.final_positions = positions.cpu()
         last = self.base.norm(hidden[:, -1:])

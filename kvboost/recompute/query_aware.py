@@ -8,8 +8,13 @@ documents and the answer start) over the re-rotated content hits, as ``recompute
 attention of those reader queries over every content token at the upper half of the layers. The
 ``ratio`` of content tokens read most are then recomputed at every layer together with the new tokens.
 
-Cost: the probe (about a ``none`` prefill) plus ``ratio`` of the content at every layer; no full prefill.
-Measured on the RAG-reorder workload (experiments/results/README.md): see the strategies table there.
+Cost: the probe (about a ``none`` prefill, up to the last probed layer) plus ``ratio`` of the content at every
+layer; no full prefill. The new tokens before the first content hit (e.g. a question asked before the documents)
+attend to exact rows only, so the probe computes them exactly; when it ran every layer the real pass keeps them
+instead of computing them twice.
+
+Defaults (ratio 0.2, the upper half of the layers, ``heads=max``) were chosen on the RAG-reorder workload and
+checked on a second draw of its queries (experiments/results/README.md, "query_aware").
 """
 
 from __future__ import annotations
@@ -31,22 +36,31 @@ class QueryAware(RecomputeStrategy):
         ratio: fraction of content-hit tokens recomputed (at every layer).
         from_layer: first probed layer as a fraction of the model's depth (0.5: the upper half); the
             attention is summed over the probed layers.
+        to_layer: end of the probed layers (exclusive) as a fraction of the depth (1.0: up to the last layer).
+            The probe pass stops after the last probed layer, so probing lower layers costs less.
         heads: how a layer's heads are combined: ``mean`` (the average reader) or ``max`` (any head that
             reads the token strongly, e.g. a retrieval head).
     """
 
     needs_reader_attention = True
 
-    def __init__(self, ratio: float = 0.15, from_layer: float = 0.5, heads: str = "mean") -> None:
+    def __init__(self, ratio: float = 0.2, from_layer: float = 0.5, heads: str = "max",
+                 to_layer: float = 1.0) -> None:  # fmt: skip
         self.ratio = check_fraction("query_aware", "ratio", ratio)
         self.from_layer = check_fraction("query_aware", "from_layer", from_layer)
+        self.to_layer = check_fraction("query_aware", "to_layer", to_layer)
+        if self.to_layer < self.from_layer:
+            raise ValueError(
+                f"recompute strategy 'query_aware': to_layer ({to_layer}) must not be below from_layer ({from_layer})"
+            )
         if heads not in HEAD_REDUCTIONS:
             raise ValueError(f"recompute strategy 'query_aware': heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
         self.heads = heads
 
     def reader_layers(self, num_layers: int) -> tuple[int, ...]:
         first = min(num_layers - 1, int(round(self.from_layer * num_layers)))
-        return tuple(range(first, num_layers))
+        end = max(first + 1, min(num_layers, int(round(self.to_layer * num_layers))))
+        return tuple(range(first, end))
 
     def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
         content = plan.positions("content")
@@ -64,4 +78,4 @@ class QueryAware(RecomputeStrategy):
         return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
 
     def fingerprint(self) -> str:
-        return f"query_aware:{self.ratio}:{self.from_layer}:{self.heads}"
+        return f"query_aware:{self.ratio}:{self.from_layer}:{self.to_layer}:{self.heads}"
