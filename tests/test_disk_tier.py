@@ -190,7 +190,12 @@ def test_temp_files_of_dead_writers_are_ignored_and_cleaned(tmp_path):
 
 
 def _corrupt(path: Path, how: str) -> None:
-    data = bytearray(path.read_bytes())
+    path.write_bytes(damaged(path.read_bytes(), how))
+
+
+def damaged(record: bytes, how: str) -> bytes:
+    """A record damaged one way (the redis tier's tests damage theirs with it too)."""
+    data = bytearray(record)
     if how == "flip_tensor":
         data[-40] ^= 0x10  # inside the tensor section: only the full checksum sees it
     elif how == "flip_header":
@@ -201,7 +206,7 @@ def _corrupt(path: Path, how: str) -> None:
         data = bytearray(random.Random(0).randbytes(len(data)))
     elif how == "empty":
         data = bytearray()
-    path.write_bytes(bytes(data))
+    return bytes(data)
 
 
 def test_damaged_records_are_dropped_counted_and_missed(tmp_path):

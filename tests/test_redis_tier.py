@@ -8,7 +8,6 @@ of server. Skipped, with the reason, when there is no ``redis-server`` binary or
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -58,16 +57,7 @@ def stored_chain(server, ns: str, n: int) -> list[KVEntry]:
 
 
 def corrupt(client, record_key: str, how: str) -> None:
-    data = bytearray(client.get(record_key))
-    if how == "flip_tensor":
-        data[-40] ^= 0x10  # inside the tensor section: only the full checksum sees it
-    elif how == "flip_header":
-        data[fmt.PREFIX_SIZE + 3] ^= 0x01
-    elif how == "truncate":
-        data = data[: len(data) - 7]
-    elif how == "garbage":
-        data = bytearray(random.Random(0).randbytes(len(data)))
-    client.set(record_key, bytes(data))
+    client.set(record_key, disk_tests.damaged(client.get(record_key), how))
 
 
 # ---------------------------------------------------------------------------------------------- the tier

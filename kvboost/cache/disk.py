@@ -61,7 +61,6 @@ from kvboost.cache import payload as fmt
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.memory import parse_bytes
 from kvboost.cache.record_tier import Loaded, RecordTier, decode_record
-from kvboost.cache.tier_base import choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
 log = logging.getLogger(__name__)
@@ -434,31 +433,19 @@ class DiskTier(RecordTier):
         self._finalizer = weakref.finalize(self, _shutdown, self._writer, self.root if private else None)
         self._scan()
 
-    # ------------------------------------------------------------------ context from the engine
-    # ------------------------------------------------------------------ contract
-    def put(self, entry: KVEntry) -> list[KVEntry]:
-        if self._closed:
-            raise RuntimeError(f"disk tier {self.root} is closed")
-        if entry.nbytes > self.capacity_bytes:
-            return [entry]  # rejected: it could never fit
-        old = self._index.get(entry.key)
-        freed = old.nbytes if old is not None else 0
-        need = self._used - freed + entry.nbytes - self.capacity_bytes
-        victims: list[str] = []
-        if need > 0:
-            victims = choose_victims(self, self.eviction, self._pinned, entry, need, self._meta_of)
-            if victims is None:  # everything left is protected: reject, evict nothing
-                return [entry]
-        evicted = [self._evict(k) for k in victims]
-        if old is not None:
-            self._forget(entry.key)  # the new record replaces the file (no delete queued)
+    # ------------------------------------------------------------------ contract (put: RecordTier)
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def _queue_write(self, entry: KVEntry) -> _Rec:
+        """Hand ``entry`` to the writer (a snapshot of its tensors); returns its books."""
         snapshot = dataclasses.replace(entry, payload=_detach(entry.payload))
         file = self._file(entry.key)
         fp = self._current_fingerprint()
         self._writer.submit_write(_Job("write", entry.key, file, snapshot, fp or "", self._quantizer, entry.nbytes))
-        self._add(entry.key, _Rec(entry.nbytes, file, entry.segment_key, entry.parent_key, entry.exact,
-                                  entry.pinned, entry.start, array("q", entry.token_ids)))  # fmt: skip
-        return evicted
+        return _Rec(entry.nbytes, file, entry.segment_key, entry.parent_key, entry.exact, entry.pinned, entry.start,
+                    array("q", entry.token_ids))  # fmt: skip
 
     def remove(self, key: str) -> KVEntry | None:
         rec = self._index.get(key)
@@ -469,10 +456,6 @@ class DiskTier(RecordTier):
             entry = self._load(key, rec, drop_on_error=False) or rec.meta_entry(key)
         self._discard(key)
         return entry
-
-    def clear(self) -> None:
-        for key in list(self._index):
-            self._discard(key)
 
     # ------------------------------------------------------------------ lifecycle and stats
     def flush(self) -> None:

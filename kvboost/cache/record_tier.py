@@ -28,7 +28,7 @@ import torch
 
 from kvboost.cache import payload as fmt
 from kvboost.cache.entry import KVEntry
-from kvboost.cache.tier_base import CacheTier
+from kvboost.cache.tier_base import CacheTier, choose_victims
 
 
 @dataclass
@@ -100,6 +100,7 @@ class RecordTier(CacheTier):
     may_lose_entries = True
     _index: dict[str, Any]
     _used: int
+    _pinned: set[str]
     _last: tuple[str, KVEntry] | None = None
     _fingerprint: Callable[[], str] | None = None
     _quantizer: dict[str, Any] | None = None
@@ -111,6 +112,51 @@ class RecordTier(CacheTier):
     _ahead: dict[str, Future] | None = None
     _pool: ThreadPoolExecutor | None = None
     _background: BackgroundReadStats | None = None
+
+    # ------------------------------------------------------------------ writes
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """Where the records live (for messages)."""
+
+    @abstractmethod
+    def _queue_write(self, entry: KVEntry) -> Any:
+        """Hand ``entry``'s record to the tier's writer; return its books (what ``_add`` takes)."""
+
+    @abstractmethod
+    def _add(self, key: str, rec: Any) -> None:
+        """Book ``rec`` under ``key`` (size, pins, eviction policy)."""
+
+    @abstractmethod
+    def _forget(self, key: str) -> Any:
+        """Drop ``key`` from the books (the record is left as it is); its books, or None."""
+
+    @abstractmethod
+    def _evict(self, key: str) -> KVEntry:
+        """Evict ``key`` during a put: its entry with the payload when a slower tier takes it, else its books."""
+
+    def put(self, entry: KVEntry) -> list[KVEntry]:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"{self.registry_name} tier {self.location} is closed")
+        if entry.nbytes > self.capacity_bytes:
+            return [entry]  # rejected: it could never fit
+        old = self._index.get(entry.key)
+        freed = old.nbytes if old is not None else 0
+        need = self._used - freed + entry.nbytes - self.capacity_bytes
+        victims: list[str] = []
+        if need > 0:
+            victims = choose_victims(self, self.eviction, self._pinned, entry, need, self._meta_of)
+            if victims is None:  # everything left is protected: reject, evict nothing
+                return [entry]
+        evicted = [self._evict(k) for k in victims]
+        if old is not None:
+            self._forget(entry.key)  # the new record replaces the old one (no delete queued)
+        self._add(entry.key, self._queue_write(entry))
+        return evicted
+
+    def clear(self) -> None:
+        for key in list(self._index):
+            self._discard(key)
 
     # ------------------------------------------------------------------ context from the engine
     def bind_context(self, *, fingerprint: str | Callable[[], str] | None = None,

@@ -78,7 +78,6 @@ from kvboost.cache.disk import _detach, _Job, _MetaPayload, _Writer
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.memory import parse_bytes
 from kvboost.cache.record_tier import Loaded, RecordTier, decode_record
-from kvboost.cache.tier_base import choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
 log = logging.getLogger(__name__)
@@ -374,31 +373,19 @@ class RedisTier(RecordTier):
         """The ``redis.Redis`` client (for tests and tools)."""
         return self._link.client
 
-    # ------------------------------------------------------------------ context from the engine
-    # ------------------------------------------------------------------ contract
-    def put(self, entry: KVEntry) -> list[KVEntry]:
-        if self._closed:
-            raise RuntimeError(f"redis tier {self.namespace} at {self.url} is closed")
-        if entry.nbytes > self.capacity_bytes:
-            return [entry]  # rejected: it could never fit
-        old = self._index.get(entry.key)
-        freed = old.nbytes if old is not None else 0
-        need = self._used - freed + entry.nbytes - self.capacity_bytes
-        victims: list[str] = []
-        if need > 0:
-            victims = choose_victims(self, self.eviction, self._pinned, entry, need, self._meta_of)
-            if victims is None:  # everything left is protected: reject, evict nothing
-                return [entry]
-        evicted = [self._evict(k) for k in victims]
-        if old is not None:
-            self._forget(entry.key)  # the new record replaces the old one (no delete queued)
+    # ------------------------------------------------------------------ contract (put: RecordTier)
+    @property
+    def location(self) -> str:
+        return f"{self.namespace} at {self.url}"
+
+    def _queue_write(self, entry: KVEntry) -> _Rec:
+        """Hand ``entry`` to the writer (a snapshot of its tensors); returns its books."""
         snapshot = dataclasses.replace(entry, payload=_detach(entry.payload))
         fp = self._current_fingerprint()
         self._writer.submit_write(_Job("write", entry.key, self._link.record_key(entry.key), snapshot,  # type: ignore[arg-type]
                                        fp or "", self._quantizer, entry.nbytes))  # fmt: skip
-        self._add(entry.key, _Rec(entry.nbytes, entry.segment_key, entry.parent_key, entry.exact, entry.pinned,
-                                  entry.start, array("q", entry.token_ids)))  # fmt: skip
-        return evicted
+        return _Rec(entry.nbytes, entry.segment_key, entry.parent_key, entry.exact, entry.pinned, entry.start,
+                    array("q", entry.token_ids))  # fmt: skip
 
     def remove(self, key: str) -> KVEntry | None:
         rec = self._index.get(key)
@@ -412,10 +399,6 @@ class RedisTier(RecordTier):
         else:
             self._forget(key)
         return entry
-
-    def clear(self) -> None:
-        for key in list(self._index):
-            self._discard(key)
 
     # ------------------------------------------------------------------ pipelined reads, other processes' writes
     def prefetch(self, keys: Iterable[str]) -> int:
