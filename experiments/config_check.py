@@ -28,7 +28,7 @@ PLUGIN_GROUPS = {
 RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
 LOGGERS = ("none", "wandb")
 MODEL_FIELDS = ("name_or_path", "dtype", "device", "random_init", "random_seed")
-ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes")
+ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode")
 
 
 def split_workload_config(cfg: dict[str, Any]) -> tuple[str, dict[str, Any], list[str], int]:
@@ -66,6 +66,11 @@ def check_config(cfg: dict[str, Any]) -> None:
     unknown_engine = sorted(set(cfg.get("engine") or {}) - set(ENGINE_OPTIONS))
     if unknown_engine:
         raise ValueError(f"engine: unknown option(s) {unknown_engine}; accepted: {', '.join(ENGINE_OPTIONS)}")
+    decode = (cfg.get("engine") or {}).get("decode", "auto")
+    from kvboost.models.decode_step import DECODE_MODES
+
+    if decode != "auto" and decode not in DECODE_MODES:
+        raise ValueError(f"engine.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
 
     name, fields, modes, repeats = split_workload_config(cfg)
     WORKLOADS.validate({"name": name, **fields}, provided=("env",))

@@ -36,6 +36,7 @@ from experiments.report import format_table, plot_summary, summarize, write_reco
 from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, WorkloadEnv
 from kvboost.engine import InferenceEngine
+from kvboost.models.compute import describe as describe_compute
 from kvboost.quality import compare_generations
 from kvboost.types import GenerationResult
 
@@ -120,6 +121,7 @@ def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int) -> 
         num_q_heads=cfg.num_attention_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim, dtype=engine.adapter.dtype, device=engine.adapter.device, max_len=max_len,
     )  # fmt: skip
+    engine.warmup()  # compiles the decode step (timed apart: summary run.decode_compile_s)
     for runner in runners.values():
         runner.generate(WARMUP_MESSAGES, 4)
     for runner in runners.values():
@@ -228,7 +230,8 @@ def _run(
         "mode_order": "shuffled per request and repeat (seeded)",
         "shared_context_items": len(shared),
         "shared_context_s": shared_s,
-        "dtype": str(engine.adapter.dtype).replace("torch.", ""),
+        **describe_compute(engine.adapter.dtype, engine.adapter.device, (cfg.get("model") or {}).get("dtype")),
+        **engine.decode_info(),
         "device": str(engine.adapter.device),
         "fingerprint": engine.fingerprint,
         **run_info,

@@ -34,9 +34,10 @@ from kvboost.generation import PhaseClock, ReuseCounts, build_result
 from kvboost.lookup import common_prefix_length, lookup, write_exact
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
+from kvboost.models.decode_step import FusedDecodeStep, choose_decode
 from kvboost.models.layerwise import LayerwiseModel
-from kvboost.models.probe import ReaderAttentionProbe, observing
 from kvboost.models.prealloc_cache import PreallocatedKV
+from kvboost.models.probe import ReaderAttentionProbe, observing
 from kvboost.plan import ReusePlan, validate_schedule, validate_selection
 from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import compare_generations, continuation_logprob
@@ -88,6 +89,10 @@ class InferenceEngine:
         max_kv_bytes: refuse a request whose KV buffer (prompt + max new tokens) would exceed this many bytes
             (default: 90% of the free memory of the model's device when the request comes).
         keep_buffer_bytes: largest KV buffer kept for reuse between requests (default 512 MiB).
+        decode: how generated tokens run after the first: ``"auto"`` (default: the compiled fused step where the
+            model and backend allow, see ``kvboost.models.decode_step.choose_decode``), ``"compiled"``,
+            ``"eager"`` (the fused step, not compiled) or ``"hf"`` (HF's forward per token). ``warmup()``
+            compiles it before the first request.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class InferenceEngine:
         share_model: bool = False,
         max_kv_bytes: int | str | None = None,
         keep_buffer_bytes: int | str = "512MiB",
+        decode: str = "auto",
     ) -> None:
         from kvboost.rope import RopeRotator, check_rope_reusable
 
@@ -142,6 +148,7 @@ class InferenceEngine:
             attention = ATTENTION.build(attn)
             attention.check_available()
             attention.check_model(model)
+        decode_mode, decode_reason = choose_decode(decode, model, attention.name)
         try:
             self.rotator: Any = RopeRotator.from_model(model)
             self.content_disabled_reason: str | None = None
@@ -170,6 +177,8 @@ class InferenceEngine:
             setattr(model, OWNER_ATTR, weakref.ref(self))
         self.attention = attention
         self.layerwise = LayerwiseModel(model, attention)
+        self.decode_mode, self.decode_reason = decode_mode, decode_reason
+        self._decode_step = FusedDecodeStep(model, compile=decode_mode == "compiled") if decode_mode != "hf" else None
         # Tiers that serialise entries (disk) write the fingerprint into each record and check it on read;
         # pending writes (and, spilled, the memory tier's entries) reach a persistent tier at close() or exit.
         self.store.bind_context(
@@ -185,11 +194,15 @@ class InferenceEngine:
         cls,
         model_name_or_path: str | None = None,
         *,
-        dtype: str | torch.dtype | None = "float32",
+        dtype: str | torch.dtype | None = "auto",
         device: str | None = None,
         **options: Any,
     ) -> InferenceEngine:
-        """Load a model (``None``: the bundled SmolLM2-135M-Instruct) and build the engine around it."""
+        """Load a model (``None``: the bundled SmolLM2-135M-Instruct) and build the engine around it.
+
+        ``dtype="auto"``: bf16 where the device does bf16 natively (CUDA, CPUs with AMX or AVX-512 BF16), else
+        fp32 (``kvboost.models.compute``). Pass ``"float32"`` for reuse equal to a cold prefill within 1e-4.
+        """
         from kvboost.models.loading import load_model_and_tokenizer
 
         model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
@@ -206,6 +219,23 @@ class InferenceEngine:
         self._closed = True
         self.adapter.release_buffers()
         self._store_finalizer()  # store.close(): spill into a persistent tier, flush pending writes
+
+    def warmup(self) -> dict[str, Any]:
+        """Build what the first request would otherwise build inside its timings: the decode step is compiled
+        (and run once) on scratch buffers; the cache is not touched. Returns :meth:`decode_info`."""
+        if self._decode_step is not None and not self._decode_step.warmed:
+            self._decode_step.warmup()
+        return self.decode_info()
+
+    def decode_info(self) -> dict[str, Any]:
+        """How tokens after the first are decoded: mode, why, and the compile time paid so far (seconds)."""
+        step = self._decode_step
+        mode = self.decode_mode if step is None or step.compiled or self.decode_mode != "compiled" else "eager"
+        return {
+            "decode": mode,
+            "decode_reason": self.decode_reason if step is None or step.fallback_reason is None else step.fallback_reason,
+            "decode_compile_s": step.compile_seconds if step is not None else 0.0,
+        }
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -302,8 +332,14 @@ class InferenceEngine:
             first = pick_token(pre.logits, sampling, self.generator)
             clock.mark("first")
 
+            step = self._decode_step
+            if step is not None and step.can_run(kv, n, max_new_tokens):
+                step.begin(kv, n)
+                forward = step
+            else:
+                step, forward = None, lambda tok: self.adapter.forward(torch.tensor([tok]), kv.cache)[-1]
             decoded = decode_loop(
-                lambda tok: self.adapter.forward(torch.tensor([tok]), kv.cache)[-1],
+                forward,
                 first,
                 max_new_tokens=max_new_tokens,
                 eos_ids=self.eos_ids,
@@ -312,6 +348,8 @@ class InferenceEngine:
                 max_total_tokens=self.adapter.max_positions,
                 tokens_so_far=n,
             )
+            if step is not None:
+                kv.set_length(step.length)  # the fused step wrote the rows; HF's cache objects now see them
             clock.mark("decoded")
             if mode == "reuse" and store:
                 seq = ids + (decoded.token_ids[:-1] if self.store_generated else [])

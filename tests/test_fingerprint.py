@@ -209,7 +209,7 @@ def test_disk_cache_used_when_loaded_unchanged(tmp_path, count_digests):
 
     folder = tmp_path / "model"
     _save_tiny(folder)
-    model, _, path = load_model_and_tokenizer(str(folder), device="cpu")
+    model, _, path = load_model_and_tokenizer(str(folder), device="cpu", dtype="float32")
     assert Path(model._kvboost_source_dir) == folder.resolve()
     assert model._kvboost_load_signature == parameter_signature(model)
     first = ModelFingerprint(model, path)
@@ -218,7 +218,7 @@ def test_disk_cache_used_when_loaded_unchanged(tmp_path, count_digests):
     entries = json.loads((folder / DIGEST_FILE).read_text())
     assert [e["weights"] for e in entries.values()] == [first.weights_digest()]
 
-    again, _, _ = load_model_and_tokenizer(str(folder), device="cpu")
+    again, _, _ = load_model_and_tokenizer(str(folder), device="cpu", dtype="float32")
     second = ModelFingerprint(again, path)
     assert second.current() == fp1
     assert second.weights_source == "disk" and len(count_digests) == 1  # not rehashed
@@ -236,7 +236,7 @@ def test_disk_cache_used_when_loaded_unchanged(tmp_path, count_digests):
     assert len(json.loads((folder / DIGEST_FILE).read_text())) == 2
     weights = folder / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
-    touched, _, _ = load_model_and_tokenizer(str(folder), device="cpu")
+    touched, _, _ = load_model_and_tokenizer(str(folder), device="cpu", dtype="float32")
     fp_touched = ModelFingerprint(touched, path)
     assert fp_touched.current() == fp1 and fp_touched.weights_source == "computed"
 

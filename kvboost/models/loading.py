@@ -111,12 +111,20 @@ def resolve_model_path(model_name_or_path: str | os.PathLike[str] | None) -> str
     return str(model_name_or_path)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    """``"float32" | "fp32" | "bfloat16" | "bf16" | "float16" | "fp16"`` or a torch dtype."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> torch.dtype:
+    """``"auto" | "float32" | "fp32" | "bfloat16" | "bf16" | "float16" | "fp16"`` or a torch dtype.
+
+    ``"auto"``: bf16 where ``device`` (default: cuda if available, else cpu) does bf16 natively, else fp32
+    (:func:`kvboost.models.compute.auto_dtype`).
+    """
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
+    if str(dtype).lower() == "auto":
+        from kvboost.models.compute import auto_dtype
+
+        return auto_dtype(_default_device(device))[0]
     aliases = {
         "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
         "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -125,7 +133,11 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     try:
         return aliases[str(dtype).lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(aliases)}") from None
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {['auto', *sorted(aliases)]}") from None
+
+
+def _default_device(device: str | torch.device | None) -> torch.device:
+    return torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _weights_folder(path: str, hf_kwargs: dict[str, Any]) -> str | None:
@@ -148,7 +160,7 @@ def _weights_folder(path: str, hf_kwargs: dict[str, Any]) -> str | None:
 def load_model_and_tokenizer(
     model_name_or_path: str | os.PathLike[str] | None = None,
     *,
-    dtype: str | torch.dtype | None = "float32",
+    dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = None,
     **hf_kwargs: Any,
 ) -> tuple[Any, Any, str]:
@@ -166,8 +178,8 @@ def load_model_and_tokenizer(
     path = resolve_model_path(model_name_or_path)
     config = AutoConfig.from_pretrained(path, **hf_kwargs)
     check_architecture(config)
-    torch_dtype = resolve_dtype(dtype)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _default_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hf_kwargs).to(device)
     model.eval()
     record_load(model, _weights_folder(path, hf_kwargs))
@@ -200,10 +212,10 @@ def random_model_and_tokenizer(
             raise ValueError(f"model.random_init: {type(config).__name__} has no field {name!r}")
         setattr(config, name, value)
     check_architecture(config)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _default_device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model = model.to(device=device, dtype=resolve_dtype(dtype)).eval()
+    model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
     identity = "random:" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) + f":seed={seed}"
     return model, AutoTokenizer.from_pretrained(path), identity

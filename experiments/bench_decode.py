@@ -1,0 +1,194 @@
+"""Decode speed of the bundled model: HF's forward per token vs the fused decode step (eager and compiled).
+
+    python experiments/bench_decode.py --dtypes float32 bfloat16 --contexts 256 1024 --tokens 64 --repeats 5
+
+For each dtype, one engine per decode path on the same weights; each (context, repeat) feeds the same random
+prompt of ``context`` tokens (prefilled once, not timed) and then times ``--tokens`` greedy steps, EOS ignored,
+with every path interleaved in the same repeat so drift hits them alike (after one discarded round on another
+prompt). Reported per path: tokens/s
+(median and min-max over repeats), ms per token, the ratio to HF's rate in the same repeat (median and range),
+the greedy agreement with HF over the timed tokens, and the compile time (``engine.warmup()``, timed apart).
+The weight-streaming floor (bytes of all weights / measured copy bandwidth) is printed beside them: a decode
+step cannot be faster than reading every weight once.
+
+Writes ``<out>/decode_<dtype>.json`` and ``<out>/decode.md`` (default ``experiments/results/decode/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments.environment import describe_environment
+from kvboost import KVBoost
+from kvboost.models.compute import describe
+from kvboost.models.loading import load_model_and_tokenizer
+
+PATHS = ("hf", "eager", "compiled")
+
+
+def stream_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """GB/s of reading a large tensor once (``sum``): what streaming the weights can reach at best."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes a decode step reads: every parameter once (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def time_decode(engine: Any, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+    """(seconds for ``steps`` greedy tokens after the prompt, the tokens), EOS ignored; prefill not timed."""
+    adapter = engine.adapter
+    n = len(prompt)
+    with torch.inference_mode():
+        kv = adapter.allocate(n + steps + 1)
+        logits = adapter.forward(torch.tensor(prompt), kv.cache)[-1]
+        token = int(logits.argmax())
+        step = engine._decode_step
+        if step is not None:
+            step.begin(kv, n)
+            forward = step
+        else:
+            def forward(t: int) -> torch.Tensor:
+                return adapter.forward(torch.tensor([t]), kv.cache)[-1]
+        tokens = []
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = int(forward(token).argmax())
+            tokens.append(token)
+        return time.perf_counter() - start, tokens
+
+
+def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    model, tokenizer, path = load_model_and_tokenizer(None, dtype=dtype)
+    engines, compile_s = {}, {}
+    for name in args.paths:
+        engine = KVBoost(model, tokenizer, model_identity=path, decode=name, share_model=bool(engines))
+        compile_s[name] = engine.warmup()["decode_compile_s"]
+        engines[name] = engine
+    gen = torch.Generator().manual_seed(args.seed)
+    # One discarded round on its own prompt: the first call of a shape builds kernels (oneDNN, allocator).
+    for engine in engines.values():
+        time_decode(engine, torch.randint(100, 40000, (max(args.contexts),), generator=gen).tolist(), 4)
+    rows: list[dict[str, Any]] = []
+    total = len(args.contexts) * args.repeats * len(engines)
+    with tqdm(total=total, desc=f"decode {dtype}") as bar:
+        for context in args.contexts:
+            for repeat in range(args.repeats):
+                prompt = torch.randint(100, min(len(tokenizer), 40000), (context,), generator=gen).tolist()
+                timed = {}
+                for name, engine in engines.items():
+                    timed[name] = time_decode(engine, prompt, args.tokens)
+                    bar.update(1)
+                ref_tokens = timed.get("hf", next(iter(timed.values())))[1]
+                for name, (seconds, tokens) in timed.items():
+                    agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+                    rows.append({
+                        "path": name, "context": context, "repeat": repeat, "seconds": seconds,
+                        "tokens_per_s": args.tokens / seconds,
+                        "ratio_vs_hf": timed["hf"][0] / seconds if "hf" in timed else None,
+                        "tokens_equal_to_hf_before_divergence": agree,
+                    })  # fmt: skip
+    bandwidth = stream_bandwidth_gbs()
+    nbytes = weight_bytes(model)
+    summary = {}
+    for name in engines:
+        for context in args.contexts:
+            mine = [r for r in rows if r["path"] == name and r["context"] == context]
+            rates = [r["tokens_per_s"] for r in mine]
+            ratios = [r["ratio_vs_hf"] for r in mine if r["ratio_vs_hf"] is not None]
+            summary[f"{name}@{context}"] = {
+                "path": name, "context": context,
+                "tokens_per_s_median": statistics.median(rates), "tokens_per_s_min": min(rates),
+                "tokens_per_s_max": max(rates), "ms_per_token_median": 1000 / statistics.median(rates),
+                "ratio_vs_hf_median": statistics.median(ratios) if ratios else None,
+                "ratio_vs_hf_min": min(ratios) if ratios else None, "ratio_vs_hf_max": max(ratios) if ratios else None,
+                "greedy_prefix_equal_to_hf_mean": statistics.mean(r["tokens_equal_to_hf_before_divergence"] for r in mine),
+                "compile_s": compile_s[name],
+            }  # fmt: skip
+    for engine in engines.values():
+        engine.close()
+    return {
+        "dtype": dtype, "compute": describe(model.dtype, "cpu" if not torch.cuda.is_available() else "cuda", dtype),
+        "weight_bytes": nbytes, "stream_gbs": bandwidth,
+        "floor_tokens_per_s": bandwidth * 1e9 / nbytes, "tokens_timed": args.tokens, "summary": summary, "rows": rows,
+    }  # fmt: skip
+
+
+def to_markdown(results: list[dict[str, Any]], command: str) -> str:
+    lines = [f"`{command}`", ""]
+    for res in results:
+        lines += [
+            f"### {res['dtype']} ({res['compute']['matmul_path']}); weights {res['weight_bytes'] / 1e6:.0f} MB, "
+            f"stream {res['stream_gbs']:.1f} GB/s -> floor {res['floor_tokens_per_s']:.0f} tok/s",
+            "",
+            "| path | context | tok/s median (min-max) | ms/token | x HF (min-max) | tokens = HF before divergence (of "
+            f"{res['tokens_timed']}) | compile s |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in res["summary"].values():
+            ratio = (
+                f"{row['ratio_vs_hf_median']:.2f} ({row['ratio_vs_hf_min']:.2f}-{row['ratio_vs_hf_max']:.2f})"
+                if row["ratio_vs_hf_median"] is not None else "-"
+            )  # fmt: skip
+            lines.append(
+                f"| {row['path']} | {row['context']} | {row['tokens_per_s_median']:.1f} ({row['tokens_per_s_min']:.1f}-"
+                f"{row['tokens_per_s_max']:.1f}) | {row['ms_per_token_median']:.1f} | {ratio} | "
+                f"{row['greedy_prefix_equal_to_hf_mean']:.1f} | {row['compile_s']:.1f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "decode"))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python experiments/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = []
+    for dtype in args.dtypes:
+        res = run_dtype(dtype, args)
+        res["environment"], res["command"] = describe_environment(), command
+        (out / f"decode_{dtype}.json").write_text(json.dumps(res, indent=1))
+        results.append(res)
+    md = to_markdown(results, command)
+    (out / "decode.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
