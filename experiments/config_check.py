@@ -13,7 +13,7 @@ from typing import Any
 
 from experiments.modes import MODES
 from experiments.workloads import WORKLOADS
-from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, EVICTION, HASHERS, KV_QUANT, RECOMPUTE
+from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, DRAFT, EVICTION, HASHERS, KV_QUANT, RECOMPUTE
 
 #: config group -> registry of the plugin it names
 PLUGIN_GROUPS = {
@@ -23,6 +23,7 @@ PLUGIN_GROUPS = {
     "quant": KV_QUANT,
     "attn": ATTENTION,
     "eviction": EVICTION,
+    "speculative": DRAFT,
 }
 #: workload config fields the runner reads itself (not passed to the workload)
 RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
@@ -51,8 +52,17 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
         recompute=cfg.get("recompute", "none"),
         quant=cfg.get("quant", "none"),
         attn=cfg.get("attn", "sdpa"),
+        speculative=cfg.get("speculative", "none"),
+        # consumed by InferenceEngine.from_pretrained (it decides how the model is loaded); only when on
+        **({"streaming": cfg["streaming"]} if _streaming_on(cfg.get("streaming")) else {}),
         **(cfg.get("engine") or {}),
     )
+
+
+def _streaming_on(spec: Any) -> bool:
+    from kvboost.streaming import streaming_enabled
+
+    return streaming_enabled(spec)
 
 
 def check_config(cfg: dict[str, Any]) -> None:
@@ -60,12 +70,21 @@ def check_config(cfg: dict[str, Any]) -> None:
     for group, registry in PLUGIN_GROUPS.items():
         if cfg.get(group) is not None and registry is not CACHE_TIERS:
             registry.validate(cfg[group])
+    if cfg.get("speculative") is not None:
+        DRAFT.build(cfg["speculative"])  # value checks (num_draft >= 1...); a draft model is loaded only by the engine
     cache = cfg.get("cache")
     for tier in cache if isinstance(cache, list) else [cache] if cache is not None else []:
         CACHE_TIERS.validate(tier, provided=("write_through",))  # write_through is the store's, per tier
     unknown_engine = sorted(set(cfg.get("engine") or {}) - set(ENGINE_OPTIONS))
     if unknown_engine:
         raise ValueError(f"engine: unknown option(s) {unknown_engine}; accepted: {', '.join(ENGINE_OPTIONS)}")
+    if _streaming_on(cfg.get("streaming")):  # validates the fields too
+        if (cfg.get("model") or {}).get("random_init"):
+            raise ValueError("streaming reads weights from a safetensors folder; it cannot stream model.random_init")
+        if (cfg.get("engine") or {}).get("decode", "auto") not in ("auto", "hf"):
+            from kvboost.streaming import streamed_decode
+
+            streamed_decode(cfg["engine"]["decode"])
     decode = (cfg.get("engine") or {}).get("decode", "auto")
     from kvboost.models.decode_step import DECODE_MODES
 

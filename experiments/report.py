@@ -306,6 +306,8 @@ def _quality(records: list[Mapping[str, Any]]) -> dict[str, Any]:
     divergences = _values(measured_div, "first_divergence")
     return {
         "greedy_match_rate": _mean(_values(with_quality, "greedy_match")),
+        # kvboost only: same greedy tokens as the engine's own cold prefill (None where not measured)
+        "greedy_match_vs_cold_rate": _mean(_values(records, "greedy_match_vs_cold")),
         "first_token_kl_max": max(kl) if kl else None,
         "first_token_kl_mean": _mean(kl),
         "first_divergence_min": int(min(divergences)) if divergences else None,
@@ -329,10 +331,12 @@ def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "bas
     Returns::
 
         {"modes": {MODE: {"by_turn": {"1": {...}, "2": {...}}, "overall": {...}}},
-         "quality": {MODE: {"greedy_match_rate", "first_token_kl_max", "first_token_kl_mean",
+         "quality": {MODE: {"greedy_match_rate", "greedy_match_vs_cold_rate", "first_token_kl_max", "first_token_kl_mean",
                             "first_divergence_min", "n_diverged", "max_abs_logit_diff_max",
                             "answer_logprob_delta_mean", "n"}},
          "accuracy": {MODE: {"accuracy", "n_correct", "n"}},
+         "speculative": {MODE: {"strategy", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                                "target_forwards", "tokens_per_target_forward", "n"}},  # only with drafting
          "speedup_split": {MODE: {"engine_path", "reuse", "total", "engine_path_ci95", "reuse_ci95",
                                   "total_ci95", "n"}},
          "baseline_mode": baseline_mode, "reference_modes": [...],
@@ -381,6 +385,7 @@ def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "bas
     modes: dict[str, Any] = {}
     quality: dict[str, Any] = {}
     accuracy: dict[str, Any] = {}
+    speculative: dict[str, Any] = {}
     for mode, requests in by_mode.items():
         ttfts = _ttfts(requests)
         per_turn = {}
@@ -400,6 +405,8 @@ def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "bas
             quality[mode] = _quality(first)
         if any(r.get("correct") is not None for r in first):
             accuracy[mode] = _accuracy(first)
+        if any("drafted_tokens" in r for r in first):
+            speculative[mode] = _speculative(first)
 
     split: dict[str, Any] = {}
     if len(refs) > 1:
@@ -411,8 +418,20 @@ def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "bas
             if entry is not None:
                 split[mode] = entry
     return {"modes": modes, "quality": quality, "accuracy": accuracy, "speedup_split": split,
-            "baseline_mode": baseline_mode, "reference_modes": refs[1:],
+            **({"speculative": speculative} if speculative else {}), "baseline_mode": baseline_mode, "reference_modes": refs[1:],
             "bootstrap": {"resamples": n_boot, "seed": seed, "confidence": 0.95}}
+
+
+def _speculative(first: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Totals over requests of the draft stats a speculative engine reports (``kvboost.speculative``)."""
+    recs = [r for r in first if "drafted_tokens" in r]
+    drafted = sum(r["drafted_tokens"] for r in recs)
+    accepted = sum(r["accepted_tokens"] for r in recs)
+    forwards = sum(r["target_forwards"] for r in recs)
+    after_first = sum(max(int(r.get("generated_tokens") or 0) - 1, 0) for r in recs)
+    return {"strategy": recs[0].get("speculative"), "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0, "target_forwards": forwards,
+            "tokens_per_target_forward": after_first / forwards if forwards else None, "n": len(recs)}
 
 
 def _split(base: Mapping[str, float], ref: Mapping[str, float], mode: Mapping[str, float], *, n_boot: int,
@@ -609,7 +628,9 @@ def format_table(summary: Mapping[str, Any]) -> str:
             f"{_fmt(q.get('first_token_kl_max'), '.3g')} mean {_fmt(q.get('first_token_kl_mean'), '.3g')}, "
             f"first divergence min {'none' if first_div is None else first_div}"
             f" ({q.get('n_diverged', 0)} of {q.get('n', 0)} diverged)"
-            + (f", answer log-prob delta mean {delta:+.3g}" if delta is not None else ""))
+            + (f", answer log-prob delta mean {delta:+.3g}" if delta is not None else "")
+            + (f"; same tokens as kvboost_cold {q['greedy_match_vs_cold_rate']:.1%}"
+               if q.get("greedy_match_vs_cold_rate") is not None else ""))
     return "\n".join(lines)
 
 

@@ -201,6 +201,10 @@ def _run(
                     mode = record["mode"]
                     if mode != "baseline" and "baseline" in first:
                         record.update(_quality(first["baseline"], first[mode]))
+                    if mode == "kvboost" and "kvboost_cold" in first:
+                        # Reuse against the engine's own cold prefill: same kernels, only the reuse differs
+                        # (the bf16 exactness question of issue 11, apart from HF-vs-engine arithmetic).
+                        record["greedy_match_vs_cold"] = first["kvboost_cold"].output_ids == first[mode].output_ids
                     correct = workload.is_correct(request, first[mode].output_text)
                     if correct is not None:
                         record["correct"] = correct
@@ -249,6 +253,10 @@ def _run(
             f"kvboost lookup+assembly overhead vs hf_prefix crop: {overhead['lookup_ms_mean_diff']:+.2f} ms/request; "
             f"extra prefill tokens: {overhead['extra_prefill_tokens_mean']:+.1f}/request"
         )
+    for mode, spec in (summary.get("speculative") or {}).items():
+        tpf = spec["tokens_per_target_forward"]
+        print(f"speculative ({spec['strategy']}) in {mode}: acceptance {spec['acceptance_rate']:.1%} of "
+              f"{spec['drafted_tokens']} drafted, {tpf if tpf is None else round(tpf, 2)} tokens per target forward")
     print(f"attention backend: {summary['attention'].get('backend')}, kernel calls: {summary['attention'].get('kernel_calls')}")
     print(f"results: {out}")
     logger.finish()  # last: an offline W&B run prints its `wandb sync` line here

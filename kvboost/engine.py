@@ -41,7 +41,7 @@ from kvboost.models.probe import ReaderAttentionProbe, observing
 from kvboost.plan import ReusePlan, validate_schedule, validate_selection
 from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import compare_generations, continuation_logprob
-from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, HASHERS, KV_QUANT, RECOMPUTE
+from kvboost.registry import ATTENTION, CACHE_TIERS, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.types import ChunkSpan, CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,12 @@ class InferenceEngine:
             model and backend allow, see ``kvboost.models.decode_step.choose_decode``), ``"compiled"``,
             ``"eager"`` (the fused step, not compiled) or ``"hf"`` (HF's forward per token). ``warmup()``
             compiles it before the first request.
+        speculative: the draft strategy (``DRAFT`` registry, ``kvboost.speculative``): ``"none"`` (default: one
+            token per target forward, the plain decode loop), ``"prompt_lookup"``, ``"layer_skip"`` or
+            ``"draft_model"``, or a config ``{"name": ..., **fields}``. The target verifies each draft in one
+            forward over the request's cache and rolls back past the first rejected token; greedy tokens equal
+            plain decoding's. ``GenerationResult.extra`` then carries ``drafted_tokens``, ``accepted_tokens``,
+            ``acceptance_rate``, ``target_forwards`` and ``tokens_per_target_forward``.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class InferenceEngine:
         max_kv_bytes: int | str | None = None,
         keep_buffer_bytes: int | str = "512MiB",
         decode: str = "auto",
+        speculative: Any = "none",
     ) -> None:
         from kvboost.rope import RopeRotator, check_rope_reusable
 
@@ -149,6 +156,8 @@ class InferenceEngine:
             attention.check_available()
             attention.check_model(model)
         decode_mode, decode_reason = choose_decode(decode, model, attention.name)
+        speculative = DRAFT.build(speculative)
+        speculative.bind(model, tokenizer)  # loads a draft model, refuses a misfit (vocabulary, layers)
         try:
             self.rotator: Any = RopeRotator.from_model(model)
             self.content_disabled_reason: str | None = None
@@ -177,6 +186,7 @@ class InferenceEngine:
             setattr(model, OWNER_ATTR, weakref.ref(self))
         self.attention = attention
         self.layerwise = LayerwiseModel(model, attention)
+        self.speculative = speculative
         self.decode_mode, self.decode_reason = decode_mode, decode_reason
         self._decode_step = FusedDecodeStep(model, compile=decode_mode == "compiled") if decode_mode != "hf" else None
         # Tiers that serialise entries (disk) write the fingerprint into each record and check it on read;
@@ -202,12 +212,29 @@ class InferenceEngine:
 
         ``dtype="auto"``: bf16 where the device does bf16 natively (CUDA, CPUs with AMX or AVX-512 BF16), else
         fp32 (``kvboost.models.compute``). Pass ``"float32"`` for reuse equal to a cold prefill within 1e-4.
+
+        ``streaming={"resident_layers": K, "prefetch": True, ...}`` (or ``"none"``, the default) streams the
+        non-resident decoder layers' weights from the safetensors files (``kvboost.streaming``); the model then
+        decodes through HF's forward (``decode_info()`` says why) and ``engine.streamer`` is its layer streamer.
         """
         from kvboost.models.loading import load_model_and_tokenizer
+        from kvboost.streaming import DECODE_REASON, streamed_decode, streaming_enabled
+        from kvboost.streaming import load_streamed_model_and_tokenizer
 
-        model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
+        streaming = options.pop("streaming", None)
+        if streaming_enabled(streaming):
+            model, tokenizer, path = load_streamed_model_and_tokenizer(model_name_or_path, streaming, dtype=dtype,
+                                                                       device=device)  # fmt: skip
+            if getattr(model, "_kvboost_streamer", None) is not None:  # some layer is streamed
+                options["decode"] = streamed_decode(options.get("decode"))
+        else:
+            model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
         identity = path if model_name_or_path is None else str(model_name_or_path)
-        return cls(model, tokenizer, model_identity=identity, **options)
+        engine = cls(model, tokenizer, model_identity=identity, **options)
+        engine.streamer = getattr(model, "_kvboost_streamer", None)
+        if engine.streamer is not None:
+            engine.decode_reason = DECODE_REASON
+        return engine
 
     def close(self) -> None:
         """Give the model back: uninstall the attention backend (if this engine installed it) and free buffers."""
@@ -253,6 +280,8 @@ class InferenceEngine:
                 f"chunk={self.chunker.fingerprint()}",
                 f"hash={self.hasher.fingerprint()}",
             ]
+            # A backend whose arithmetic gives other bits (batch_invariant) keeps its entries apart.
+            + ([f"attn={tag}"] if (tag := getattr(self.attention, "fingerprint_tag", "")) else [])
         )
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it
         return fp
@@ -338,16 +367,21 @@ class InferenceEngine:
                 forward = step
             else:
                 step, forward = None, lambda tok: self.adapter.forward(torch.tensor([tok]), kv.cache)[-1]
-            decoded = decode_loop(
-                forward,
-                first,
-                max_new_tokens=max_new_tokens,
-                eos_ids=self.eos_ids,
-                sampling=sampling,
-                generator=self.generator,
-                max_total_tokens=self.adapter.max_positions,
-                tokens_so_far=n,
-            )
+            if self.speculative.enabled:
+                decoded, spec_stats = self._speculative_decode(ids, first, kv, step, max_new_tokens, sampling)
+                step = None  # it synced kv itself
+            else:
+                spec_stats = None
+                decoded = decode_loop(
+                    forward,
+                    first,
+                    max_new_tokens=max_new_tokens,
+                    eos_ids=self.eos_ids,
+                    sampling=sampling,
+                    generator=self.generator,
+                    max_total_tokens=self.adapter.max_positions,
+                    tokens_so_far=n,
+                )
             if step is not None:
                 kv.set_length(step.length)  # the fused step wrote the rows; HF's cache objects now see them
             clock.mark("decoded")
@@ -356,7 +390,7 @@ class InferenceEngine:
                 seq = seq[: kv.length()]
                 self._store_sequence(seq, spans, kv, approx_from=pre.approx_from, salt=cache_salt)
             clock.mark("end")
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = spec_stats.as_extra(self.speculative.registry_name) if spec_stats else {}
             if score_ids is not None:
                 kv.set_length(n)
                 extra["answer_logprob"] = continuation_logprob(
@@ -378,6 +412,26 @@ class InferenceEngine:
             tokenizer=self.tokenizer, mode=mode, ids=ids, decoded=decoded, first_logits=pre.logits, clock=clock,
             counts=pre.counts, num_layers=self.adapter.num_layers, store_ms=clock.ms("decoded", "end"),
             keep_logits=keep_logits, extra=extra,
+        )  # fmt: skip
+
+    def _speculative_decode(
+        self, ids: list[int], first: int, kv: PreallocatedKV, step: Any, max_new_tokens: int, sampling: Sampling
+    ) -> tuple[Any, Any]:
+        """Decode after ``first`` with the draft strategy (``kvboost.speculative.verify``); steps with nothing
+        drafted run the fused step when it can. Leaves ``kv`` holding exactly ``ids + tokens[:-1]``."""
+        from kvboost.speculative.verify import speculative_decode
+
+        def plain_step(token: int) -> torch.Tensor:
+            step.begin(kv, kv.length())
+            logits = step(token)
+            kv.set_length(step.length)
+            return logits
+
+        return speculative_decode(
+            self.speculative, prompt_ids=ids, first_token=first, kv=kv, adapter=self.adapter,
+            plain_step=plain_step if step is not None else None, max_new_tokens=max_new_tokens,
+            eos_ids=self.eos_ids, sampling=sampling, generator=self.generator,
+            max_total_tokens=self.adapter.max_positions, decode_step=step,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill

@@ -221,6 +221,7 @@ EVICTION: Registry[Any] = Registry("eviction", ("kvboost.cache",))
 RECOMPUTE: Registry[Any] = Registry("recompute", ("kvboost.recompute",))
 KV_QUANT: Registry[Any] = Registry("kv quant", ("kvboost.quant",))
 ATTENTION: Registry[Any] = Registry("attention", ("kvboost.attention",))
+DRAFT: Registry[Any] = Registry("draft", ("kvboost.speculative",))
 
 ALL_REGISTRIES: dict[str, Registry[Any]] = {
     "chunker": CHUNKERS,
@@ -230,4 +231,5 @@ ALL_REGISTRIES: dict[str, Registry[Any]] = {
     "recompute": RECOMPUTE,
     "quant": KV_QUANT,
     "attn": ATTENTION,
+    "speculative": DRAFT,
 }

@@ -47,6 +47,28 @@ def selected_query_attention(
     return out
 
 
+def pad_keys(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``key``/``value`` padded with zero rows to a multiple of ``tile`` and the bool mask that hides them.
+
+    ``mask`` None means causal aligned bottom-right (transformers passes None when SDPA's ``is_causal``
+    suffices); a bool mask is padded with False, an additive float mask with its dtype's minimum.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    pad = -k_len % tile
+    key = F.pad(key, (0, 0, 0, pad))
+    value = F.pad(value, (0, 0, 0, pad))
+    if mask is None:
+        q_pos = torch.arange(k_len - q_len, k_len, device=query.device)
+        mask = (torch.arange(k_len + pad, device=query.device)[None, :] <= q_pos[:, None])[None, None]
+    elif mask.dtype == torch.bool:
+        mask = F.pad(mask, (0, pad), value=False)
+    else:
+        mask = F.pad(mask, (0, pad), value=torch.finfo(mask.dtype).min)
+    return key, value, mask
+
+
 @ATTENTION.register("sdpa")
 class SdpaBackend(AttentionBackend):
     """Delegates to ``transformers.integrations.sdpa_attention.sdpa_attention_forward``; selected queries
@@ -54,6 +76,21 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
     mask_kind = "sdpa"
+
+    def __init__(self, key_tile: int = 0) -> None:
+        """Args:
+            key_tile: 0 (default) passes keys as they are. N > 1 pads the keys of every multi-query call
+                (prefill, suffix) with masked zero rows to a multiple of N. torch's CPU flash kernel computes
+                the rows of a last, partial key block by another path than full blocks, so without padding a
+                token's attention output depends on how long the forward it was computed in was; with it, the
+                K/V a prefix hit reuses equal a longer cold prefill's far more often (the bf16 study in the
+                README, "Exactness in bf16"). Single-query calls (decode) are left as they are: the baseline's
+                and the engine's decode pass the same shapes.
+        """
+        super().__init__()
+        if not isinstance(key_tile, int) or isinstance(key_tile, bool) or key_tile < 0:
+            raise ValueError(f"attn.key_tile must be a non-negative integer (0 = off), got {key_tile!r}")
+        self.key_tile = key_tile
 
     def check_available(self) -> None:
         """SDPA ships with torch >= 2.0; always available."""
@@ -85,6 +122,8 @@ class SdpaBackend(AttentionBackend):
             return out, None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if self.key_tile > 1 and query.shape[2] > 1 and key.shape[2] % self.key_tile:
+            key, value, attention_mask = pad_keys(query, key, value, attention_mask, self.key_tile)
         out = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

@@ -36,7 +36,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +136,30 @@ def _host_slices(flat: torch.Tensor, slice_bytes: int) -> Iterator[memoryview]:
         yield memoryview(host.numpy())
 
 
-def digest_tensors(tensors: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]]) -> str:
-    """xxh3_128 (hex, 32 chars) of the names, dtypes, shapes and bytes of ``tensors``; aliases hashed once."""
+def digest_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]],
+    resolve: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> str:
+    """xxh3_128 (hex, 32 chars) of the names, dtypes, shapes and bytes of ``tensors``; aliases hashed once.
+
+    ``resolve(name, placeholder)`` gives the real value of a tensor on the ``meta`` device (a streamed layer's
+    weight, read from its file: ``kvboost.streaming``), so a streamed model digests exactly like the same weights
+    fully resident. Placeholders are distinct objects, never aliases of one another.
+    """
     h = xxhash.xxh3_128()
     seen: dict[tuple[Any, ...], str] = {}
     for name, t in tensors:
+        if resolve is not None and t.device.type == "meta":
+            real = resolve(name, t)
+            if real.dtype != t.dtype or tuple(real.shape) != tuple(t.shape):
+                raise ValueError(f"weight {name!r}: resolved as {real.dtype}{tuple(real.shape)}, expected "
+                                 f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
+            header = json.dumps([name, str(t.dtype), list(t.shape), None], separators=(",", ":")).encode()
+            h.update(len(header).to_bytes(8, "little"))
+            h.update(header)
+            for chunk in _tensor_bytes(real, name):
+                h.update(chunk)
+            continue
         alias_key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         alias = seen.get(alias_key) if t.numel() else None
         header = json.dumps([name, str(t.dtype), list(t.shape), alias], separators=(",", ":")).encode()
@@ -281,7 +300,10 @@ class ModelFingerprint:
             if cached is not None:
                 self.weights_source = "disk"
                 return cached
-        digest = digest_tensors(named_tensors(self.model))
+        # A streamed model (kvboost.streaming) resolves its meta placeholders from the weight files.
+        resolve = getattr(self.model, "_kvboost_weight_resolver", None)
+        tensors = named_tensors(self.model)
+        digest = digest_tensors(tensors, resolve) if resolve is not None else digest_tensors(tensors)
         self.weights_source = "computed"
         if key is not None:
             self._write_disk(key, digest)

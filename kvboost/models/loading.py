@@ -169,6 +169,10 @@ def load_model_and_tokenizer(
     The model carries where its weights came from and their load-time signature (``_kvboost_source_dir``,
     ``_kvboost_load_signature``: see ``kvboost.models.fingerprint.record_load``), so its fingerprint can reuse a
     weights digest cached beside the folder while the weights are unchanged.
+
+    A folder whose config.json says ``quantization_config.quant_method: awq`` (AutoAWQ's GEMM layout) is built with
+    :class:`kvboost.models.awq.AWQLinear` in place of the quantized linears (int4 buffers as stored; float weights
+    in ``dtype``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -180,11 +184,32 @@ def load_model_and_tokenizer(
     check_architecture(config)
     device = _default_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hf_kwargs).to(device)
+    awq = _awq_config(config)
+    if awq is not None:  # AutoAWQ GEMM checkpoint: kvboost's own int4 linear (kvboost.models.awq)
+        from kvboost.models.awq import load_awq_model
+
+        folder = _weights_folder(path, hf_kwargs)
+        if folder is None or not os.path.isdir(folder):
+            raise ValueError(f"AWQ checkpoints load from a local folder; {path!r} is not one")
+        model = load_awq_model(folder, config, dtype=torch_dtype, device=device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hf_kwargs).to(device)
     model.eval()
     record_load(model, _weights_folder(path, hf_kwargs))
     tokenizer = AutoTokenizer.from_pretrained(path, **hf_kwargs)
     return model, tokenizer, path
+
+
+def _awq_config(config: Any) -> Any:
+    """The AWQConfig of a config whose ``quantization_config.quant_method`` is ``"awq"`` (None otherwise); an
+    unsupported AWQ variant (bits, version, zero point) raises with the reason."""
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if str(getattr(method, "value", method) or "").lower() != "awq":
+        return None
+    from kvboost.models.awq import awq_config_of
+
+    return awq_config_of(config)
 
 
 def random_model_and_tokenizer(

@@ -39,7 +39,14 @@ from kvboost.registry import ATTENTION, UnknownPluginError  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
 NUM_LAYERS = 2
-BACKENDS = ["sdpa", "eager", "triton"]
+BACKENDS = ["sdpa", "eager", "triton", "sdpa_key_tile", "batch_invariant", "batch_invariant_t4"]
+#: Backend variants built from a config rather than a bare name; key_tile 8 pads the 13-, 19- and 11-key
+#: calls below (6 -> 8 rows padded at most), so every mask kind goes through the padding.
+SPECS = {
+    "sdpa_key_tile": {"name": "sdpa", "key_tile": 8},
+    # tile 4 / key_block 8: the 13- and 19-token calls below span several tiles and key blocks with ragged ends.
+    "batch_invariant_t4": {"name": "batch_invariant", "tile": 4, "key_block": 8},
+}
 
 _COMMON = dict(
     num_hidden_layers=NUM_LAYERS,
@@ -73,9 +80,9 @@ def make_pair(arch: str, **config_overrides):
 
 
 def install(name: str, model):
-    backend = ATTENTION.build(name)
+    backend = ATTENTION.build(SPECS.get(name, name))
     backend.install(model)
-    assert model.config._attn_implementation == f"kvboost_{name}"
+    assert model.config._attn_implementation == f"kvboost_{backend.name}"
     return backend
 
 
@@ -98,7 +105,7 @@ def test_prefill_matches_sdpa(arch, name):
     got = model(ids).logits
     assert max_diff(got, expected) < ATOL
     assert backend.kernel_calls == NUM_LAYERS
-    assert backend.stats()["backend"] == name
+    assert backend.stats()["backend"] == SPECS.get(name, {}).get("name", name)
     if name == "triton":
         assert backend.fallback_calls == 0
 
@@ -309,6 +316,30 @@ def test_cuda_backend_raises_clear_error_on_cpu():
     with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
         backend.install(model)
     assert model.config._attn_implementation == "sdpa"  # untouched
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "8", True])
+def test_sdpa_key_tile_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="key_tile"):
+        ATTENTION.build({"name": "sdpa", "key_tile": bad})
+
+
+def test_pad_keys_hides_the_padding():
+    """Padded keys carry masked zero rows: the output equals the unpadded call's for every mask kind."""
+    import torch.nn.functional as F
+
+    from kvboost.attention.sdpa import pad_keys
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (5, 13, 13))
+    causal = torch.arange(13)[None, :] <= torch.arange(8, 13)[:, None]
+    additive = torch.zeros(5, 13).masked_fill(~causal, torch.finfo(torch.float32).min)
+    for mask in (None, causal[None, None], additive[None, None]):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal[None, None])
+        pk, pv, pmask = pad_keys(q, k, v, mask, 8)
+        assert pk.shape[2] == pv.shape[2] == pmask.shape[-1] == 16
+        got = F.scaled_dot_product_attention(q, pk, pv, attn_mask=pmask)
+        assert max_diff(got, expected) < 1e-6
 
 
 def test_unknown_backend_lists_registered_names():

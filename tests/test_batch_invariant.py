@@ -1,0 +1,129 @@
+"""``attn=batch_invariant``: per-token bits independent of the forward's length, so bf16 prefix reuse equals a
+cold prefill bit for bit (and the arithmetic stays attention / linear within fp32 tolerance)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+
+from kvboost import KVBoost
+from kvboost.attention.batch_invariant import BatchInvariantBackend, invariant_attention, tiled_linear
+from kvboost.registry import ATTENTION
+
+
+def _causal(q_len: int, k_len: int) -> torch.Tensor:
+    keys = torch.arange(k_len)
+    return (keys[None, :] <= torch.arange(k_len - q_len, k_len)[:, None])[None, None]
+
+
+@pytest.mark.parametrize("tile", [1, 4, 16])
+def test_tiled_linear_is_the_linear(tile):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40)
+    x = torch.randn(1, 37, 48)
+    for offset in (0, 3, 17):
+        torch.testing.assert_close(tiled_linear(linear, x, offset, tile), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_tiled_linear_rows_do_not_depend_on_the_call():
+    """Row p has the same bits whether it is computed in a call of 200 rows from 0 or of a few rows from p."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    x = torch.randn(200, 576, dtype=torch.bfloat16)
+    full = tiled_linear(linear, x, 0, 64)
+    for start, length in [(0, 1), (5, 7), (63, 2), (64, 64), (100, 99), (137, 63), (199, 1)]:
+        part = tiled_linear(linear, x[start : start + length], start, 64)
+        assert torch.equal(part, full[start : start + length]), (start, length)
+
+
+@pytest.mark.parametrize("q_len,k_len,heads,kv_heads", [(13, 13, 4, 2), (5, 19, 4, 4), (1, 30, 6, 2), (40, 40, 2, 1)])
+def test_invariant_attention_is_attention(q_len, k_len, heads, kv_heads):
+    torch.manual_seed(2)
+    q = torch.randn(1, heads, q_len, 16)
+    k = torch.randn(1, kv_heads, k_len, 16)
+    v = torch.randn(1, kv_heads, k_len, 16)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=_causal(q_len, k_len), enable_gqa=kv_heads != heads
+    ).transpose(1, 2)
+    got = invariant_attention(q, k, v, _causal(q_len, k_len), front=(k_len - q_len) % 8, tile=8, key_block=8,
+                              scaling=16**-0.5)  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_invariant_attention_rows_do_not_depend_on_the_call():
+    torch.manual_seed(3)
+    n = 150
+    q = torch.randn(1, 4, n, 32, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, n, 32, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, n, 32, dtype=torch.bfloat16)
+
+    def run(start: int, end: int) -> torch.Tensor:  # queries start..end over keys 0..end
+        return invariant_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], _causal(end - start, end),
+                                   front=start % 16, tile=16, key_block=16, scaling=32**-0.5)  # fmt: skip
+
+    full = run(0, n)
+    for start, end in [(0, 37), (37, 38), (64, 150), (99, 131), (149, 150)]:
+        assert torch.equal(run(start, end), full[:, start:end]), (start, end)
+
+
+def test_fully_masked_rows_are_zero():
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    allowed = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
+    allowed[..., 1:, :2] = True
+    out = invariant_attention(q, k, v, allowed, front=0, tile=4, key_block=4, scaling=0.3)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_bf16_prefix_hit_equals_cold_prefill_bit_for_bit(arch):
+    """The point of the backend: a prefix hit (KV from a 70-token earlier request) gives the cold prefill's
+    first-token logits and greedy tokens exactly, in bf16, with tiles and key blocks that cut through both
+    requests at ragged places."""
+    # SmolLM2's layer shapes (2 layers): on an AMX CPU, attn=sdpa gives this prefix hit other logits than the
+    # cold prefill (max diff 0.005-0.008, measured), so the equality below is the backend's doing there.
+    model = tiny_model(arch, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    engine = KVBoost(model.to(torch.bfloat16), ToyTokenizer(), model_identity=f"tiny-{arch}",
+                     chunker={"name": "fixed", "chunk_size": 16},
+                     attn={"name": "batch_invariant", "tile": 16, "key_block": 16})  # fmt: skip
+    ids = random_ids(150, seed=4)
+    engine.generate(ids[:70], max_new_tokens=1)  # stores the prefix
+    reuse = engine.generate(ids, max_new_tokens=12)
+    cold = engine.generate(ids, max_new_tokens=12, mode="cold")
+    assert reuse.cached_tokens >= 64
+    assert torch.equal(reuse.first_token_logits, cold.first_token_logits)
+    assert reuse.output_ids == cold.output_ids
+    engine.close()
+
+
+def test_fingerprint_keeps_its_entries_apart():
+    model = tiny_model("llama")
+    invariant = ATTENTION.build("batch_invariant")
+    with KVBoost(model, ToyTokenizer(), model_identity="tiny", attn=invariant) as engine:
+        tagged = engine.fingerprint
+    with KVBoost(model, ToyTokenizer(), model_identity="tiny") as engine:
+        plain = engine.fingerprint
+    assert "attn=batch_invariant" in tagged and tagged != plain
+
+
+def test_uninstall_restores_the_projections():
+    engine = make_engine("llama", attn="batch_invariant")
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear) and m is not engine.model.lm_head]
+    assert linears and all("forward" in m.__dict__ for m in linears)
+    assert engine.decode_mode == "hf"  # the fused step has its own arithmetic
+    engine.close()
+    assert all("forward" not in m.__dict__ for m in linears)
+
+
+@pytest.mark.parametrize("field,bad", [("tile", 0), ("tile", True), ("key_block", -1), ("key_block", 2.0)])
+def test_bad_values_are_refused(field, bad):
+    with pytest.raises(ValueError, match=f"attn.{field}"):
+        BatchInvariantBackend(**{field: bad})
+
+
+def test_soft_capping_is_refused():
+    config = SimpleNamespace(attn_logit_softcapping=50.0)
+    config.get_text_config = lambda decoder=True: config
+    with pytest.raises(ValueError, match="soft-capping"):
+        BatchInvariantBackend().check_model(SimpleNamespace(config=config))
