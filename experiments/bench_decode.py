@@ -1,6 +1,8 @@
 """Decode speed of the bundled model: HF's forward per token vs the fused decode step (eager and compiled).
 
     python experiments/bench_decode.py --dtypes float32 bfloat16 --contexts 256 1024 --tokens 64 --repeats 5
+    python experiments/bench_decode.py --model "$(python scripts/quantize_awq.py --print-path)" --dtypes bfloat16 \
+        --out experiments/results/decode/awq       # AWQ int4 weights: hf and eager (int4 kernel) paths
 
 For each dtype, one engine per decode path on the same weights; each (context, repeat) feeds the same random
 prompt of ``context`` tokens (prefilled once, not timed) and then times ``--tokens`` greedy steps, EOS ignored,
@@ -34,9 +36,11 @@ if str(ROOT) not in sys.path:
 from experiments.environment import describe_environment
 from kvboost import KVBoost
 from kvboost.models.compute import describe
+from kvboost.models.decode_step import has_int4_projections
 from kvboost.models.loading import load_model_and_tokenizer
 
 PATHS = ("hf", "eager", "compiled")
+AWQ_BUFFERS = ("qweight", "qzeros", "scales", "bias")
 
 
 def stream_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -52,9 +56,11 @@ def stream_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes a decode step reads: every parameter once (tied embeddings counted once)."""
+    """Bytes a decode step reads: every parameter once (tied embeddings counted once), and the int4 buffers of
+    AWQ linears (codes, zeros, scales, as stored; the CPU int4 kernel reads a repacked copy of the same size)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in AWQ_BUFFERS]
+    for p in tensors:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
@@ -85,9 +91,12 @@ def time_decode(engine: Any, prompt: list[int], steps: int) -> tuple[float, list
 
 
 def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
-    model, tokenizer, path = load_model_and_tokenizer(None, dtype=dtype)
+    model, tokenizer, path = load_model_and_tokenizer(args.model, dtype=dtype)
     engines, compile_s = {}, {}
-    for name in args.paths:
+    paths = [p for p in args.paths if not (p == "compiled" and has_int4_projections(model))]
+    if len(paths) < len(args.paths):
+        print("int4 (AWQ) projections: the compiled path does not take them; timing", ", ".join(paths))
+    for name in paths:
         engine = KVBoost(model, tokenizer, model_identity=path, decode=name, share_model=bool(engines))
         compile_s[name] = engine.warmup()["decode_compile_s"]
         engines[name] = engine
@@ -173,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model folder (default: the bundled model); an AWQ folder works")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "decode"))
     args = p.parse_args(argv)
     out = Path(args.out)

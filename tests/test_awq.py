@@ -274,3 +274,24 @@ def test_to_dtype_keeps_stored_buffers():
     assert module.bias.dtype == torch.float16 and module.qweight.dtype == torch.int32
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert module(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rows", "expect_int4pack"),
+    [(torch.float32, 1, True), (torch.float32, 8, False), (torch.bfloat16, 1, True), (torch.bfloat16, 64, True)],
+)
+def test_auto_kernel_avoids_int4pack_for_fp32_prefill(monkeypatch, dtype, rows, expect_int4pack):
+    """``auto`` sends fp32 calls of more than INT4PACK_FP32_MAX_ROWS rows to dequantize + F.linear (torch's int4
+    CPU kernel is slow there); bf16 always takes the int4 kernel; both agree with the dequantized weight."""
+    monkeypatch.setattr(AWQLinear, "cpu_kernel", "auto")
+    torch.manual_seed(0)
+    module = AWQLinear.from_linear(torch.nn.Linear(64, 32, bias=False), 32)
+    calls = []
+    real = AWQLinear._int4pack_forward
+    monkeypatch.setattr(AWQLinear, "_int4pack_forward", lambda self, x: calls.append(x.shape) or real(self, x))
+    x = torch.randn(rows, 64).to(dtype)
+    out = module(x)
+    assert bool(calls) == expect_int4pack
+    ref = F.linear(x.float(), module.dequantized_weight(torch.float32))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_engine, random_ids, tiny_model
+from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compute import auto_dtype, describe
@@ -206,3 +206,49 @@ def test_the_environment_chooses_the_default_decode_path(monkeypatch):
     engine = make_engine("llama")
     assert engine.decode_info() == {"decode": "hf", "decode_reason": "KVBOOST_DECODE", "decode_compile_s": 0.0}
     engine.close()
+
+
+def _awq_tiny(arch: str, dtype: torch.dtype):
+    from kvboost.models.awq import AWQConfig, quantize_model_rtn
+
+    model = tiny_model(arch)
+    quantize_model_rtn(model, AWQConfig(group_size=32))
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("cpu_kernel", ["auto", "dequant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # without and with projection biases (kept in the int4 linear)
+def test_eager_step_with_awq_int4_projections_is_hf_forward_to_the_bit(monkeypatch, arch, dtype, cpu_kernel):
+    """AWQ int4 projections run through their own module in the eager step: HF's call, so HF's bits."""
+    from kvboost.models.awq import AWQLinear
+
+    monkeypatch.setattr(AWQLinear, "cpu_kernel", cpu_kernel)
+    model = _awq_tiny(arch, dtype)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, AWQLinear)
+    _check_against_hf(model, compile=False, atol=0.0)
+
+
+def test_decode_choice_for_awq_models(monkeypatch):
+    monkeypatch.delenv("KVBOOST_DECODE", raising=False)
+    model = _awq_tiny("llama", torch.float32)
+    assert unsupported_reason(model) is None
+    mode, reason = choose_decode("auto", model, "sdpa")
+    assert mode == "eager" and "int4" in reason
+    assert choose_decode("eager", model, "sdpa") == ("eager", "requested")
+    with pytest.raises(ValueError, match="int4"):
+        choose_decode("compiled", model, "sdpa")
+    with pytest.raises(ValueError, match="int4"):
+        FusedDecodeStep(model, compile=True)
+    from kvboost import KVBoost
+
+    def engine(**options):
+        return KVBoost(model, ToyTokenizer(), model_identity="tiny-awq", chunker={"name": "fixed", "chunk_size": 16},
+                       share_model=True, **options)  # fmt: skip
+
+    fused_engine = engine()
+    assert fused_engine.decode_info()["decode"] == "eager"
+    ids = random_ids(20, seed=5)
+    fused = fused_engine.generate(ids, max_new_tokens=6, mode="cold").output_ids
+    hf = engine(decode="hf").generate(ids, max_new_tokens=6, mode="cold").output_ids
+    assert fused == hf

@@ -355,3 +355,20 @@ def test_bootstrap_ci_contains_estimate_and_narrows():
     assert bootstrap_ratio_ci([1.0], [2.0]) == pytest.approx([0.5, 0.5])
     with pytest.raises(ValueError, match="differ in length"):
         bootstrap_ratio_ci([1.0, 2.0], [1.0])
+
+
+def test_speculative_totals_only_for_drafting_modes():
+    spec = {"speculative": "prompt_lookup", "target_forwards": 5}
+    recs = [
+        _rec("baseline", 1, 100.0, conv="a"),
+        _rec("kvboost", 1, 50.0, conv="a", drafted_tokens=10, accepted_tokens=6, **spec),  # 16 tokens: 15 after
+        _rec("kvboost", 1, 50.0, conv="b", drafted_tokens=0, accepted_tokens=0, **spec),
+        _rec("baseline", 1, 100.0, conv="b"),
+    ]
+    summary = summarize(recs, n_boot=0)
+    assert set(summary["speculative"]) == {"kvboost"}
+    s = summary["speculative"]["kvboost"]
+    assert (s["drafted_tokens"], s["accepted_tokens"], s["target_forwards"], s["n"]) == (10, 6, 10, 2)
+    assert s["acceptance_rate"] == pytest.approx(0.6)
+    assert s["tokens_per_target_forward"] == pytest.approx(30 / 10)
+    assert "speculative" not in summarize([_rec("baseline", 1, 100.0)], n_boot=0)

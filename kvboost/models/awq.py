@@ -16,7 +16,8 @@ interleaving, made for its CUDA kernel's unpacking), i.e. column ``8c + j`` live
 checkpoint's tensor names (a layer streamer can load a checkpoint's tensors straight into it). Its forward:
 
 - CUDA: the Triton dequant-GEMM (``kernels_triton.awq_gemm``): codes unpacked in the kernel, fp32 accumulation;
-- CPU, ``cpu_kernel="int4pack"`` (the default where it applies): torch's native int4 CPU matmul
+- CPU, ``cpu_kernel="int4pack"`` (what ``"auto"`` picks where it applies, except fp32 calls of more than
+  ``INT4PACK_FP32_MAX_ROWS`` rows, where that kernel is slow): torch's native int4 CPU matmul
   (``aten._weight_int4pack_mm_for_cpu``). Its packed weight is derived from the buffers on first use and kept
   beside them (same 4 bits per weight, plus fp32/bf16 scale-and-zero pairs): the int4 weights are held twice,
   ~1.1 bytes per weight in all against 4 in fp32 and 2 in bf16. It is rebuilt when a buffer is replaced or
@@ -48,6 +49,10 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j lives at nibble AW
 PACK = 8  # 4-bit codes per int32
 MAX_CODE = 15
 CPU_KERNELS = ("auto", "int4pack", "dequant")
+# torch's int4 CPU kernel is fast with bf16/fp16 activations at every row count, but with fp32 activations its
+# time grows ~linearly with the rows (576x1536, one thread: 1.7 ms at 1 row, 0.93 s at 512 rows, against 6 and
+# 24 ms for dequantize + F.linear): ``auto`` sends fp32 calls with more rows than this to dequantize + F.linear.
+INT4PACK_FP32_MAX_ROWS = 2
 AWQ_TENSORS = ("qweight", "qzeros", "scales")
 
 
@@ -269,11 +274,12 @@ class AWQLinear(nn.Module):
         kernel = self.cpu_kernel
         if kernel not in CPU_KERNELS:
             raise ValueError(f"AWQLinear.cpu_kernel must be one of {CPU_KERNELS} (got {kernel!r})")
-        return (
-            kernel != "dequant"
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and _int4pack_supported(self.in_features, self.out_features, self.group_size)
-        )
+        if kernel == "dequant" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        if not _int4pack_supported(self.in_features, self.out_features, self.group_size):
+            return False
+        rows = x.numel() // self.in_features
+        return not (kernel == "auto" and x.dtype == torch.float32 and rows > INT4PACK_FP32_MAX_ROWS)
 
     def _int4pack_forward(self, x: torch.Tensor) -> torch.Tensor:
         bufs = (self.qweight, self.qzeros, self.scales)

@@ -21,7 +21,9 @@ now and then rounds to the neighbouring bf16 value, and greedy outputs drift fro
 0.5 in logits on SmolLM2). ``decode=eager`` is the exact choice; the tests check both against HF's forward on
 every supported architecture. Architectures the step does not cover (sliding windows, fused projections, scaled
 embeddings, RoPE types whose frequencies depend on the length) keep HF's forward: ``unsupported_reason``
-says why.
+says why. AWQ int4 projections (``kvboost.models.awq.AWQLinear``) run in the eager step through their own
+module (torch's int4 kernel on CPU, the Triton dequant-GEMM on CUDA): the call HF's forward makes, without HF's
+per-layer Python around it; the compiled step refuses them.
 """
 
 from __future__ import annotations
@@ -67,13 +69,24 @@ def unsupported_reason(model: Any) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
         for name in names:
-            if not isinstance(getattr(owner, name, None), torch.nn.Linear):
-                return f"{type(owner).__name__}.{name} is not a plain nn.Linear (quantized or fused weights)"
+            if not isinstance(getattr(owner, name, None), (torch.nn.Linear, *_int4_linear_types())):
+                return f"{type(owner).__name__}.{name} is neither an nn.Linear nor an AWQ int4 linear (fused weights?)"
     if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
         return "query/key norms"
     if getattr(model, "lm_head", None) is None or not isinstance(model.lm_head, torch.nn.Linear):
         return "no plain lm_head"
     return None
+
+
+def _int4_linear_types() -> tuple[type, ...]:
+    from kvboost.models.awq import AWQLinear
+
+    return (AWQLinear,)
+
+
+def has_int4_projections(model: Any) -> bool:
+    """Whether ``model``'s decoder projections are AWQ int4 linears (the step then runs them eagerly)."""
+    return any(isinstance(m, _int4_linear_types()) for m in model.model.layers[0].modules())
 
 
 def inductor_unavailable_reason() -> str | None:
@@ -115,6 +128,9 @@ class FusedDecodeStep:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused decode step does not support this model: {reason}")
+        if compile and has_int4_projections(model):
+            raise ValueError("the compiled decode step takes plain nn.Linear weights; AWQ int4 projections run in "
+                             "the eager step (decode='eager', what 'auto' picks for them)")
         self.model = model
         cfg = model.config.get_text_config(decoder=True)
         inner = model.model
@@ -146,10 +162,17 @@ class FusedDecodeStep:
     # ------------------------------------------------------------------ the arithmetic
     def _weights(self, layer: Any) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
+
+        def w(proj):  # a plain linear's weight, or an int4 linear itself (it applies its own bias)
+            return proj.weight if isinstance(proj, torch.nn.Linear) else proj
+
+        def b(proj):
+            return proj.bias if isinstance(proj, torch.nn.Linear) else None
+
         return (
-            layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
-            attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, layer.post_attention_layernorm.weight,
-            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+            layer.input_layernorm.weight, w(attn.q_proj), b(attn.q_proj), w(attn.k_proj), b(attn.k_proj),
+            w(attn.v_proj), b(attn.v_proj), w(attn.o_proj), layer.post_attention_layernorm.weight,
+            w(mlp.gate_proj), w(mlp.up_proj), w(mlp.down_proj),
         )  # fmt: skip
 
     def _layer(self, x, cos, sin, position: int, keys, values, ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd):
@@ -192,8 +215,11 @@ class FusedDecodeStep:
     def _epilogue(self, x, norm, head):
         return self._linear(_rms_norm(x, norm, self.eps), head, None).float()
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """One token through a projection. Compiled: a fused reduction (see the module docstring); eager: BLAS."""
+    def _linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """One token through a projection. Compiled: a fused reduction (see the module docstring); eager: BLAS;
+        an int4 linear (``weight`` is the module): its own kernel, the call HF's forward makes."""
+        if isinstance(weight, torch.nn.Module):
+            return weight(x)
         if self.exact:
             return F.linear(x, weight, bias)
         y = (weight.float() * x.float()).sum(-1)
@@ -299,6 +325,8 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
             return "hf", f"fused decode step unsupported: {reason}"
         if attention != "sdpa":
             return "hf", f"attention backend {attention!r} decodes through HF's forward"
+        if has_int4_projections(model):
+            return "eager", "AWQ int4 projections: the fused step runs their int4 kernel eagerly"
         reason = inductor_unavailable_reason()
         if reason is not None:
             return "eager", f"not compiled: {reason}"
@@ -315,6 +343,9 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
             f"decode={requested!r} runs its own attention; with attn={attention!r} use decode='hf' (or 'auto')"
         )
     if requested == "compiled":
+        if has_int4_projections(model):
+            raise ValueError("decode='compiled' takes plain nn.Linear weights; with AWQ int4 projections use "
+                             "decode='eager' (or 'auto')")
         reason = inductor_unavailable_reason()
         if reason is not None:
             raise ValueError(f"decode='compiled': {reason}; use decode='eager' or 'hf'")

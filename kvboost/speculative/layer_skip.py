@@ -83,8 +83,9 @@ class LayerSkip(DraftStrategy):
         step, kv = self._step, request.kv
         inner = step.model.model
         position = len(context) - 1  # the last context token is not in the target's cache yet
-        if position + k > kv.capacity:
-            k = kv.capacity - position
+        # Verification writes k + 1 rows (the last context token and the k drafts) from `position`: keep them
+        # inside the cache.
+        k = max(0, min(k, kv.capacity - position - 1))
         token = int(context[-1])
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
