@@ -209,6 +209,11 @@ class Arch:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         params = sum(p.numel() for name, p in model.named_parameters()
                      if "embed_tokens" not in name and "lm_head" not in name)  # fmt: skip
+        # AWQ int4 linears keep their weights in buffers: count their multiply-adds too (else the floor of an
+        # AWQ model would count only its norms).
+        from kvboost.models.awq import AWQLinear
+
+        params += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, AWQLinear))
         return cls(int(params), int(cfg.num_hidden_layers), int(cfg.num_attention_heads * head_dim),
                    int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.vocab_size))  # fmt: skip
 

@@ -97,6 +97,20 @@ def test_arch_reads_a_tiny_model():
     assert (arch.num_layers, arch.attn_width, arch.hidden, arch.intermediate) == (2, 64, 64, 128)
 
 
+def test_arch_counts_awq_int4_weights_like_float_ones():
+    """An AWQ model does the same multiply-adds as its float original: its floor must not shrink."""
+    from tiny import tiny_model
+
+    from kvboost.models.awq import AWQConfig, quantize_model_rtn
+
+    model = tiny_model("llama")
+    float_arch = bp.Arch.from_model(model)
+    quantize_model_rtn(model, AWQConfig(group_size=32))
+    awq_arch = bp.Arch.from_model(model)
+    biases = sum(m.bias.numel() for m in model.modules() if getattr(m, "bias", None) is not None)
+    assert awq_arch.non_embedding_params + biases == float_arch.non_embedding_params
+
+
 def test_markdown_report_has_every_table():
     recs = _fake_records()
     arch = bp.Arch(1000, 3, 8, 4, 16, 50)

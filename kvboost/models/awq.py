@@ -139,11 +139,22 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def _logical_shifts(device: torch.device) -> torch.Tensor:
+    # Column 8c + j sits at nibble AWQ_REVERSE_ORDER[j]: shifting by 4 * that reads the columns in logical order
+    # directly (no gather afterwards).
+    return torch.tensor([4 * k for k in AWQ_REVERSE_ORDER], dtype=torch.int32, device=device)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 ``[rows, n]`` in AWQ's order -> int32 codes ``[rows, 8 n]`` in logical column order."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & MAX_CODE  # [rows, n, 8]: nibble k (arithmetic shift masked)
-    return nibbles[:, :, list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
+    nibbles = (packed.unsqueeze(-1) >> _logical_shifts(packed.device)) & MAX_CODE  # [rows, n, 8] (masked shift)
+    return nibbles.reshape(packed.shape[0], -1)
+
+
+def unpack_int4_transposed(packed: torch.Tensor) -> torch.Tensor:
+    """``unpack_int4(packed).t()``, contiguous, computed in that layout (int32 ``[8 n, rows]``)."""
+    nibbles = (packed.t().unsqueeze(1) >> _logical_shifts(packed.device)[:, None]) & MAX_CODE  # [n, 8, rows]
+    return nibbles.reshape(-1, packed.shape[0])
 
 
 def rtn_quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,8 +296,8 @@ class AWQLinear(nn.Module):
         bufs = (self.qweight, self.qzeros, self.scales)
         key = (x.dtype, *((id(t), t.data_ptr(), t._version) for t in bufs))
         if self._int4pack is None or self._int4pack[0] != key:
-            codes, zeros = unpack_awq(self.qweight, self.qzeros)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous(), 1)  # [out, in] codes
+            codes_t, zeros = unpack_int4_transposed(self.qweight), unpack_int4(self.qzeros)  # codes [out, in]
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_t, 1)
             s = self.scales.to(torch.float32)
             # tinygemm's dequantization is (q - 8) * s + m: AWQ's (q - z) * s is m = (8 - z) * s.
             scale_zero = torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1).to(x.dtype).contiguous()
