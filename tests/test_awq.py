@@ -61,13 +61,6 @@ def test_nibble_order_hand_built():
     assert torch.equal(unpack_int4(packed), codes)
 
 
-def test_transposed_unpack_equals_unpack_then_transpose():
-    from kvboost.models.awq import unpack_int4, unpack_int4_transposed
-
-    packed = torch.randint(-(2**31), 2**31 - 1, (48, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(unpack_int4_transposed(packed), unpack_int4(packed).t().contiguous())
-
-
 def test_pack_unpack_round_trip_is_exact():
     codes = random_codes(64, 48)
     assert torch.equal(unpack_int4(pack_int4(codes)), codes)

@@ -151,12 +151,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.reshape(packed.shape[0], -1)
 
 
-def unpack_int4_transposed(packed: torch.Tensor) -> torch.Tensor:
-    """``unpack_int4(packed).t()``, contiguous, computed in that layout (int32 ``[8 n, rows]``)."""
-    nibbles = (packed.t().unsqueeze(1) >> _logical_shifts(packed.device)[:, None]) & MAX_CODE  # [n, 8, rows]
-    return nibbles.reshape(-1, packed.shape[0])
-
-
 def rtn_quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest asymmetric 4-bit quantization of an ``nn.Linear`` weight ``[out, in]``, per group of
     ``group_size`` input channels (min-max, zero point), as AutoAWQ's quantizer does.
@@ -296,8 +290,8 @@ class AWQLinear(nn.Module):
         bufs = (self.qweight, self.qzeros, self.scales)
         key = (x.dtype, *((id(t), t.data_ptr(), t._version) for t in bufs))
         if self._int4pack is None or self._int4pack[0] != key:
-            codes_t, zeros = unpack_int4_transposed(self.qweight), unpack_int4(self.qzeros)  # codes [out, in]
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_t, 1)
+            codes, zeros = unpack_awq(self.qweight, self.qzeros)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous(), 1)  # [out, in] codes
             s = self.scales.to(torch.float32)
             # tinygemm's dequantization is (q - 8) * s + m: AWQ's (q - z) * s is m = (8 - z) * s.
             scale_zero = torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1).to(x.dtype).contiguous()
