@@ -14,7 +14,10 @@ weights): the float model in fp32 and bf16 against the int4 model (the AWQ folde
 depend on the values) with each CPU kernel and both activation dtypes, in interleaved rounds. The machine is
 shared, so the load average is recorded with the numbers.
 
-Writes ``experiments/results/awq/perplexity.json`` and ``perplexity.md`` (the command on top).
+``--int8-head`` adds, for each model, its perplexity with the LM head in int8 (``model.lm_head=int8``).
+
+Writes ``experiments/results/awq/perplexity.json`` and ``perplexity.md`` (the command on top; ``--out-name``
+changes the stem).
 """
 
 from __future__ import annotations
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--int8-head", action="store_true",
+                        help="also score each model with its LM head in int8 (model.lm_head=int8)")
+    parser.add_argument("--out-name", default="perplexity", help="file stem under experiments/results/awq/")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -147,6 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
             "weight_bytes": sum(t.numel() * t.element_size() for t in unique.values()),
         })  # fmt: skip
         print(rows[-1], flush=True)
+        if args.int8_head:  # the same model with its output projection in int8 (kvboost.models.int8_head)
+            from kvboost.models.int8_head import quantize_lm_head
+
+            ppl, scored = perplexity(quantize_lm_head(model, "int8"), ids, args.window)
+            rows.append({**rows[-1], "model": f"{name} + int8 head", "perplexity": round(ppl, 4),
+                         "weight_bytes": rows[-1]["weight_bytes"] + model.lm_head.qweight.numel()})  # fmt: skip
+            print(rows[-1], flush=True)
         del model
     speed = [] if args.no_speed else speed_table(models, ids[:32], args.decode_tokens, args.rounds)
 
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         if meta.is_file():
             result.setdefault("quantization", {})[str(path)] = json.loads(meta.read_text())
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "perplexity.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{args.out_name}.json").write_text(json.dumps(result, indent=2))
     fp32 = next((r["perplexity"] for r in rows if r["model"] == "fp32"), None)
     lines = [
         f"    {command}", "",
@@ -181,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         lines += [f"| {r['variant']} | {r['decode_tok_s']} | {r['rounds']} |" for r in speed]
     if skipped:
         lines += ["", f"Not measured (folder missing, run scripts/quantize_awq.py): {', '.join(skipped)}."]
-    (RESULTS / "perplexity.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.out_name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
 

@@ -28,7 +28,7 @@ PLUGIN_GROUPS = {
 #: workload config fields the runner reads itself (not passed to the workload)
 RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
 LOGGERS = ("none", "wandb")
-MODEL_FIELDS = ("name_or_path", "dtype", "device", "random_init", "random_seed")
+MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "random_init", "random_seed")
 ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode")
 
 
@@ -110,6 +110,8 @@ def check_config(cfg: dict[str, Any]) -> None:
         raise ValueError(f"model: unknown field(s) {unknown_model}; accepted: {', '.join(MODEL_FIELDS)}")
     if model.get("random_init") is not None and not isinstance(model["random_init"], dict):
         raise ValueError(f"model.random_init must be a mapping of config fields, got {model['random_init']!r}")
+    if model.get("lm_head") not in (None, "none", "int8"):
+        raise ValueError(f"model.lm_head must be null or int8, got {model['lm_head']!r}")
     if model.get("dtype") is not None:
         from kvboost.models.loading import resolve_dtype
 

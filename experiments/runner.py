@@ -72,7 +72,12 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
             dict(model_cfg["random_init"]), seed=int(model_cfg.get("random_seed") or 0),
             dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
         )  # fmt: skip
+        from kvboost.models.int8_head import quantize_lm_head
+
+        quantize_lm_head(model, model_cfg.get("lm_head"))
         return InferenceEngine(model, tokenizer, model_identity=identity, **options)
+    if model_cfg.get("lm_head"):
+        options["lm_head"] = model_cfg["lm_head"]
     return InferenceEngine.from_pretrained(
         model_cfg.get("name_or_path"), dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"), **options
     )
@@ -236,6 +241,7 @@ def _run(
         "shared_context_s": shared_s,
         **describe_compute(engine.adapter.dtype, engine.adapter.device, (cfg.get("model") or {}).get("dtype")),
         **engine.decode_info(),
+        "lm_head": getattr(engine.model, "_kvboost_lm_head", None) or "model dtype",
         "device": str(engine.adapter.device),
         "fingerprint": engine.fingerprint,
         **run_info,

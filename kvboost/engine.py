@@ -216,12 +216,17 @@ class InferenceEngine:
         ``streaming={"resident_layers": K, "prefetch": True, ...}`` (or ``"none"``, the default) streams the
         non-resident decoder layers' weights from the safetensors files (``kvboost.streaming``); the model then
         decodes through HF's forward (``decode_info()`` says why) and ``engine.streamer`` is its layer streamer.
+
+        ``lm_head="int8"`` replaces the output projection by a weight-only int8 one (``kvboost.models.int8_head``:
+        fewer bytes per decode step, as llama.cpp's GGUF files do; logits move by the rounding, K/V do not).
         """
+        from kvboost.models.int8_head import quantize_lm_head
         from kvboost.models.loading import load_model_and_tokenizer
         from kvboost.streaming import DECODE_REASON, streamed_decode, streaming_enabled
         from kvboost.streaming import load_streamed_model_and_tokenizer
 
         streaming = options.pop("streaming", None)
+        lm_head = options.pop("lm_head", None)
         if streaming_enabled(streaming):
             model, tokenizer, path = load_streamed_model_and_tokenizer(model_name_or_path, streaming, dtype=dtype,
                                                                        device=device)  # fmt: skip
@@ -229,6 +234,7 @@ class InferenceEngine:
                 options["decode"] = streamed_decode(options.get("decode"))
         else:
             model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
+        quantize_lm_head(model, lm_head)
         identity = path if model_name_or_path is None else str(model_name_or_path)
         engine = cls(model, tokenizer, model_identity=identity, **options)
         engine.streamer = getattr(model, "_kvboost_streamer", None)

@@ -295,3 +295,40 @@ def test_auto_kernel_avoids_int4pack_for_fp32_prefill(monkeypatch, dtype, rows, 
     ref = F.linear(x.float(), module.dequantized_weight(torch.float32))
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_int4pack_equals_its_members_to_the_bit(dtype):
+    """q/k/v (mixed biases) fused into one int4 matrix: one call gives each member's output to the bit, and each
+    member then computes from its rows of the fused matrix."""
+    from kvboost.models.awq import fuse_int4pack, fused_int4pack_unsupported
+
+    torch.manual_seed(0)
+    # 128 rows first (a whole number of packing blocks: shared rows), then two members off a block boundary
+    shapes = ((128, True), (32, False), (32, True))
+    members = [AWQLinear.from_linear(torch.nn.Linear(128, n, bias=b), 32) for n, b in shapes]
+    x = torch.randn(3, 128).to(dtype)
+    alone = [m(x) for m in members]
+    assert fused_int4pack_unsupported(members, dtype) is None
+    pack = fuse_int4pack(members, dtype)
+    assert pack.splits == (128, 32, 32) and pack.weight.shape[0] == 192
+    fused = torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack.weight, pack.group_size, pack.scale_zero) + pack.bias
+    for got, want in zip(fused.split(pack.splits, dim=-1), alone, strict=True):
+        assert torch.equal(got, want)
+    shared = []
+    for m, want in zip(members, alone, strict=True):  # now reading their rows of the fused matrix where valid
+        assert torch.equal(m(x), want)
+        shared.append(m.int4pack(dtype)[0].untyped_storage().data_ptr() == pack.weight.untyped_storage().data_ptr())
+    assert shared[0]
+
+
+def test_fused_int4pack_refuses_what_it_cannot_fuse(monkeypatch):
+    from kvboost.models.awq import fuse_int4pack, fused_int4pack_unsupported
+
+    a = AWQLinear.from_linear(torch.nn.Linear(128, 32), 32)
+    narrower = AWQLinear.from_linear(torch.nn.Linear(64, 32), 32)
+    assert "input sizes" in fused_int4pack_unsupported([a, narrower], torch.float32)
+    assert "AWQ" in fused_int4pack_unsupported([a, torch.nn.Linear(128, 32)], torch.float32)
+    monkeypatch.setattr(AWQLinear, "cpu_kernel", "dequant")
+    with pytest.raises(ValueError, match="int4 CPU kernel"):
+        fuse_int4pack([a], torch.bfloat16)

@@ -65,6 +65,13 @@ def test_eager_step_is_hf_forward_to_the_bit(arch, dtype):
     _check_against_hf(tiny_model(arch).to(dtype), compile=False, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_step_with_an_int8_head_is_hf_forward_to_the_bit(dtype):
+    from kvboost.models.int8_head import quantize_lm_head
+
+    _check_against_hf(quantize_lm_head(tiny_model("llama").to(dtype), "int8"), compile=False, atol=0.0)
+
+
 @needs_inductor
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # without and with projection biases
 def test_compiled_step_equals_hf_forward(arch):
@@ -220,26 +227,55 @@ def _awq_tiny(arch: str, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # without and with projection biases (kept in the int4 linear)
 def test_eager_step_with_awq_int4_projections_is_hf_forward_to_the_bit(monkeypatch, arch, dtype, cpu_kernel):
-    """AWQ int4 projections run through their own module in the eager step: HF's call, so HF's bits."""
+    """AWQ int4 projections in the eager step: fused per input where the int4 CPU kernel serves one-row calls
+    (cpu_kernel auto), through their own modules otherwise (dequant); HF's bits either way."""
     from kvboost.models.awq import AWQLinear
 
     monkeypatch.setattr(AWQLinear, "cpu_kernel", cpu_kernel)
     model = _awq_tiny(arch, dtype)
     assert isinstance(model.model.layers[0].self_attn.q_proj, AWQLinear)
+    assert FusedDecodeStep(model, compile=False).int4_fused == (cpu_kernel == "auto")
     _check_against_hf(model, compile=False, atol=0.0)
 
 
+@needs_inductor
+def test_compiled_step_with_fused_int4_projections_equals_hf_forward():
+    model = _awq_tiny("qwen2", torch.float32)
+    assert FusedDecodeStep(model, compile=True).int4_fused
+    _check_against_hf(model, compile=True, atol=1e-4)
+
+
+def test_fused_int4_step_shares_the_modules_codes():
+    """The fused matrices are the modules' own derived form (views of the same storage), not a second copy,
+    where a module's rows start on a packing block (the tiny model's q_proj: 64 rows)."""
+    model = _awq_tiny("llama", torch.bfloat16)
+    step = FusedDecodeStep(model, compile=False)
+    layer = model.model.layers[0]
+    qkv, gate_up = step._layer_weights[0][1], step._layer_weights[0][8]
+    attn = layer.self_attn
+    assert qkv.shape[0] == attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+    for proj, fused in ((attn.q_proj, qkv), (layer.mlp.gate_proj, gate_up), (layer.mlp.up_proj, gate_up)):
+        packed, _ = proj.int4pack(torch.bfloat16)
+        assert packed.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
 def test_decode_choice_for_awq_models(monkeypatch):
+    from kvboost.models.awq import AWQLinear
+
     monkeypatch.delenv("KVBOOST_DECODE", raising=False)
-    model = _awq_tiny("llama", torch.float32)
+    model = _awq_tiny("llama", torch.bfloat16)
     assert unsupported_reason(model) is None
     mode, reason = choose_decode("auto", model, "sdpa")
-    assert mode == "eager" and "int4" in reason
+    assert mode == "eager" and "int4" in reason and "fused" in reason
     assert choose_decode("eager", model, "sdpa") == ("eager", "requested")
+    monkeypatch.setattr(AWQLinear, "cpu_kernel", "dequant")  # no one-row int4 kernel: nothing to fuse
+    mode, reason = choose_decode("auto", model, "sdpa")
+    assert mode == "eager" and "own modules" in reason
     with pytest.raises(ValueError, match="int4"):
         choose_decode("compiled", model, "sdpa")
     with pytest.raises(ValueError, match="int4"):
         FusedDecodeStep(model, compile=True)
+    monkeypatch.setattr(AWQLinear, "cpu_kernel", "auto")
     from kvboost import KVBoost
 
     def engine(**options):
@@ -248,6 +284,7 @@ def test_decode_choice_for_awq_models(monkeypatch):
 
     fused_engine = engine()
     assert fused_engine.decode_info()["decode"] == "eager"
+    assert fused_engine._decode_step.int4_fused
     ids = random_ids(20, seed=5)
     fused = fused_engine.generate(ids, max_new_tokens=6, mode="cold").output_ids
     hf = engine(decode="hf").generate(ids, max_new_tokens=6, mode="cold").output_ids

@@ -106,7 +106,8 @@ def test_unknown_workload_and_mode_are_clear_errors(tmp_path):
      ("recompute=cacheblend", None), ("+recompute.ratoi=0.2", "unknown argument.*ratoi"),
      ("workload.repeats=0", "repeats"), ("+engine.store_generatd=false", "store_generatd"),
      ("workload=rag_reorder", None), ("workload=rag_reorder workload.doc_tokens=10", "doc_tokens"),
-     ("workload=rag_reorder +workload.num_docs=3", "unknown field.*num_docs")],
+     ("workload=rag_reorder +workload.num_docs=3", "unknown field.*num_docs"),
+     ("model.lm_head=int4", "lm_head must be null or int8"), ("model.lm_head=int8", None)],
 )  # fmt: skip
 def test_config_typos_fail_before_the_model_is_loaded(tmp_path, override, message):
     from experiments.config_check import check_config
@@ -199,3 +200,12 @@ def test_mode_order_is_shuffled_per_request_and_seeded(tmp_path, smollm_tokenize
     assert len(first) == 6 and len(set(first)) > 1  # 6 requests, not all in one order
     assert len({o[0] for o in first}) > 1  # not always the same mode first
     assert orders(tmp_path / "b") == first  # seeded
+
+
+def test_random_model_run_with_an_int8_head_reports_it(tmp_path):
+    """model.lm_head=int8 reaches the model the runner builds, and summary.json says so."""
+    cfg = compose(["model=tiny_random", "model.lm_head=int8", "workload.num_conversations=1", "workload.max_turns=2",
+                   "workload.max_new_tokens=3", "logger=none", "workload.max_prompt_tokens=200",
+                   "workload.modes=[baseline,kvboost]"])  # fmt: skip
+    summary = run_experiment(cfg, out_dir=tmp_path)
+    assert summary["run"]["lm_head"] == "int8"

@@ -286,17 +286,34 @@ class AWQLinear(nn.Module):
         rows = x.numel() // self.in_features
         return not (kernel == "auto" and x.dtype == torch.float32 and rows > INT4PACK_FP32_MAX_ROWS)
 
-    def _int4pack_forward(self, x: torch.Tensor) -> torch.Tensor:
-        bufs = (self.qweight, self.qzeros, self.scales)
-        key = (x.dtype, *((id(t), t.data_ptr(), t._version) for t in bufs))
+    def _int4pack_key(self, dtype: torch.dtype) -> tuple:
+        # The buffers' identity and version: a swapped or edited buffer invalidates the derived form.
+        return (dtype, *((id(t), t.data_ptr(), t._version) for t in (self.qweight, self.qzeros, self.scales)))
+
+    def int4pack_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int32 ``[out, in]``, scale-and-zero fp32 ``[in / group, out, 2]``): what torch's int4 CPU kernel
+        takes, before packing. tinygemm dequantizes ``(q - 8) * s + m``; AWQ's ``(q - z) * s`` is ``m = (8 - z) * s``."""
+        codes, zeros = unpack_awq(self.qweight, self.qzeros)
+        s = self.scales.to(torch.float32)
+        return codes.t().contiguous(), torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1)
+
+    def int4pack(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed weight, scale-and-zero in ``dtype``) for ``aten._weight_int4pack_mm_for_cpu``, built on first
+        use and kept until a buffer changes."""
+        key = self._int4pack_key(dtype)
         if self._int4pack is None or self._int4pack[0] != key:
-            codes, zeros = unpack_awq(self.qweight, self.qzeros)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous(), 1)  # [out, in] codes
-            s = self.scales.to(torch.float32)
-            # tinygemm's dequantization is (q - 8) * s + m: AWQ's (q - z) * s is m = (8 - z) * s.
-            scale_zero = torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1).to(x.dtype).contiguous()
-            self._int4pack = (key, packed, scale_zero)
-        _, packed, scale_zero = self._int4pack
+            codes, scale_zero = self.int4pack_parts()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self._int4pack = (key, packed, scale_zero.to(dtype).contiguous())
+        return self._int4pack[1], self._int4pack[2]
+
+    def adopt_int4pack(self, dtype: torch.dtype, packed: torch.Tensor, scale_zero: torch.Tensor) -> None:
+        """Use ``packed`` (rows of a larger packed matrix: see :func:`fuse_int4pack`) as this module's derived
+        form for ``dtype``, so the int4 codes are held once."""
+        self._int4pack = (self._int4pack_key(dtype), packed, scale_zero)
+
+    def _int4pack_forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed, scale_zero = self.int4pack(x.dtype)
         x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, scale_zero)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -312,6 +329,68 @@ class AWQLinear(nn.Module):
             if getattr(self, name).dtype != t.dtype:
                 setattr(self, name, t.to(device))
         return self
+
+
+@dataclass(frozen=True)
+class Int4Pack:
+    """Linears that read the same input (q/k/v, gate/up) as one matrix for torch's int4 CPU kernel.
+
+    ``weight`` is the packed ``[sum(out), in / 2]`` matrix, ``scale_zero`` ``[in / group, sum(out), 2]`` in the
+    activation dtype, ``bias`` ``[sum(out)]`` in that dtype (zeros for members without one) or ``None``;
+    ``splits`` are the members' output sizes, in order. One call instead of one per member: the kernel computes
+    every output column on its own, so the fused result equals the members' results to the bit (tested).
+    """
+
+    weight: torch.Tensor
+    scale_zero: torch.Tensor
+    bias: torch.Tensor | None
+    group_size: int
+    splits: tuple[int, ...]
+
+
+def fused_int4pack_unsupported(modules: Iterable[nn.Module], dtype: torch.dtype) -> str | None:
+    """Why :func:`fuse_int4pack` cannot fuse ``modules`` for ``dtype`` activations (``None`` when it can): they
+    must be CPU AWQ linears over the same input and group size whose one-row forward is torch's int4 kernel."""
+    modules = list(modules)
+    if not modules or not all(isinstance(m, AWQLinear) for m in modules):
+        return "not all AWQ int4 linears"
+    first = modules[0]
+    if any(m.in_features != first.in_features or m.group_size != first.group_size for m in modules):
+        return "different input sizes or group sizes"
+    if first.qweight.device.type != "cpu":
+        return f"weights on {first.qweight.device.type}, not the CPU"
+    probe = torch.empty(1, first.in_features, dtype=dtype)
+    if not all(m._use_int4pack(probe) for m in modules):
+        return f"a one-row {dtype} forward does not use the int4 CPU kernel (cpu_kernel {AWQLinear.cpu_kernel!r})"
+    return None
+
+
+def fuse_int4pack(modules: Iterable[AWQLinear], dtype: torch.dtype) -> Int4Pack:
+    """Pack ``modules`` (same input) as one :class:`Int4Pack` for ``dtype`` activations. Each module then adopts
+    its rows of the fused matrix as its own derived form where those rows are a valid packed matrix by themselves
+    (they start on a packing block), so the codes are not held twice."""
+    modules = list(modules)
+    reason = fused_int4pack_unsupported(modules, dtype)
+    if reason is not None:
+        raise ValueError(f"cannot fuse these int4 linears: {reason}")
+    parts = [m.int4pack_parts() for m in modules]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat([c for c, _ in parts]).contiguous(), 1)
+    scale_zero = torch.cat([sz for _, sz in parts], dim=1).to(dtype).contiguous()
+    bias = None
+    if any(m.bias is not None for m in modules):
+        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules]).to(dtype)
+    start = 0
+    for m, (codes, _) in zip(modules, parts, strict=True):
+        rows = slice(start, start + m.out_features)
+        # The packed layout is blocked (64 rows per block in torch 2.13): a member's rows are its own packed
+        # matrix only when they start on a block. Checked on the bytes, not assumed; otherwise the member keeps
+        # its own copy.
+        own = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        rows_packed = packed[rows]
+        m.adopt_int4pack(dtype, rows_packed if torch.equal(rows_packed, own) else own,
+                         scale_zero[:, rows].contiguous())  # fmt: skip
+        start += m.out_features
+    return Int4Pack(packed, scale_zero, bias, modules[0].group_size, tuple(m.out_features for m in modules))
 
 
 # ---------------------------------------------------------------------------------------------- whole models

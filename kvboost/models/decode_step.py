@@ -23,7 +23,11 @@ every supported architecture. Architectures the step does not cover (sliding win
 embeddings, RoPE types whose frequencies depend on the length) keep HF's forward: ``unsupported_reason``
 says why. AWQ int4 projections (``kvboost.models.awq.AWQLinear``) run in the eager step through their own
 module (torch's int4 kernel on CPU, the Triton dequant-GEMM on CUDA): the call HF's forward makes, without HF's
-per-layer Python around it; the compiled step refuses them.
+per-layer Python around it. Where torch's int4 CPU kernel serves a one-row call in the model's dtype (bf16 or
+fp16 activations on CPU), the step fuses them per input instead (q/k/v and gate/up as one packed matrix each:
+four int4 calls per layer instead of seven, the modules keeping views of the same codes), eager or compiled;
+the fused call is the modules' arithmetic to the bit. Elsewhere (fp32 activations, CUDA) the compiled step
+refuses int4 projections and ``auto`` picks the eager step.
 """
 
 from __future__ import annotations
@@ -73,8 +77,10 @@ def unsupported_reason(model: Any) -> str | None:
                 return f"{type(owner).__name__}.{name} is neither an nn.Linear nor an AWQ int4 linear (fused weights?)"
     if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
         return "query/key norms"
-    if getattr(model, "lm_head", None) is None or not isinstance(model.lm_head, torch.nn.Linear):
-        return "no plain lm_head"
+    from kvboost.models.int8_head import Int8Linear
+
+    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, Int8Linear)):
+        return "no plain (or int8) lm_head"
     return None
 
 
@@ -87,6 +93,25 @@ def _int4_linear_types() -> tuple[type, ...]:
 def has_int4_projections(model: Any) -> bool:
     """Whether ``model``'s decoder projections are AWQ int4 linears (the step then runs them eagerly)."""
     return any(isinstance(m, _int4_linear_types()) for m in model.model.layers[0].modules())
+
+
+def fused_int4_reason(model: Any) -> str | None:
+    """Why the step cannot run ``model``'s AWQ int4 projections fused (``None`` when it can; see
+    :func:`kvboost.models.awq.fused_int4pack_unsupported`)."""
+    from kvboost.models.awq import fused_int4pack_unsupported
+
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    dtype = layer.input_layernorm.weight.dtype
+    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+    sizes = {m.group_size for g in groups for m in g if hasattr(m, "group_size")}
+    if len(sizes) > 1:
+        return f"projections with different group sizes {sorted(sizes)}"
+    for group in groups:
+        reason = fused_int4pack_unsupported(group, dtype)
+        if reason is not None:
+            return reason
+    return None
 
 
 def inductor_unavailable_reason() -> str | None:
@@ -103,6 +128,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def _rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The same in one kernel (F.rms_norm computes x * rsqrt(mean(x^2) + eps) in fp32: HF's bits, tested).
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +158,13 @@ class FusedDecodeStep:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused decode step does not support this model: {reason}")
-        if compile and has_int4_projections(model):
-            raise ValueError("the compiled decode step takes plain nn.Linear weights; AWQ int4 projections run in "
-                             "the eager step (decode='eager', what 'auto' picks for them)")
+        self.int4 = has_int4_projections(model)
+        # AWQ int4 projections: fused per input (q/k/v, gate/up) for torch's int4 CPU kernel where it serves a
+        # one-row call in the model's dtype (bf16/fp16 on CPU); elsewhere each runs through its own module.
+        self.int4_fused = self.int4 and fused_int4_reason(model) is None
+        if compile and self.int4 and not self.int4_fused:
+            raise ValueError(f"the compiled decode step runs AWQ int4 projections fused through torch's int4 CPU "
+                             f"kernel, which does not apply here ({fused_int4_reason(model)}); use decode='eager'")
         self.model = model
         cfg = model.config.get_text_config(decoder=True)
         inner = model.model
@@ -146,22 +180,41 @@ class FusedDecodeStep:
         # reductions and fp32 attention sum in another order. (Compiling the exact arithmetic was tried: bit-equal,
         # but no faster than eager, 23 vs 26 tok/s in bf16; the BLAS gemv, not the per-op overhead, sets its rate.)
         self.exact = not compile
+        self._norm = _rms_norm if compile else _rms_norm_fused  # eager: one kernel, the same bits
         self.compile_seconds = 0.0
         self.fallback_reason: str | None = None
         self.warmed = False
         self._kv: PreallocatedKV | None = None
         self.length = 0
+        self.intermediate = int(cfg.intermediate_size)
+        self.group_size = int(inner.layers[0].self_attn.q_proj.group_size) if self.int4 else 0
         self._layer_weights = [self._weights(layer) for layer in inner.layers]
+        self._head = self._head_args()
         # Three small graphs, each compiled once and reused: every layer runs the same graph on its own
         # weights (compiling the 30-layer model as one graph took minutes; one layer takes seconds).
         wrap = (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)) if compile else (lambda fn: fn)
-        self._prologue_fn, self._layer_fn, self._epilogue_fn = wrap(self._prologue), wrap(self._layer), wrap(self._epilogue)
+        self._layer_impl = self._layer_int4 if self.int4_fused else self._layer
+        self._prologue_fn, self._layer_fn, self._epilogue_fn = (
+            wrap(self._prologue), wrap(self._layer_impl), wrap(self._epilogue)
+        )
         self._fn = self._forward
         self._compiled_once = False
 
     # ------------------------------------------------------------------ the arithmetic
     def _weights(self, layer: Any) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
+        if self.int4_fused:
+            from kvboost.models.awq import fuse_int4pack
+
+            dtype = layer.input_layernorm.weight.dtype
+            qkv = fuse_int4pack((attn.q_proj, attn.k_proj, attn.v_proj), dtype)
+            o, gate_up = fuse_int4pack((attn.o_proj,), dtype), fuse_int4pack((mlp.gate_proj, mlp.up_proj), dtype)
+            down = fuse_int4pack((mlp.down_proj,), dtype)
+            return (
+                layer.input_layernorm.weight, qkv.weight, qkv.scale_zero, qkv.bias, o.weight, o.scale_zero, o.bias,
+                layer.post_attention_layernorm.weight, gate_up.weight, gate_up.scale_zero, down.weight,
+                down.scale_zero,
+            )  # fmt: skip
 
         def w(proj):  # a plain linear's weight, or an int4 linear itself (it applies its own bias)
             return proj.weight if isinstance(proj, torch.nn.Linear) else proj
@@ -178,13 +231,46 @@ class FusedDecodeStep:
     def _layer(self, x, cos, sin, position: int, keys, values, ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd):
         """One decoder layer for one token at ``position``; writes its K/V row into ``keys``/``values``
         ([kv_heads, capacity, head_dim], one layer's slice of the request's buffers)."""
-        h, kvh, d, lin = self.num_heads, self.num_kv_heads, self.head_dim, self._linear
-        a = _rms_norm(x, ln1, self.eps)
-        q = lin(a, wq, bq).view(h, d)
-        k = lin(a, wk, bk).view(kvh, d)
-        v = lin(a, wv, bv).view(kvh, d)
+        lin = self._linear
+        a = self._norm(x, ln1, self.eps)
+        out = self._attend(lin(a, wq, bq), lin(a, wk, bk), lin(a, wv, bv), cos, sin, position, keys, values)
+        x = x + lin(out, wo, None)
+        m = self._norm(x, ln2, self.eps)
+        return x + lin(F.silu(lin(m, wg, None)) * lin(m, wu, None), wd, None)
+
+    def _layer_int4(self, x, cos, sin, position: int, keys, values, ln1, wqkv, sqkv, bqkv, wo, so, bo, ln2, wgu, sgu,
+                    wd, sd):  # fmt: skip
+        """:meth:`_layer` with AWQ int4 projections fused per input (:class:`kvboost.models.awq.Int4Pack`): four
+        int4 calls per layer instead of seven."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        a = self._norm(x, ln1, self.eps)
+        qkv = self._int4(a, wqkv, sqkv, bqkv)
+        # q and k are adjacent in the fused output: one RoPE over their h + kvh heads (the same elementwise
+        # arithmetic as two, half the calls).
+        qk = qkv[: (h + kvh) * d].view(h + kvh, d)
+        qk = qk * cos + _rotate_half(qk) * sin
+        out = self._attend_rotated(qk[:h], qk[h:], qkv[(h + kvh) * d :].view(kvh, d), position, keys, values)
+        x = x + self._int4(out, wo, so, bo)
+        m = self._norm(x, ln2, self.eps)
+        gate, up = self._int4(m, wgu, sgu, None).split((self.intermediate, self.intermediate))
+        return x + self._int4(F.silu(gate) * up, wd, sd, None)
+
+    def _int4(self, x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None):
+        """One token through fused int4 projections: the call ``AWQLinear`` makes, so its bits."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.view(1, -1), weight, self.group_size, scale_zero).view(-1)
+        return y if bias is None else y + bias
+
+    def _attend(self, q, k, v, cos, sin, position: int, keys, values) -> torch.Tensor:
+        """RoPE on the token's q/k, its K/V row written at ``position``, attention over rows ``[0, position]``."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k = q.view(h, d), k.view(kvh, d)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        return self._attend_rotated(q, k, v.view(kvh, d), position, keys, values)
+
+    def _attend_rotated(self, q, k, v, position: int, keys, values) -> torch.Tensor:
+        """:meth:`_attend` after RoPE: ``q`` ``[heads, d]``, ``k``/``v`` ``[kv_heads, d]``."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         # A slice, not keys[:, position]: an integer index would specialise the graph on the position.
         keys[:, position : position + 1] = k[:, None]
         values[:, position : position + 1] = v[:, None]
@@ -193,17 +279,13 @@ class FusedDecodeStep:
             vs = values[:, : position + 1].float()
             qg = q.float().view(kvh, h // kvh, d)  # query heads grouped by the KV head they read
             probs = torch.softmax(torch.matmul(qg, ks.transpose(1, 2)) * self.scale, dim=-1)  # [kvh, g, n]
-            out = torch.matmul(probs, vs).reshape(h * d).to(x.dtype)
-        else:
-            # The call transformers' SDPA integration makes for one query without a mask, same shapes and
-            # dtype: with F.linear above, the eager step's logits are HF's to the bit (bf16 included).
-            out = F.scaled_dot_product_attention(
-                q.view(1, h, 1, d), keys[None, :, : position + 1], values[None, :, : position + 1],
-                scale=self.scale, enable_gqa=self.grouped_query,
-            ).reshape(h * d)  # fmt: skip
-        x = x + lin(out, wo, None)
-        m = _rms_norm(x, ln2, self.eps)
-        return x + lin(F.silu(lin(m, wg, None)) * lin(m, wu, None), wd, None)
+            return torch.matmul(probs, vs).reshape(h * d).to(q.dtype)
+        # The call transformers' SDPA integration makes for one query without a mask, same shapes and
+        # dtype: with F.linear above, the eager step's logits are HF's to the bit (bf16 included).
+        return F.scaled_dot_product_attention(
+            q.view(1, h, 1, d), keys[None, :, : position + 1], values[None, :, : position + 1],
+            scale=self.scale, enable_gqa=self.grouped_query,
+        ).reshape(h * d)  # fmt: skip
 
     def _prologue(self, token: torch.Tensor, position: int, embed, inv_freq):
         """The token's embedding and the RoPE cos/sin of ``position`` (as HF's rotary embedding computes them)."""
@@ -212,8 +294,24 @@ class FusedDecodeStep:
         emb = torch.cat((freqs, freqs))
         return x, (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
-    def _epilogue(self, x, norm, head):
-        return self._linear(_rms_norm(x, norm, self.eps), head, None).float()
+    def _epilogue(self, x, norm, head, head_scales=None):
+        """Final norm and the LM head; ``head_scales`` set: ``head`` holds int8 codes (an ``Int8Linear``),
+        multiplied by its kernel (the call the module makes)."""
+        x = self._norm(x, norm, self.eps)
+        if head_scales is not None:
+            return torch.ops.aten._weight_int8pack_mm(x.view(1, -1), head, head_scales).view(-1).float()
+        return self._linear(x, head, None).float()
+
+    def _head_args(self) -> tuple:
+        from kvboost.models.int8_head import Int8Linear
+
+        head = self.model.lm_head
+        if isinstance(head, Int8Linear):
+            dtype = self.model.model.norm.weight.dtype
+            if head.qweight.device.type != "cpu":
+                return (head.dequantized_weight(dtype),)
+            return head.qweight, head.scales.to(dtype)
+        return (head.weight,)
 
     def _linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         """One token through a projection. Compiled: a fused reduction (see the module docstring); eager: BLAS;
@@ -232,7 +330,7 @@ class FusedDecodeStep:
         x, cos, sin = self._prologue_fn(token, position, inner.embed_tokens.weight, inner.rotary_emb.inv_freq)
         for i, weights in enumerate(self._layer_weights):
             x = self._layer_fn(x, cos, sin, position, keys[i], values[i], *weights)
-        return self._epilogue_fn(x, inner.norm.weight, self.model.lm_head.weight)
+        return self._epilogue_fn(x, inner.norm.weight, *self._head)
 
     # ------------------------------------------------------------------ per request
     def begin(self, kv: PreallocatedKV, length: int) -> None:
@@ -272,7 +370,7 @@ class FusedDecodeStep:
             log.warning("kvboost: compiling the decode step failed (%s); decoding eagerly", self.fallback_reason)
             self.compiled = False
             self.exact = True
-            self._prologue_fn, self._layer_fn, self._epilogue_fn = self._prologue, self._layer, self._epilogue
+            self._prologue_fn, self._layer_fn, self._epilogue_fn = self._prologue, self._layer_impl, self._epilogue
             logits = self._fn(token, self.length, kv.keys, kv.values)  # rewrites the same rows
         self.compile_seconds += time.perf_counter() - start
         self._compiled_once = True
@@ -326,7 +424,12 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
         if attention != "sdpa":
             return "hf", f"attention backend {attention!r} decodes through HF's forward"
         if has_int4_projections(model):
-            return "eager", "AWQ int4 projections: the fused step runs their int4 kernel eagerly"
+            # Measured on the bundled AWQ model (bf16, 2-core AMX CPU): the eager step with fused int4 calls 85
+            # tok/s, compiled 66: dynamo's per-call guards and wrappers cost more than inductor saves around
+            # the int4 kernel, which it cannot fuse into.
+            reason = fused_int4_reason(model)
+            return "eager", ("AWQ int4 projections, fused" if reason is None else
+                             f"AWQ int4 projections through their own modules ({reason})")  # fmt: skip
         reason = inductor_unavailable_reason()
         if reason is not None:
             return "eager", f"not compiled: {reason}"
@@ -343,9 +446,9 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
             f"decode={requested!r} runs its own attention; with attn={attention!r} use decode='hf' (or 'auto')"
         )
     if requested == "compiled":
-        if has_int4_projections(model):
-            raise ValueError("decode='compiled' takes plain nn.Linear weights; with AWQ int4 projections use "
-                             "decode='eager' (or 'auto')")
+        if has_int4_projections(model) and fused_int4_reason(model) is not None:
+            raise ValueError(f"decode='compiled' runs AWQ int4 projections fused through torch's int4 CPU kernel, "
+                             f"which does not apply here ({fused_int4_reason(model)}); use decode='eager' (or 'auto')")
         reason = inductor_unavailable_reason()
         if reason is not None:
             raise ValueError(f"decode='compiled': {reason}; use decode='eager' or 'hf'")
