@@ -11,7 +11,9 @@ forward (``decode="hf"``: a streamed model cannot use the fused step, so the res
 Configurations: ``resident`` (streaming off), ``half_prefetch`` (first half of the layers resident, the rest read
 from the safetensors files through mmap into 2 slots, next layer prefetched on a thread), ``half_sync`` (same,
 prefetch off), ``resident_lookup`` and ``half_prefetch_lookup`` (the same with ``speculative=prompt_lookup``: several
-tokens per pass over the streamed weights). Every configuration's greedy tokens are compared with ``resident``'s. Results: ``experiments/results/streaming/bench_streaming.{json,md}``.
+tokens per pass over the streamed weights), ``half_prefetch_repack`` / ``half_sync_repack`` (AWQ: ``prepack: false``,
+AutoAWQ's tensors streamed and repacked for the int4 kernel per forward, instead of the prepacked sidecar; the
+sidecar is written by one discarded run before the measured ones). ``--configs`` picks a subset. Every configuration's greedy tokens are compared with ``resident``'s. Results: ``experiments/results/streaming/bench_streaming.{json,md}``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ CONFIGS = {
     "half_sync": {"resident_layers": "half", "prefetch": False, "slots": 2, "source": "mmap"},
     "resident_lookup": None,
     "half_prefetch_lookup": {"resident_layers": "half", "prefetch": True, "slots": 2, "source": "mmap"},
+    # AWQ without the prepacked sidecar (streaming.prepack false): AutoAWQ's tensors streamed, repacked per forward
+    "half_prefetch_repack": {"resident_layers": "half", "prefetch": True, "slots": 2, "source": "mmap",
+                             "prepack": False},
+    "half_sync_repack": {"resident_layers": "half", "prefetch": False, "slots": 2, "source": "mmap", "prepack": False},
 }
 #: configurations that decode speculatively (draft strategy of kvboost.speculative): tokens per target forward,
 #: i.e. per pass over the streamed weights, is what speculation buys a streamed model
@@ -110,6 +116,7 @@ def child(args: argparse.Namespace) -> dict:
     if engine.streamer is not None:
         out["streamer"] = engine.streamer.info()
         out["plan"] = engine.model._kvboost_streaming_plan.describe()
+        out["prepacked"] = getattr(engine.model, "_kvboost_streaming_prepacked", None)
     return out
 
 
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--models", default="", help="comma-separated suffixes of model labels (fp32, awq, rtn)")
     parser.add_argument("--tag", default="", help="suffix of the result files (bench_streaming_<tag>.json/.md)")
+    parser.add_argument("--configs", default="", help=f"comma-separated subset of {', '.join(CONFIGS)}")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -201,26 +209,32 @@ def main(argv: list[str] | None = None) -> None:
     command = "python experiments/bench_streaming.py " + " ".join(argv if argv is not None else sys.argv[1:])
     found = models(args)
     runs = []
-    names = list(CONFIGS)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()] or list(CONFIGS)
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+
+    def run_child(path: str, config: str, label: str) -> dict:
+        cmd = [sys.executable, __file__, "--child", "--model", path, "--config", config, "--prompts",
+               str(args.prompts), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+               "--dtype", args.dtype]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            raise RuntimeError(f"{label}/{config} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(line[len("RESULT ") :])
+
+    # One discarded streamed run per model first: it writes the AWQ prepack sidecar (once per weights and dtype),
+    # so no measured run pays for it.
+    for label, path in found.items():
+        if "half_prefetch" in CONFIGS:
+            run_child(path, "half_prefetch", label)
     for rep in range(args.repeats):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for label, path in found.items():
             for config in order:
-                cmd = [sys.executable, __file__, "--child", "--model", path, "--config", config, "--prompts",
-                       str(args.prompts), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                       "--dtype", args.dtype]  # fmt: skip
-                proc = subprocess.run(
-                    cmd,
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                    cwd=ROOT,
-                    env={**os.environ, "PYTHONPATH": str(ROOT)},
-                )
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if proc.returncode != 0 or line is None:
-                    raise RuntimeError(f"{label}/{config} failed:\n{proc.stderr[-3000:]}")
-                run = {**json.loads(line[len("RESULT ") :]), "model_label": label, "repeat": rep}
+                run = {**run_child(path, config, label), "model_label": label, "repeat": rep}
                 runs.append(run)
                 print(f"[{rep}] {label:14s} {config:14s} peak RSS {run['peak_rss_mib']:.0f} MiB, "
                       f"decode {run['decode_tok_s_mean']:.1f} tok/s", flush=True)  # fmt: skip

@@ -339,3 +339,66 @@ def test_streams_a_tiny_awq_model(tmp_path):
         assert torch.equal(_logits(streamed, ids), _logits(resident_awq, ids))
     fp = ModelFingerprint(resident_awq, "awq", disk_cache=False).current()
     assert ModelFingerprint(streamed, "awq", disk_cache=False).current() == fp
+
+
+@pytest.mark.skipif(_awq_available() is not None, reason=str(_awq_available()))
+def test_streamed_awq_in_bf16_reads_prepacked_int4_tensors(tmp_path, monkeypatch):
+    """bf16 on CPU: streamed AWQ linears arrive in the int4 kernel's layout from a sidecar written once (no
+    repack per forward), and the logits equal the resident model's to the bit; prepack off streams AutoAWQ's."""
+    from transformers import AutoConfig
+
+    from kvboost.models.awq import AWQConfig, Int4PackedLinear, load_awq_model, quantize_model_rtn, save_awq_folder
+
+    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("llama", num_hidden_layers=LAYERS)
+    quantize_model_rtn(model, AWQConfig(group_size=32))
+    folder = save_awq_folder(model, tmp_path / "awq")
+    resident = load_awq_model(folder, AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
+    want = _logits(resident, ids)
+    streamed = build_streamed_model(folder, {"resident_layers": 1, "prefetch": True}, dtype="bfloat16")
+    info = streamed._kvboost_streaming_prepacked
+    assert info["used"] and info["linears"] == 7 * (LAYERS - 1)
+    sidecar = info["sidecar"]
+    assert sidecar.startswith(str(tmp_path / "cache"))
+    assert isinstance(streamed.model.layers[2].self_attn.q_proj, Int4PackedLinear)
+    assert not isinstance(streamed.model.layers[0].self_attn.q_proj, Int4PackedLinear)  # resident: as loaded
+    for _ in range(2):
+        assert torch.equal(_logits(streamed, ids), want)
+    # a second build reuses the sidecar (same file, not rewritten)
+    mtime = __import__("os").stat(sidecar).st_mtime_ns
+    again = build_streamed_model(folder, {"resident_layers": 1}, dtype="bfloat16")
+    assert again._kvboost_streaming_prepacked["sidecar"] == sidecar and __import__("os").stat(sidecar).st_mtime_ns == mtime
+    off = build_streamed_model(folder, {"resident_layers": 1, "prepack": False}, dtype="bfloat16")
+    assert off._kvboost_streaming_prepacked == {"used": False, "reason": "streaming.prepack is false"}
+    assert torch.equal(_logits(off, ids), want)
+    fp32 = build_streamed_model(folder, {"resident_layers": 1}, dtype="float32")
+    assert not fp32._kvboost_streaming_prepacked["used"] and "float32" in fp32._kvboost_streaming_prepacked["reason"]
+
+
+@pytest.mark.skipif(_awq_available() is not None, reason=str(_awq_available()))
+def test_int4pack_sidecar_follows_the_checkpoint_and_replaces_a_damaged_one(tmp_path, monkeypatch):
+    import os
+
+    from kvboost.models.awq import AWQConfig, quantize_model_rtn, save_awq_folder
+    from kvboost.streaming.int4pack_sidecar import ensure_sidecar, sidecar_path
+    from kvboost.streaming.source import SafetensorsIndex
+
+    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("llama", num_hidden_layers=2)
+    quantize_model_rtn(model, AWQConfig(group_size=32))
+    folder = save_awq_folder(model, tmp_path / "awq")
+    prefixes = ["model.layers.1.mlp.up_proj", "model.layers.1.self_attn.q_proj"]
+    index = SafetensorsIndex(folder)
+    first = ensure_sidecar(index, prefixes, torch.bfloat16, 32)
+    assert first == sidecar_path(index, torch.bfloat16, 32) and first.is_file()
+    assert sidecar_path(index, torch.float16, 32) != first  # another dtype, another file
+    weights = next(folder.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # the checkpoint changed
+    assert sidecar_path(SafetensorsIndex(folder), torch.bfloat16, 32) != first
+    first.write_bytes(b"not a safetensors file")  # damaged: written again, not trusted
+    again = ensure_sidecar(index, prefixes, torch.bfloat16, 32)
+    from safetensors import safe_open
+
+    with safe_open(str(again), framework="pt") as f:
+        assert {f"{p}.int4pack_weight" for p in prefixes} <= set(f.keys())

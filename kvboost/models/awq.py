@@ -197,6 +197,26 @@ def dequantize_awq(
 
 
 # ---------------------------------------------------------------------------------------------- the int4 linear
+def int4pack_parts(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ tensors -> (codes int32 ``[out, in]``, scale-and-zero fp32 ``[in / group, out, 2]``): what torch's
+    int4 CPU kernel takes, before packing. tinygemm dequantizes ``(q - 8) * s + m``; AWQ's ``(q - z) * s`` is
+    ``m = (8 - z) * s``."""
+    codes, zeros = unpack_awq(qweight, qzeros)
+    s = scales.to(torch.float32)
+    return codes.t().contiguous(), torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1)
+
+
+def int4pack_tensors(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ tensors -> (packed weight uint8 ``[out, in / 2]``, scale-and-zero ``[in / group, out, 2]`` in
+    ``dtype``): the form ``aten._weight_int4pack_mm_for_cpu`` multiplies with."""
+    codes, scale_zero = int4pack_parts(qweight, qzeros, scales)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero.to(dtype).contiguous()
+
+
 def _int4pack_supported(in_features: int, out_features: int, group_size: int) -> bool:
     op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
     return op is not None and group_size in (32, 64, 128, 256) and out_features % 16 == 0 and in_features % 2 == 0
@@ -291,20 +311,15 @@ class AWQLinear(nn.Module):
         return (dtype, *((id(t), t.data_ptr(), t._version) for t in (self.qweight, self.qzeros, self.scales)))
 
     def int4pack_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes int32 ``[out, in]``, scale-and-zero fp32 ``[in / group, out, 2]``): what torch's int4 CPU kernel
-        takes, before packing. tinygemm dequantizes ``(q - 8) * s + m``; AWQ's ``(q - z) * s`` is ``m = (8 - z) * s``."""
-        codes, zeros = unpack_awq(self.qweight, self.qzeros)
-        s = self.scales.to(torch.float32)
-        return codes.t().contiguous(), torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1)
+        """(codes int32 ``[out, in]``, scale-and-zero fp32 ``[in / group, out, 2]``): see :func:`int4pack_parts`."""
+        return int4pack_parts(self.qweight, self.qzeros, self.scales)
 
     def int4pack(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed weight, scale-and-zero in ``dtype``) for ``aten._weight_int4pack_mm_for_cpu``, built on first
         use and kept until a buffer changes."""
         key = self._int4pack_key(dtype)
         if self._int4pack is None or self._int4pack[0] != key:
-            codes, scale_zero = self.int4pack_parts()
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            self._int4pack = (key, packed, scale_zero.to(dtype).contiguous())
+            self._int4pack = (key, *int4pack_tensors(self.qweight, self.qzeros, self.scales, dtype))
         return self._int4pack[1], self._int4pack[2]
 
     def adopt_int4pack(self, dtype: torch.dtype, packed: torch.Tensor, scale_zero: torch.Tensor) -> None:
@@ -329,6 +344,53 @@ class AWQLinear(nn.Module):
             if getattr(self, name).dtype != t.dtype:
                 setattr(self, name, t.to(device))
         return self
+
+
+class Int4PackedLinear(nn.Module):
+    """An AWQ linear stored in the layout torch's int4 CPU kernel multiplies with (what :class:`AWQLinear` derives
+    from its AutoAWQ buffers on first use), as persistent buffers: ``int4pack_weight`` uint8 ``[out, in / 2]``,
+    ``int4pack_scale_zero`` ``[in / group, out, 2]`` in the activation dtype, ``bias`` fp16 ``[out]``.
+
+    For layer streaming on CPU (``kvboost.streaming.int4pack_sidecar``): a streamed layer's weights arrive in a
+    staging slot for every forward, and an :class:`AWQLinear` would repack them each time; this module reads the
+    packed form as it arrives. Its products are :class:`AWQLinear`'s int4-kernel products to the bit. CPU only,
+    and only for the dtype it was packed for.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, group_size: int = 128,
+        dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        _check_shapes(in_features, out_features, group_size)
+        if not _int4pack_supported(in_features, out_features, group_size):
+            raise ValueError(f"torch's int4 CPU kernel does not take a {in_features}x{out_features} linear with "
+                             f"group size {group_size}")  # fmt: skip
+        self.in_features, self.out_features, self.group_size, self.w_bit = in_features, out_features, group_size, 4
+        groups = in_features // group_size
+        self.register_buffer("int4pack_weight",
+                             torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("int4pack_scale_zero", torch.zeros(groups, out_features, 2, dtype=dtype, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=device))
+        else:
+            self.bias = None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group_size={self.group_size}, int4pack {self.int4pack_scale_zero.dtype}")  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != self.int4pack_scale_zero.dtype:
+            raise ValueError(f"Int4PackedLinear was packed for {self.int4pack_scale_zero.dtype} on CPU; got "
+                             f"{x.dtype} on {x.device.type}")  # fmt: skip
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.int4pack_weight, self.group_size,
+                                                          self.int4pack_scale_zero)  # fmt: skip
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
 
 
 @dataclass(frozen=True)

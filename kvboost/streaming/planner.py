@@ -14,6 +14,8 @@ Config fields (``KVBoost.from_pretrained(path, streaming={...})`` or ``configs/s
   demand), ``pinned`` (GPU default: a page-locked host copy, copied asynchronously), ``resident`` (a plain host
   copy; for tests and comparisons), ``auto``.
 - ``kv_tokens`` (default 1024): tokens of KV the planner reserves in the budget.
+- ``prepack`` (default true): streamed AWQ layers on CPU in bf16/fp16 stream torch's int4-kernel layout from a
+  sidecar written once (:mod:`kvboost.streaming.int4pack_sidecar`) instead of AutoAWQ's (repacked per forward).
 
 What the planner counts: resident bytes (embeddings, final norm, head, resident layers; tied tensors once) +
 ``slots`` x the largest streamed layer + KV for ``kv_tokens``. On CPU the process's RSS adds the Python and
@@ -48,6 +50,7 @@ class StreamingConfig:
     prefetch: bool = True
     source: str = "auto"
     kv_tokens: int = 1024
+    prepack: bool = True
 
     @classmethod
     def parse(cls, spec: Any) -> StreamingConfig | None:
@@ -89,6 +92,8 @@ class StreamingConfig:
             raise ValueError(f"streaming.slots must be an integer >= 1, got {self.slots!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"streaming.prefetch must be true or false, got {self.prefetch!r}")  # noqa: TRY004
+        if not isinstance(self.prepack, bool):
+            raise ValueError(f"streaming.prepack must be true or false, got {self.prepack!r}")  # noqa: TRY004
         if self.source not in SOURCES:
             raise ValueError(f"streaming.source must be one of {SOURCES}, got {self.source!r}")
         if isinstance(self.kv_tokens, bool) or not isinstance(self.kv_tokens, int) or self.kv_tokens < 0:

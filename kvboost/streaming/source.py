@@ -56,18 +56,25 @@ class SafetensorsIndex:
             raise FileNotFoundError(f"layer streaming reads safetensors files; {self.folder} has none")
         self.tensors: dict[str, TensorLocation] = {}
         for path in files:
-            with open(path, "rb") as handle:
-                (size,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(size))
-            base = 8 + size
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if info["dtype"] not in _DTYPES:
-                    raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which streaming cannot read")
-                begin, end = info["data_offsets"]
-                self.tensors[name] = TensorLocation(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + begin,
-                                                    end - begin)  # fmt: skip
+            self.add_file(path)
+
+    def add_file(self, path: str | os.PathLike[str]) -> None:
+        """Index one more safetensors file (a sidecar of derived tensors); its names must be new."""
+        path = Path(path)
+        with open(path, "rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(size))
+        base = 8 + size
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which streaming cannot read")
+            if name in self.tensors:
+                raise ValueError(f"{path}: tensor {name!r} is already in {self.tensors[name].file}")
+            begin, end = info["data_offsets"]
+            self.tensors[name] = TensorLocation(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + begin,
+                                                end - begin)  # fmt: skip
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
