@@ -1,0 +1,119 @@
+"""Attention in a suffix prefill on CPU: how fast torch's kernels run it, against the matmul rate.
+
+    python experiments/bench_prefill_attention.py --threads 2
+
+The shape of a suffix prefill after reuse on the bundled model: ``--new`` queries (default 255) at positions
+``--cached`` .. (default 1000 cached tokens), 9 query heads over 3 KV heads, head dim 64, causal by position.
+Variants, each timed as the median of ``--repeats`` calls after warm-up: what transformers' SDPA integration
+passes (KV heads repeated, additive float mask), a bool mask, ``enable_gqa`` with a bool mask, no mask (wrong
+results: the kernel's rate without masking work), fp32 inputs, and scores by batched matmul + fp32 softmax.
+Each variant's rate counts the unmasked work (2 x 2 x heads x queries x keys x head_dim FLOPs), so it compares
+directly with the dense matmul rate measured beside it (``[new, 576] x [576, 1536]``, the model's MLP shape).
+
+Writes ``experiments/results/decode/prefill_attention_<dtype>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments.environment import describe_environment  # noqa: E402
+
+
+def timed(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls (three warm-up calls first)."""
+    with torch.inference_mode():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--new", type=int, default=255)
+    parser.add_argument("--cached", type=int, default=1000)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=str(ROOT / "experiments" / "results" / "decode"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    h, kvh, d, n, m = args.heads, args.kv_heads, args.head_dim, args.new, args.cached
+    keys = m + n
+    q = torch.randn(1, h, n, d, dtype=dtype)
+    k = torch.randn(1, kvh, keys, d, dtype=dtype)
+    v = torch.randn(1, kvh, keys, d, dtype=dtype)
+    allowed = (torch.arange(keys)[None] <= torch.arange(m, keys)[:, None])[None, None]  # query i sees j <= pos(i)
+    additive = torch.zeros(1, 1, n, keys, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    kr, vr = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+    group = h // kvh
+
+    def by_matmul() -> torch.Tensor:
+        scores = torch.matmul(q.view(kvh, group * n, d), k[0].transpose(1, 2)).float() / math.sqrt(d)
+        probs = torch.softmax(scores.view(kvh, group, n, keys).masked_fill(~allowed[0], float("-inf")), dim=-1)
+        return torch.matmul(probs.to(dtype).view(kvh, group * n, keys), v[0]).view(1, h, n, d)
+
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "sdpa, repeated KV, additive mask (transformers' call)": lambda: F.scaled_dot_product_attention(
+            q, kr, vr, attn_mask=additive),
+        "sdpa, repeated KV, bool mask": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=allowed),
+        "sdpa, enable_gqa, bool mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                                               enable_gqa=True),
+        "sdpa, no mask (wrong result: the kernel's unmasked rate)": lambda: F.scaled_dot_product_attention(q, kr, vr),
+        "sdpa, fp32 inputs, bool mask": lambda: F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(),
+                                                                                attn_mask=allowed),
+        "batched matmul + fp32 softmax": by_matmul,
+    }  # fmt: skip
+    flops = 2 * 2 * h * n * keys * d
+    reference = F.scaled_dot_product_attention(q.float(), kr.float(), vr.float(), attn_mask=allowed)
+    rows = []
+    for name, fn in variants.items():
+        seconds = timed(fn, args.repeats)
+        with torch.inference_mode():
+            err = (fn().float() - reference).abs().max().item()
+        rows.append({"variant": name, "ms": round(seconds * 1e3, 3), "gflop_s": round(flops / seconds / 1e9, 1),
+                     "max_abs_err_vs_fp32": err})  # fmt: skip
+        print(f"{name:60s} {seconds * 1e3:7.3f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s  err {err:.2e}", flush=True)
+    x, w = torch.randn(n, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+    mm_s = timed(lambda: F.linear(x, w), args.repeats)
+    mm_rate = 2 * n * 576 * 1536 / mm_s / 1e9
+    print(f"{'matmul [new, 576] x [576, 1536]':60s} {mm_s * 1e3:7.3f} ms  {mm_rate:7.1f} GFLOP/s")
+    command = "python experiments/bench_prefill_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "command": command, "shape": {"new": n, "cached": m, "heads": h, "kv_heads": kvh, "head_dim": d},
+        "dtype": args.dtype, "threads": torch.get_num_threads(), "attention_gflop": flops / 1e9, "variants": rows,
+        "matmul_gflop_s": round(mm_rate, 1), "environment": describe_environment(),
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"prefill_attention_{args.dtype}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
