@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.environment import describe_environment  # noqa: E402
+from experiments.environment import describe_environment
 
 
 def timed(fn: Callable[[], torch.Tensor], repeats: int) -> float:
