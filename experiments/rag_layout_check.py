@@ -18,6 +18,10 @@ Modes (``--modes``, comma-separated):
   KL(full || standalone), the KL at the answer's second token (the first digit: the answer `` 4817`` starts with
   a lone space token, so the first-token KL says little), greedy match of the outputs, and the answer log-prob
   drop.
+- ``prefixed``: the same, except that every document's KV is computed after the text all prompts share before
+  their first document (system prompt and chat-template head, then a separator) and only the document's rows are
+  kept: the reused rows no longer carry the attention sinks a document computed from position 0 grows on its
+  own first tokens (the shared-prefix idea of APE, Yang et al., ICLR 2025). Compared with ``full`` the same way.
 
 Example (about 4 minutes for full on 2 CPU cores)::
 
@@ -52,7 +56,7 @@ def load_model() -> tuple[Any, Any, str]:
     try:
         from kvboost.models.loading import load_model_and_tokenizer
 
-        model, tok, path = load_model_and_tokenizer(None)
+        model, tok, path = load_model_and_tokenizer(None, dtype="float32")
     except Exception as exc:  # kvboost mid-edit: load the converted folder directly
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,14 +137,21 @@ def rerotate(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Te
         return keys
     angles = (delta * inv_freq.double()).float()  # [head_dim / 2]
     emb = torch.cat((angles, angles))
-    return keys * emb.cos() + rotate_half(keys) * emb.sin()
+    return (keys.float() * emb.cos() + rotate_half(keys.float()) * emb.sin()).to(keys.dtype)
 
 
 class StandaloneKV:
-    """Each document's KV computed alone (positions 0..n-1, no history), cached per token sequence."""
+    """Each document's KV computed alone (no history), cached per token sequence.
 
-    def __init__(self, model: Any) -> None:
+    ``prefix`` (token ids) empty: the document at positions 0..n-1. Otherwise the document is computed after
+    ``prefix`` (the text every prompt shares before its first document: system prompt and chat-template head)
+    and only its own rows are kept, at positions len(prefix).. (the ``prefixed`` mode): its first tokens then do
+    not become attention sinks of their own, as they are not in a full prefill.
+    """
+
+    def __init__(self, model: Any, prefix: list[int] | None = None) -> None:
         self.model = model
+        self.prefix = list(prefix or [])
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().float()
         self._kv: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -149,8 +160,9 @@ class StandaloneKV:
         key = tuple(ids)
         if key not in self._kv:
             cache = new_cache(self.model)
-            self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-            self._kv[key] = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+            self.model(input_ids=torch.tensor([self.prefix + ids]), past_key_values=cache, use_cache=True)
+            n = len(self.prefix)
+            self._kv[key] = [(layer.keys[:, :, n:].clone(), layer.values[:, :, n:].clone()) for layer in cache.layers]
         return self._kv[key]
 
     @torch.no_grad()
@@ -167,7 +179,7 @@ class StandaloneKV:
                     pending = []
                 start = cache.get_seq_length()
                 for layer_idx, (k, v) in enumerate(self.get(seg)):
-                    cache.update(rerotate(k, start, self.inv_freq), v, layer_idx)
+                    cache.update(rerotate(k, start - len(self.prefix), self.inv_freq), v, layer_idx)
             else:
                 pending.extend(seg)
         if not pending:
@@ -187,13 +199,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--separator", default=rag_corpus.DEFAULT_SEPARATOR)
     parser.add_argument("--system-prompt", default=rag_corpus.DEFAULT_SYSTEM_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--modes", default="full,no_docs", help="comma-separated: full, no_docs, standalone")
+    parser.add_argument("--modes", default="full,no_docs",
+                        help="comma-separated: full, no_docs, standalone, prefixed")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--show-prompt", action="store_true", help="print the first rendered prompt")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {"full", "no_docs", "standalone"}
+    unknown = set(modes) - {"full", "no_docs", "standalone", "prefixed"}
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}")
     torch.set_num_threads(args.threads)
@@ -211,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     by_id = {d.doc_id: d for d in docs}
     standalone = StandaloneKV(model) if "standalone" in modes else None
+    prefixed: StandaloneKV | None = None  # built from the first prompt's shared head (below)
     sep = args.separator
 
     per_mode_s = {m: 0.0 for m in modes}
@@ -242,6 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 cache = new_cache(model)
                 logits = forward(model, nd_ids, cache)
             else:
+                store = standalone
+                if mode == "prefixed":
+                    if prefixed is None:  # the text before the question: system prompt + template head
+                        head = text[: text.index(q.question)]
+                        prefixed = StandaloneKV(model, [i for s in segment_ids(tok, head + sep, sep) for i in s])
+                        row["prefixed_prefix_tokens"] = len(prefixed.prefix)
+                    store = prefixed
                 pieces = [p for p in text.split(sep)]
                 # segment index of each non-empty piece / separator, as segment_ids lays them out
                 doc_texts = {by_id[d].text for d in q.doc_ids}
@@ -253,20 +274,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         if piece in doc_texts:
                             doc_segs.add(seg_index)
                         seg_index += 1
-                cache, logits = standalone.prefill(segs, doc_segs)
+                cache, logits = store.prefill(segs, doc_segs)
             res = score_and_decode(model, tok, cache, logits, answer_ids, args.max_new_tokens)
             per_mode_s[mode] += time.perf_counter() - t
             res["correct"] = rag_corpus.is_correct(res["output"], q.answer)
             results[mode] = res
             row[mode] = {"correct": res["correct"], "output": res["output"],
                          "answer_logprob": round(res["answer_logprob"], 4)}
-        if "full" in results and "standalone" in results:
-            p, s = results["full"]["first_logp"], results["standalone"]["first_logp"]
-            row["standalone"]["first_token_kl"] = round(float((p.exp() * (p - s)).sum()), 6)
-            p, s = results["full"]["second_logp"], results["standalone"]["second_logp"]
+        for reused in ("standalone", "prefixed"):
+            if "full" not in results or reused not in results:
+                continue
+            p, s = results["full"]["first_logp"], results[reused]["first_logp"]
+            row[reused]["first_token_kl"] = round(float((p.exp() * (p - s)).sum()), 6)
+            p, s = results["full"]["second_logp"], results[reused]["second_logp"]
             if p is not None:  # the answer's second token (its first digit, after the space), teacher-forced
-                row["standalone"]["answer_token2_kl"] = round(float((p.exp() * (p - s)).sum()), 6)
-            row["standalone"]["greedy_match"] = results["full"]["output_ids"] == results["standalone"]["output_ids"]
+                row[reused]["answer_token2_kl"] = round(float((p.exp() * (p - s)).sum()), 6)
+            row[reused]["greedy_match"] = results["full"]["output_ids"] == results[reused]["output_ids"]
         rows.append(row)
         status = " ".join(f"{m}={'Y' if row[m]['correct'] else 'n'}({row[m]['answer_logprob']:.2f})" for m in modes)
         print(f"[{qi + 1}/{len(queries)}] {q.query_id} pos={q.target_position} tokens={row['prompt_tokens']} "
@@ -290,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 str(k): {"n": len(v), "accuracy": round(sum(v) / len(v), 3)} for k, v in sorted(by_rel.items())},
             "seconds": round(per_mode_s[mode], 1),
         }
-        if mode == "standalone" and "full" in modes and n:
+        if mode in ("standalone", "prefixed") and "full" in modes and n:
             summary[mode]["mean_first_token_kl_vs_full"] = round(sum(r[mode]["first_token_kl"] for r in rows) / n, 6)
             kl2 = [r[mode]["answer_token2_kl"] for r in rows if "answer_token2_kl" in r[mode]]
             if kl2:
