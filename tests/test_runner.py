@@ -209,3 +209,28 @@ def test_random_model_run_with_an_int8_head_reports_it(tmp_path):
                    "workload.modes=[baseline,kvboost]"])  # fmt: skip
     summary = run_experiment(cfg, out_dir=tmp_path)
     assert summary["run"]["lm_head"] == "int8"
+
+
+def test_rag_reorder_warms_documents_after_the_shared_head(tmp_path, smollm_tokenizer):
+    """warm_context=head: each document is warmed after the prompts' shared head; its segment key is unchanged,
+    so the documents are still content hits in every query."""
+    from experiments.workloads.base import WorkloadEnv
+    from experiments.workloads.rag_reorder import RagReorder
+
+    env = WorkloadEnv(tokenizer=smollm_tokenizer, count_tokens=lambda t: len(smollm_tokenizer(t)["input_ids"]))
+    fields = {"num_documents": 4, "num_queries": 3, "docs_per_query": 2, "doc_tokens": 64}
+    head_workload = RagReorder(env=env, warm_context="head", **fields)
+    head = head_workload.shared_head()
+    assert head.startswith("<|im_start|>system") and head.endswith("Question: ")
+    plain = RagReorder(env=env, warm_context="document", **fields).shared_context()
+    assert head_workload.shared_context() == [head + "\n\n" + doc for doc in plain]
+    with pytest.raises(ValueError, match="warm_context"):
+        RagReorder(env=env, warm_context="prefix", **fields)
+    cfg = compose(
+        ["workload=rag_reorder", "recompute=cacheblend", "logger=none", "workload.num_documents=6",
+         "workload.num_queries=3", "workload.docs_per_query=3", "workload.doc_tokens=64", "workload.max_new_tokens=2",
+         "workload.warm_context=head", "workload.modes=[baseline,kvboost]"]  # fmt: skip
+    )
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048, num_hidden_layers=4)
+    summary = run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer)
+    assert summary["modes"]["kvboost"]["overall"]["content_ratio"] > 0.5

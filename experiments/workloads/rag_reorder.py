@@ -9,7 +9,8 @@ and repaired by the configured recompute strategy).
 
 Documents are warmed before timing as declared shared context (``warm_documents: true``, DESIGN.md invariant 5:
 a document collection is known in advance, the query is not), or only stored by earlier queries
-(``warm_documents: false``). Measured per mode: TTFT, answer accuracy, and against the baseline (full prefill)
+(``warm_documents: false``). ``warm_context: head`` warms each document after the prompts' shared head (system
+prompt, chat-template head) instead of alone (see :meth:`RagReorder.shared_context`). Measured per mode: TTFT, answer accuracy, and against the baseline (full prefill)
 the first-token KL, greedy match and log-probability of the right answer.
 
 Use it with a segmenting chunker (``chunker=separator``, the workload's config selects it): otherwise documents
@@ -26,6 +27,9 @@ from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, Workload, WorkloadEnv
 
 
+WARM_CONTEXTS = ("document", "head")
+
+
 @dataclass
 class RagReorderConfig:
     num_documents: int = 24
@@ -35,6 +39,7 @@ class RagReorderConfig:
     seed: int = 0
     separator: str = "\n\n"
     warm_documents: bool = True
+    warm_context: str = "head"  # "document": each warmed alone from position 0 (see shared_context)
     max_new_tokens: int = 8
     system_prompt: str | None = None  # None: the corpus module's default
 
@@ -43,6 +48,8 @@ class RagReorderConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
+        if self.warm_context not in WARM_CONTEXTS:
+            raise ValueError(f"workload.warm_context must be one of {WARM_CONTEXTS}, got {self.warm_context!r}")
         if self.doc_tokens < rag_corpus.MIN_DOC_TOKENS:
             raise ValueError(f"workload.doc_tokens must be >= {rag_corpus.MIN_DOC_TOKENS}, got {self.doc_tokens}")
         if self.num_documents > len(rag_corpus.SUBJECT_NAMES):
@@ -83,12 +90,39 @@ class RagReorder(Workload):
         return len(self.queries)
 
     def shared_context(self) -> list[str]:
-        return [d.text for d in self.documents] if self.cfg.warm_documents else []
+        """What is warmed before timing: each document alone (``warm_context: document``, computed from position
+        0), or each document after the text every prompt has before its question (``head``: system prompt and
+        chat-template head, then the separator). The document's segment key is the same either way, so its
+        content hits find the stored rows; with ``head`` those rows were computed after the context the prompts
+        really give them, and the document's first tokens do not become attention sinks of their own."""
+        if not self.cfg.warm_documents:
+            return []
+        if self.cfg.warm_context == "document":
+            return [d.text for d in self.documents]
+        head = self.shared_head()
+        return [head + self.cfg.separator + d.text for d in self.documents]
 
-    def requests(self) -> Iterator[Request]:
+    def shared_head(self) -> str:
+        """The prompt text before the question, common to every query (checked)."""
+        heads = set()
+        for q in self.queries[:3]:
+            text = self.corpus.render_prompt(self.tokenizer, q, self.by_id, **self._render_kwargs())
+            heads.add(text[: text.index(q.question)])
+        if len(heads) != 1:
+            raise ValueError("rag_reorder: the prompts do not share one head before the question")
+        head = heads.pop()
+        if self.cfg.separator in head or not head:
+            raise ValueError(f"rag_reorder: the shared head {head!r} is empty or contains the separator")
+        return head
+
+    def _render_kwargs(self) -> dict[str, str]:
         kwargs = {"separator": self.cfg.separator}
         if self.cfg.system_prompt is not None:
             kwargs["system_prompt"] = self.cfg.system_prompt
+        return kwargs
+
+    def requests(self) -> Iterator[Request]:
+        kwargs = self._render_kwargs()
         for q in self.queries:
             prompt = self.corpus.render_prompt(self.tokenizer, q, self.by_id, **kwargs)
             # The answer continues the prefilled answer start: score it with a leading space, as it follows.
