@@ -23,11 +23,12 @@ every supported architecture. Architectures the step does not cover (sliding win
 embeddings, RoPE types whose frequencies depend on the length) keep HF's forward: ``unsupported_reason``
 says why. AWQ int4 projections (``kvboost.models.awq.AWQLinear``) run in the eager step through their own
 module (torch's int4 kernel on CPU, the Triton dequant-GEMM on CUDA): the call HF's forward makes, without HF's
-per-layer Python around it. Where torch's int4 CPU kernel serves a one-row call in the model's dtype (bf16 or
-fp16 activations on CPU), the step fuses them per input instead (q/k/v and gate/up as one packed matrix each:
-four int4 calls per layer instead of seven, the modules keeping views of the same codes), eager or compiled;
-the fused call is the modules' arithmetic to the bit. Elsewhere (fp32 activations, CUDA) the compiled step
-refuses int4 projections and ``auto`` picks the eager step.
+per-layer Python around it. Where the modules' one-row call is torch's int4 CPU kernel (on CPU unless
+``AWQLinear.cpu_kernel`` is ``dequant``), the step fuses them per input instead (q/k/v and gate/up as one packed
+matrix each: four int4 calls per layer instead of seven, the modules keeping views of the same codes), eager or
+compiled; the fused call is the modules' arithmetic to the bit. Elsewhere (``dequant``, CUDA) each projection
+runs through its own module and the compiled step refuses them. ``auto`` picks the eager step for AWQ models
+(faster than compiled here, see :func:`choose_decode`).
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ class FusedDecodeStep:
         if reason is not None:
             raise ValueError(f"the fused decode step does not support this model: {reason}")
         self.int4 = has_int4_projections(model)
-        # AWQ int4 projections: fused per input (q/k/v, gate/up) for torch's int4 CPU kernel where it serves a
-        # one-row call in the model's dtype (bf16/fp16 on CPU); elsewhere each runs through its own module.
+        # AWQ int4 projections: fused per input (q/k/v, gate/up) for torch's int4 CPU kernel where the modules'
+        # one-row call is that kernel; elsewhere each runs through its own module.
         self.int4_fused = self.int4 and fused_int4_reason(model) is None
         if compile and self.int4 and not self.int4_fused:
             raise ValueError(f"the compiled decode step runs AWQ int4 projections fused through torch's int4 CPU "
