@@ -232,7 +232,7 @@ def test_budget_alone_picks_resident_layers(folder):
         ({"resident_layers": -1}, r"non-negative integer"),
         ({"resident_layers": 1, "source": "disk"}, r"source must be one of"),
         ({"resident_layers": 1, "source": "pinned"}, r"on CPU use 'mmap'"),
-        ({"resident_layers": 1, "prefetch": "yes"}, r"prefetch must be true or false"),
+        ({"resident_layers": 1, "prefetch": "yes"}, r"prefetch must be true, false or 'auto'"),
     ],
 )
 def test_bad_streaming_config_is_a_clear_error(folder, spec, message):
@@ -402,3 +402,18 @@ def test_int4pack_sidecar_follows_the_checkpoint_and_replaces_a_damaged_one(tmp_
 
     with safe_open(str(again), framework="pt") as f:
         assert {f"{p}.int4pack_weight" for p in prefixes} <= set(f.keys())
+
+
+def test_prefetch_auto_needs_a_spare_core_on_cpu(folder, monkeypatch):
+    """prefetch: auto is on for CUDA, and on CPU only when a core is left beside torch's compute threads (on 2
+    cores the loader thread would take one of them: measured slower than loading in line)."""
+    cfg = StreamingConfig.parse({"resident_layers": 1})
+    assert cfg.prefetch == "auto" and cfg.resolve_prefetch("cuda")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert not cfg.resolve_prefetch("cpu")
+    assert not build_streamed_model(folder, {"resident_layers": 1})._kvboost_streamer.prefetch
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    assert cfg.resolve_prefetch("cpu")
+    assert build_streamed_model(folder, {"resident_layers": 1})._kvboost_streamer.prefetch
+    assert StreamingConfig.parse({"resident_layers": 1, "prefetch": True}).resolve_prefetch("cpu")

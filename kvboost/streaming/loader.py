@@ -196,7 +196,8 @@ def build_streamed_model(
                 for mod, attr, is_param, local in layer_tensors(layers[i])
             }
             source = HostCopySource(index, dtypes, pin=source_kind == "pinned")
-        streamer = LayerStreamer(layers, layers_name, plan.streamed, source, slots=cfg.slots, prefetch=cfg.prefetch,
+        streamer = LayerStreamer(layers, layers_name, plan.streamed, source, slots=cfg.slots,
+                                 prefetch=cfg.resolve_prefetch(device.type),
                                  device=device, trace=trace)  # fmt: skip
     model.eval()
     setattr(model, STREAMER_ATTR, streamer)
