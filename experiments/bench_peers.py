@@ -605,8 +605,6 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     kvboost_args = parse_assignments(args.kvboost_arg)
     options = {**engine_options(cfg), **kvboost_args}
     model_cfg = cfg.get("model") or {}
-    if model_cfg.get("lm_head"):  # every torch system shares this model: its head is theirs too
-        options["lm_head"] = model_cfg["lm_head"]
     t_load = time.perf_counter()
     engine = InferenceEngine.from_pretrained(model_cfg.get("name_or_path"), dtype=args.dtype,
                                              device=model_cfg.get("device"), **options)  # fmt: skip

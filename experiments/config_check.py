@@ -55,6 +55,7 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
         speculative=cfg.get("speculative", "none"),
         # consumed by InferenceEngine.from_pretrained (it decides how the model is loaded); only when on
         **({"streaming": cfg["streaming"]} if _streaming_on(cfg.get("streaming")) else {}),
+        **({"lm_head": lm_head} if (lm_head := (cfg.get("model") or {}).get("lm_head")) else {}),
         **(cfg.get("engine") or {}),
     )
 

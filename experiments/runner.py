@@ -62,6 +62,7 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
     ``model``/``tokenizer`` may be given (tests pass tiny random models); otherwise ``cfg.model`` is loaded.
     """
     options = engine_options(cfg)
+    lm_head = options.pop("lm_head", None)  # from_pretrained applies it; a random model gets it below
     if model is not None:
         return InferenceEngine(model, tokenizer, **options)
     model_cfg = dict(cfg.get("model") or {})
@@ -74,13 +75,12 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
         )  # fmt: skip
         from kvboost.models.int8_head import quantize_lm_head
 
-        quantize_lm_head(model, model_cfg.get("lm_head"))
+        quantize_lm_head(model, lm_head)
         return InferenceEngine(model, tokenizer, model_identity=identity, **options)
-    if model_cfg.get("lm_head"):
-        options["lm_head"] = model_cfg["lm_head"]
     return InferenceEngine.from_pretrained(
-        model_cfg.get("name_or_path"), dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"), **options
-    )
+        model_cfg.get("name_or_path"), dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
+        lm_head=lm_head, **options,
+    )  # fmt: skip
 
 
 def _quality(reference: GenerationResult, result: GenerationResult) -> dict[str, Any]:

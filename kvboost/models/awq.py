@@ -217,6 +217,15 @@ def int4pack_tensors(
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero.to(dtype).contiguous()
 
 
+def int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> torch.Tensor:
+    """``x [..., in]`` times a packed int4 weight (:func:`int4pack_tensors`) -> ``[..., out]``: torch's int4 CPU
+    kernel over the rows of ``x``. The one call every int4 CPU path makes (modules and the fused decode step), so
+    they give the same bits."""
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), packed, group_size,
+                                                      scale_zero)  # fmt: skip
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
 def _int4pack_supported(in_features: int, out_features: int, group_size: int) -> bool:
     op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
     return op is not None and group_size in (32, 64, 128, 256) and out_features % 16 == 0 and in_features % 2 == 0
@@ -329,9 +338,7 @@ class AWQLinear(nn.Module):
 
     def _int4pack_forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale_zero = self.int4pack(x.dtype)
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, scale_zero)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return int4pack_mm(x, packed, self.group_size, scale_zero)
 
     def _apply(self, fn, recurse=True):
         """``.to(device)`` moves every buffer; ``.to(dtype)`` leaves them as stored (fp16 scales and bias, as in
@@ -384,10 +391,7 @@ class Int4PackedLinear(nn.Module):
         if x.device.type != "cpu" or x.dtype != self.int4pack_scale_zero.dtype:
             raise ValueError(f"Int4PackedLinear was packed for {self.int4pack_scale_zero.dtype} on CPU; got "
                              f"{x.dtype} on {x.device.type}")  # fmt: skip
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.int4pack_weight, self.group_size,
-                                                          self.int4pack_scale_zero)  # fmt: skip
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = int4pack_mm(x, self.int4pack_weight, self.group_size, self.int4pack_scale_zero)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

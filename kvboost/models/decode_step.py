@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvboost.models.awq import AWQLinear, fuse_int4pack, fused_int4pack_unsupported, int4pack_mm
+from kvboost.models.int8_head import Int8Linear, int8pack_mm
 from kvboost.models.prealloc_cache import PreallocatedKV
 
 log = logging.getLogger(__name__)
@@ -78,16 +80,12 @@ def unsupported_reason(model: Any) -> str | None:
                 return f"{type(owner).__name__}.{name} is neither an nn.Linear nor an AWQ int4 linear (fused weights?)"
     if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
         return "query/key norms"
-    from kvboost.models.int8_head import Int8Linear
-
     if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, Int8Linear)):
         return "no plain (or int8) lm_head"
     return None
 
 
 def _int4_linear_types() -> tuple[type, ...]:
-    from kvboost.models.awq import AWQLinear
-
     return (AWQLinear,)
 
 
@@ -99,8 +97,6 @@ def has_int4_projections(model: Any) -> bool:
 def fused_int4_reason(model: Any) -> str | None:
     """Why the step cannot run ``model``'s AWQ int4 projections fused (``None`` when it can; see
     :func:`kvboost.models.awq.fused_int4pack_unsupported`)."""
-    from kvboost.models.awq import fused_int4pack_unsupported
-
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     dtype = layer.input_layernorm.weight.dtype
@@ -205,8 +201,6 @@ class FusedDecodeStep:
     def _weights(self, layer: Any) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
         if self.int4_fused:
-            from kvboost.models.awq import fuse_int4pack
-
             dtype = layer.input_layernorm.weight.dtype
             qkv = fuse_int4pack((attn.q_proj, attn.k_proj, attn.v_proj), dtype)
             o, gate_up = fuse_int4pack((attn.o_proj,), dtype), fuse_int4pack((mlp.gate_proj, mlp.up_proj), dtype)
@@ -258,7 +252,7 @@ class FusedDecodeStep:
 
     def _int4(self, x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None):
         """One token through fused int4 projections: the call ``AWQLinear`` makes, so its bits."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.view(1, -1), weight, self.group_size, scale_zero).view(-1)
+        y = int4pack_mm(x, weight, self.group_size, scale_zero)
         return y if bias is None else y + bias
 
     def _attend(self, q, k, v, cos, sin, position: int, keys, values) -> torch.Tensor:
@@ -300,18 +294,16 @@ class FusedDecodeStep:
         multiplied by its kernel (the call the module makes)."""
         x = self._norm(x, norm, self.eps)
         if head_scales is not None:
-            return torch.ops.aten._weight_int8pack_mm(x.view(1, -1), head, head_scales).view(-1).float()
+            return int8pack_mm(x, head, head_scales).float()
         return self._linear(x, head, None).float()
 
     def _head_args(self) -> tuple:
-        from kvboost.models.int8_head import Int8Linear
-
         head = self.model.lm_head
         if isinstance(head, Int8Linear):
             dtype = self.model.model.norm.weight.dtype
             if head.qweight.device.type != "cpu":
                 return (head.dequantized_weight(dtype),)
-            return head.qweight, head.scales.to(dtype)
+            return head.qweight, head.kernel_scales(dtype)
         return (head.weight,)
 
     def _linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,6 +26,13 @@ from torch import nn
 LM_HEAD_CHOICES = (None, "int8")
 
 
+def int8pack_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [..., in]`` times int8 codes ``[out, in]`` with per-row ``scales`` (in ``x``'s dtype) -> ``[..., out]``:
+    torch's weight-only int8 CPU kernel, the call :class:`Int8Linear` and the fused decode step both make."""
+    out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), qweight, scales)
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
 class Int8Linear(nn.Module):
     """``y = x (q * s)^T`` with int8 codes ``q`` ``[out, in]`` and per-row scales ``s`` ``[out]`` (fp32 buffers;
     the kernel receives them in the input's dtype). No bias (LM heads have none)."""
@@ -56,13 +63,15 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row scales"
 
+    def kernel_scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """The scales in ``dtype`` (the CPU kernel wants them in the activations' dtype), cast once per dtype."""
+        if self._scales_cast is None or self._scales_cast[0] != dtype:
+            self._scales_cast = (dtype, self.scales.to(dtype))
+        return self._scales_cast[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            if self._scales_cast is None or self._scales_cast[0] != x.dtype:
-                self._scales_cast = (x.dtype, self.scales.to(x.dtype))
-            x2 = x.reshape(-1, self.in_features).contiguous()
-            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._scales_cast[1])
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return int8pack_mm(x, self.qweight, self.kernel_scales(x.dtype))
         return F.linear(x, self.dequantized_weight(x.dtype))
 
     def _apply(self, fn, recurse=True):
