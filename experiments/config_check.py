@@ -28,8 +28,8 @@ PLUGIN_GROUPS = {
 #: workload config fields the runner reads itself (not passed to the workload)
 RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
 LOGGERS = ("none", "wandb")
-MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "random_init", "random_seed")
-ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode")
+MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "random_init", "random_seed")
+ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill")
 
 
 def split_workload_config(cfg: dict[str, Any]) -> tuple[str, dict[str, Any], list[str], int]:
@@ -56,6 +56,7 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
         # consumed by InferenceEngine.from_pretrained (it decides how the model is loaded); only when on
         **({"streaming": cfg["streaming"]} if _streaming_on(cfg.get("streaming")) else {}),
         **({"lm_head": lm_head} if (lm_head := (cfg.get("model") or {}).get("lm_head")) else {}),
+        **({"awq_prefill": kind} if (kind := (cfg.get("model") or {}).get("awq_prefill")) else {}),
         **(cfg.get("engine") or {}),
     )
 
@@ -91,6 +92,11 @@ def check_config(cfg: dict[str, Any]) -> None:
 
     if decode != "auto" and decode not in DECODE_MODES:
         raise ValueError(f"engine.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    prefill = (cfg.get("engine") or {}).get("prefill", "auto")
+    from kvboost.models.prefill_step import PREFILL_MODES
+
+    if prefill != "auto" and prefill not in PREFILL_MODES:
+        raise ValueError(f"engine.prefill must be auto or one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
 
     name, fields, modes, repeats = split_workload_config(cfg)
     WORKLOADS.validate({"name": name, **fields}, provided=("env",))
@@ -113,6 +119,10 @@ def check_config(cfg: dict[str, Any]) -> None:
         raise ValueError(f"model.random_init must be a mapping of config fields, got {model['random_init']!r}")
     if model.get("lm_head") not in (None, "none", "int8"):
         raise ValueError(f"model.lm_head must be null or int8, got {model['lm_head']!r}")
+    from kvboost.models.awq import AWQ_PREFILL_CHOICES
+
+    if model.get("awq_prefill") not in (None, *AWQ_PREFILL_CHOICES):
+        raise ValueError(f"model.awq_prefill must be null, int4 or dense, got {model['awq_prefill']!r}")
     if model.get("dtype") is not None:
         from kvboost.models.loading import resolve_dtype
 

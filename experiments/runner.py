@@ -63,6 +63,7 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
     """
     options = engine_options(cfg)
     lm_head = options.pop("lm_head", None)  # from_pretrained applies it; a random model gets it below
+    awq_prefill = options.pop("awq_prefill", None)  # likewise
     if model is not None:
         return InferenceEngine(model, tokenizer, **options)
     model_cfg = dict(cfg.get("model") or {})
@@ -73,13 +74,15 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
             dict(model_cfg["random_init"]), seed=int(model_cfg.get("random_seed") or 0),
             dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
         )  # fmt: skip
+        from kvboost.models.awq import set_awq_prefill
         from kvboost.models.int8_head import quantize_lm_head
 
         quantize_lm_head(model, lm_head)
+        set_awq_prefill(model, awq_prefill)
         return InferenceEngine(model, tokenizer, model_identity=identity, **options)
     return InferenceEngine.from_pretrained(
         model_cfg.get("name_or_path"), dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
-        lm_head=lm_head, **options,
+        lm_head=lm_head, awq_prefill=awq_prefill, **options,
     )  # fmt: skip
 
 

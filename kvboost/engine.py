@@ -37,6 +37,7 @@ from kvboost.models.compat import UnsupportedArchitectureError, check_architectu
 from kvboost.models.decode_step import FusedDecodeStep, choose_decode
 from kvboost.models.layerwise import LayerwiseModel
 from kvboost.models.prealloc_cache import PreallocatedKV
+from kvboost.models.prefill_step import StepPrefill, choose_prefill
 from kvboost.models.probe import ReaderAttentionProbe, observing
 from kvboost.plan import ReusePlan, validate_schedule, validate_selection
 from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
@@ -93,6 +94,11 @@ class InferenceEngine:
             model and backend allow, see ``kvboost.models.decode_step.choose_decode``), ``"compiled"``,
             ``"eager"`` (the fused step, not compiled) or ``"hf"`` (HF's forward per token). ``warmup()``
             compiles it before the first request.
+        prefill: how the prompt's uncached tokens run when they are one suffix (exact hits only): ``"auto"``
+            (default: ``"fused"`` on CPU where the model and backend allow, see
+            ``kvboost.models.prefill_step.choose_prefill``), ``"fused"`` (one loop over the layers on the decode
+            step's weights, HF's arithmetic to the bit) or ``"hf"`` (HF's forward). Layer-wise content repair
+            always runs its own per-layer forward.
         speculative: the draft strategy (``DRAFT`` registry, ``kvboost.speculative``): ``"none"`` (default: one
             token per target forward, the plain decode loop), ``"prompt_lookup"``, ``"layer_skip"`` or
             ``"draft_model"``, or a config ``{"name": ..., **fields}``. The target verifies each draft in one
@@ -122,6 +128,7 @@ class InferenceEngine:
         keep_buffer_bytes: int | str = "512MiB",
         decode: str = "auto",
         speculative: Any = "none",
+        prefill: str = "auto",
     ) -> None:
         from kvboost.rope import RopeRotator, check_rope_reusable
 
@@ -156,6 +163,7 @@ class InferenceEngine:
             attention.check_available()
             attention.check_model(model)
         decode_mode, decode_reason = choose_decode(decode, model, attention.name)
+        prefill_mode, prefill_reason = choose_prefill(prefill, model, attention)
         speculative = DRAFT.build(speculative)
         speculative.bind(model, tokenizer)  # loads a draft model, refuses a misfit (vocabulary, layers)
         try:
@@ -189,6 +197,10 @@ class InferenceEngine:
         self.speculative = speculative
         self.decode_mode, self.decode_reason = decode_mode, decode_reason
         self._decode_step = FusedDecodeStep(model, compile=decode_mode == "compiled") if decode_mode != "hf" else None
+        self.prefill_mode, self.prefill_reason = prefill_mode, prefill_reason
+        self._prefill_step = (
+            StepPrefill(self._decode_step or FusedDecodeStep(model, compile=False)) if prefill_mode == "fused" else None
+        )
         # Tiers that serialise entries (disk) write the fingerprint into each record and check it on read;
         # pending writes (and, spilled, the memory tier's entries) reach a persistent tier at close() or exit.
         self.store.bind_context(
@@ -219,14 +231,24 @@ class InferenceEngine:
 
         ``lm_head="int8"`` replaces the output projection by a weight-only int8 one (``kvboost.models.int8_head``:
         fewer bytes per decode step, as llama.cpp's GGUF files do; logits move by the rounding, K/V do not).
+
+        ``awq_prefill="dense"`` (AWQ int4 models, CPU): forwards of 12 rows or more multiply dequantized copies of
+        the int4 weights in the model dtype (2 more bytes per weight) instead of torch's int4 kernel, which does
+        not use the matrix units; decoding keeps the int4 kernel (``kvboost.models.awq``, "dense prefill").
         """
+        from kvboost.models.awq import set_awq_prefill
         from kvboost.models.int8_head import quantize_lm_head
         from kvboost.models.loading import load_model_and_tokenizer
-        from kvboost.streaming import DECODE_REASON, streamed_decode, streaming_enabled
-        from kvboost.streaming import load_streamed_model_and_tokenizer
+        from kvboost.streaming import (
+            DECODE_REASON,
+            load_streamed_model_and_tokenizer,
+            streamed_decode,
+            streaming_enabled,
+        )
 
         streaming = options.pop("streaming", None)
         lm_head = options.pop("lm_head", None)
+        awq_prefill = options.pop("awq_prefill", None)
         if streaming_enabled(streaming):
             model, tokenizer, path = load_streamed_model_and_tokenizer(model_name_or_path, streaming, dtype=dtype,
                                                                        device=device)  # fmt: skip
@@ -235,6 +257,7 @@ class InferenceEngine:
         else:
             model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
         quantize_lm_head(model, lm_head)
+        set_awq_prefill(model, awq_prefill)
         identity = path if model_name_or_path is None else str(model_name_or_path)
         engine = cls(model, tokenizer, model_identity=identity, **options)
         engine.streamer = getattr(model, "_kvboost_streamer", None)
@@ -261,13 +284,17 @@ class InferenceEngine:
         return self.decode_info()
 
     def decode_info(self) -> dict[str, Any]:
-        """How tokens after the first are decoded: mode, why, and the compile time paid so far (seconds)."""
+        """How tokens after the first are decoded (mode, why, the compile time paid so far in seconds) and how a
+        suffix prefill runs (``prefill``, ``prefill_reason``, ``awq_prefill``)."""
         step = self._decode_step
         mode = self.decode_mode if step is None or step.compiled or self.decode_mode != "compiled" else "eager"
         return {
             "decode": mode,
             "decode_reason": self.decode_reason if step is None or step.fallback_reason is None else step.fallback_reason,
             "decode_compile_s": step.compile_seconds if step is not None else 0.0,
+            "prefill": self.prefill_mode,
+            "prefill_reason": self.prefill_reason,
+            "awq_prefill": getattr(self.model, "_kvboost_awq_prefill", None),
         }
 
     def __enter__(self) -> InferenceEngine:
@@ -469,7 +496,7 @@ class InferenceEngine:
             # A plain suffix [frontier, n): HF's own forward, with the exact prefix as past.
             clock.mark("assembled")
             kv.set_length(frontier)
-            logits = self.adapter.forward(ids[frontier:], kv.cache)[-1]
+            logits = self._forward_suffix(ids[frontier:], frontier, kv)
             counts.recomputed_pairs = plan.content_tokens * num_layers
             counts.extra.update(prefill_tokens=n - frontier, layerwise=False)
             if schedule is not None and schedule.full_prefill_cost and plan.content_tokens:
@@ -515,6 +542,15 @@ class InferenceEngine:
         approx = content_mask & ~torch.isin(torch.arange(n), stats.final_positions)
         hits = torch.nonzero(approx, as_tuple=False)
         return _Prefill(logits, counts, approx_from=int(hits[0]) if hits.numel() else None)
+
+    def _forward_suffix(self, ids: torch.Tensor, start: int, kv: PreallocatedKV) -> torch.Tensor:
+        """Run ``ids`` after the ``start`` rows of ``kv`` (the prefill option's path); returns the last logits."""
+        if self._prefill_step is None:
+            return self.adapter.forward(ids, kv.cache)[-1]
+        logits = self._prefill_step(ids, start, kv)
+        kv.set_length(start + int(ids.numel()))
+        self.attention.kernel_calls += self.adapter.num_layers  # one SDPA call per layer, as HF's forward counts
+        return logits
 
     def _assemble_content(self, plan: ReusePlan, kv: PreallocatedKV) -> None:
         """Write every content hit into ``kv``, its keys re-rotated to their new positions."""
@@ -602,7 +638,8 @@ class InferenceEngine:
                     if p.kind == "exact":
                         write_exact(kv, p, self.quantizer)
                 kv.set_length(plan.exact_prefix)
-                self.adapter.forward(torch.tensor(ids[plan.exact_prefix :]), kv.cache)
+                # The path a request's suffix prefill takes, so warmed KV has the bits a request would store.
+                self._forward_suffix(torch.tensor(ids[plan.exact_prefix :]), plan.exact_prefix, kv)
                 stored = self._store_sequence(ids, spans, kv, approx_from=None, salt=cache_salt, pin=pin)
             if pin:
                 for key in keys:

@@ -24,6 +24,13 @@ checkpoint's tensor names (a layer streamer can load a checkpoint's tensors stra
   edited (a streamer that swaps tensors pays the repack per swap: use ``"dequant"`` there);
 - CPU, ``cpu_kernel="dequant"``: the weight is dequantized per forward into a temporary of the input's dtype and
   multiplied with ``F.linear``; nothing is cached, so memory stays at the int4 size between forwards.
+- CPU, dense prefill (off by default; :func:`enable_dense_prefill`, ``model.awq_prefill: dense``): calls of at
+  least ``dense_min_rows`` rows multiply with a dequantized copy of the weight in the activation dtype, kept
+  beside the int4 codes (2 more bytes per weight in bf16). torch's int4 CPU kernel does not use the matrix units:
+  its time grows with the rows (576x1536, 2 threads, bf16: 40 us at 1 row, 182 at 16, 662 at 64) while a bf16
+  ``F.linear`` on AMX stays near 100 us up to 32 rows. Decoding (one row) keeps the int4 kernel and its bytes;
+  prefill runs at the dense rate. The copy is the dequantized AWQ weight rounded to the activation dtype, so it
+  computes the same quantized model, in another rounding than the int4 kernel's.
 
 Only the GEMM version with 4 bits and zero points is read; anything else is refused with the reason.
 """
@@ -53,6 +60,9 @@ CPU_KERNELS = ("auto", "int4pack", "dequant")
 # time grows ~linearly with the rows (576x1536, one thread: 1.7 ms at 1 row, 0.93 s at 512 rows, against 6 and
 # 24 ms for dequantize + F.linear): ``auto`` sends fp32 calls with more rows than this to dequantize + F.linear.
 INT4PACK_FP32_MAX_ROWS = 2
+# Dense prefill: from this many rows a dequantized bf16 copy through F.linear beats the int4 kernel (measured on
+# 576x1536, 1536x576 and 576x960 with 2 threads: a tie at 8 rows, the dense product 1.6-2.2x faster at 16).
+DENSE_MIN_ROWS = 12
 AWQ_TENSORS = ("qweight", "qzeros", "scales")
 
 
@@ -262,6 +272,10 @@ class AWQLinear(nn.Module):
         else:
             self.bias = None
         self._int4pack: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (key, packed weight, scale&zero)
+        # Dense prefill (module docstring): off when None; else calls of this many rows or more on CPU use
+        # a dequantized copy, ``_dense`` = (key, weight [out, in] in the activation dtype).
+        self.dense_min_rows: int | None = None
+        self._dense: tuple[Any, torch.Tensor] | None = None
 
     @classmethod
     def from_linear(
@@ -296,6 +310,8 @@ class AWQLinear(nn.Module):
 
             out = awq_gemm(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales, self.group_size)
             out = out.reshape(*x.shape[:-1], self.out_features)
+        elif self.dense_min_rows is not None and x.numel() // self.in_features >= self.dense_min_rows:
+            out = F.linear(x, self.dense_weight(x.dtype))
         elif self._use_int4pack(x):
             out = self._int4pack_forward(x)
         else:
@@ -336,6 +352,19 @@ class AWQLinear(nn.Module):
         form for ``dtype``, so the int4 codes are held once."""
         self._int4pack = (self._int4pack_key(dtype), packed, scale_zero)
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight ``[out, in]`` in ``dtype`` that dense prefill multiplies with, built on first
+        use and kept until a buffer changes."""
+        key = self._int4pack_key(dtype)
+        if self._dense is None or self._dense[0] != key:
+            self._dense = (key, self.dequantized_weight(dtype))
+        return self._dense[1]
+
+    def adopt_dense(self, dtype: torch.dtype, weight: torch.Tensor) -> None:
+        """Use ``weight`` (rows of a larger dense matrix: see :func:`fuse_dense`) as this module's dense copy for
+        ``dtype``, so the dequantized weights are held once."""
+        self._dense = (self._int4pack_key(dtype), weight)
+
     def _int4pack_forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale_zero = self.int4pack(x.dtype)
         return int4pack_mm(x, packed, self.group_size, scale_zero)
@@ -343,7 +372,7 @@ class AWQLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         """``.to(device)`` moves every buffer; ``.to(dtype)`` leaves them as stored (fp16 scales and bias, as in
         the checkpoint: a cast to bf16 would round the scales). The derived CPU form is rebuilt on next use."""
-        self._int4pack = None
+        self._int4pack = self._dense = None
         kept = {name: getattr(self, name) for name in ("scales", "bias") if getattr(self, name) is not None}
         super()._apply(fn, recurse)
         device = self.qweight.device
@@ -457,6 +486,51 @@ def fuse_int4pack(modules: Iterable[AWQLinear], dtype: torch.dtype) -> Int4Pack:
                          scale_zero[:, rows].contiguous())  # fmt: skip
         start += m.out_features
     return Int4Pack(packed, scale_zero, bias, modules[0].group_size, tuple(m.out_features for m in modules))
+
+
+def fuse_dense(modules: Iterable[AWQLinear], dtype: torch.dtype) -> torch.Tensor:
+    """The dense copies of ``modules`` (same input) as one ``[sum(out), in]`` matrix in ``dtype``; each module
+    adopts its rows (a view) as its own dense copy, so the dequantized weights are held once."""
+    modules = list(modules)
+    if not modules or not all(isinstance(m, AWQLinear) for m in modules):
+        raise ValueError("fuse_dense takes AWQ int4 linears")
+    if any(m.in_features != modules[0].in_features for m in modules):
+        raise ValueError("fuse_dense: the linears read inputs of different sizes")
+    fused = torch.cat([m.dequantized_weight(dtype) for m in modules]).contiguous()
+    start = 0
+    for m in modules:
+        m.adopt_dense(dtype, fused[start : start + m.out_features])
+        start += m.out_features
+    return fused
+
+
+def enable_dense_prefill(model: nn.Module, min_rows: int | None = DENSE_MIN_ROWS) -> int:
+    """Turn dense prefill on (``min_rows`` rows and more; ``None`` turns it off) for every :class:`AWQLinear` of
+    ``model``; returns how many there are. The copies are built on first use (or by :func:`fuse_dense`)."""
+    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
+        raise ValueError(f"dense prefill: min_rows must be a positive integer or None, got {min_rows!r}")
+    modules = [m for m in model.modules() if isinstance(m, AWQLinear)]
+    for m in modules:
+        m.dense_min_rows = min_rows
+        if min_rows is None:
+            m._dense = None
+    return len(modules)
+
+
+AWQ_PREFILL_CHOICES = ("int4", "dense")
+
+
+def set_awq_prefill(model: nn.Module, kind: str | None) -> nn.Module:
+    """``model.awq_prefill``: ``None``/``"int4"`` leaves every row count on the int4 kernel; ``"dense"`` turns
+    dense prefill on (:func:`enable_dense_prefill`). Refuses ``"dense"`` for a model without AWQ linears."""
+    if kind is None or kind == "int4":
+        return model
+    if kind not in AWQ_PREFILL_CHOICES:
+        raise ValueError(f"awq_prefill must be one of {list(AWQ_PREFILL_CHOICES)} or null, got {kind!r}")
+    if enable_dense_prefill(model) == 0:
+        raise ValueError("awq_prefill='dense' applies to AWQ int4 models; this model has no AWQ linears")
+    model._kvboost_awq_prefill = kind  # recorded for summaries
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- whole models
