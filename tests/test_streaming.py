@@ -294,6 +294,8 @@ def test_from_pretrained_with_streaming(folder_with_tokenizer):
     assert streamed.streamer is not None and streamed.streamer.streamed == (2, 3)
     info = streamed.decode_info()
     assert info["decode"] == "hf" and info["decode_reason"] == DECODE_REASON
+    # the streamer swaps weights in forward hooks, which only HF's forward fires
+    assert info["prefill"] == "hf" and "hooks" in info["prefill_reason"]
     assert streamed.fingerprint == plain.fingerprint
     a = streamed.generate("Tell me about foxes.", max_new_tokens=8, mode="cold")
     b = plain.generate("Tell me about foxes.", max_new_tokens=8, mode="cold")
