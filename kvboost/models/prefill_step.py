@@ -6,8 +6,9 @@ the layers, writing K/V straight into the request's preallocated buffers: ``F.rm
 decode step), ``F.linear`` per projection, RoPE in the model dtype, and torch's SDPA with the causal-by-position
 bool mask (query ``i`` sees key ``j`` iff ``j <= start + i``) and ``enable_gqa``. Its logits and K/V equal HF's
 forward to the bit on the supported architectures (llama, mistral, qwen2; tested in fp32 and bf16, with and
-without a cached prefix). Measured with 2 threads on an AMX CPU (SmolLM2-135M): 5-10% off HF's forward for 42
-to 255 new tokens (HF's Python is a fixed ~5-8 ms per forward).
+without a cached prefix). ``experiments/bench_prefill_paths.py`` (2 threads, AMX CPU, SmolLM2-135M): TTFT
+of HF's forward / this 1.09-1.13x in bf16 and 1.02-1.07x in fp32 for 42-255 new tokens (HF's Python is a fixed
+~5-10 ms per forward).
 
 AWQ int4 models: where the decode step fuses the int4 projections (q/k/v and gate/up as one packed matrix), so
 does this prefill. With dense prefill on (``model.awq_prefill: dense``, :func:`kvboost.models.awq.enable_dense_prefill`)
