@@ -177,3 +177,21 @@ def test_engine_reports_why_it_keeps_hf_prefill():
     info = engine.decode_info()
     assert info["prefill"] == "hf" and "eager" in info["prefill_reason"] and info["awq_prefill"] is None
     engine.close()
+
+
+def test_engine_with_dense_awq_prefill_reuses_exactly_in_fp32():
+    """Dense prefill is a property of the model: warm, prefix hit and cold prefill all run through it, so a
+    prefix hit still equals a cold prefill (fp32, 1e-4) and the engine reports it."""
+    from tiny import ToyTokenizer
+
+    from kvboost import KVBoost
+
+    model = set_awq_prefill(_awq_tiny("llama", torch.float32), "dense")
+    engine = KVBoost(model, ToyTokenizer(), model_identity="tiny-awq", chunker={"name": "fixed", "chunk_size": 16})
+    assert engine.decode_info()["awq_prefill"] == "dense" and engine.decode_info()["prefill"] == "fused"
+    prompt = random_ids(60, seed=9)
+    engine.warm(prompt[:32])
+    warm, cold = engine.generate(prompt, 6), engine.generate(prompt, 6, mode="cold")
+    assert warm.cached_tokens == 32 and warm.output_ids == cold.output_ids
+    assert torch.allclose(warm.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
+    engine.close()
