@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,12 +33,9 @@ if str(ROOT) not in sys.path:
 
 from experiments.awq_perplexity import heldout_text, perplexity
 from experiments.environment import describe_environment
+from experiments.report import median_range
 
 RESULTS = ROOT / "experiments" / "results" / "awq"
-
-
-def _spread(values: list[float], digits: int = 1) -> str:
-    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -147,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]  # fmt: skip
     for row in speed:
         lines.append(
-            f"| {row['prompt_tokens']} | {_spread(row['int4']['ttft_ms'])} | {_spread(row['dense']['ttft_ms'])} | "
-            f"{_spread(row['ttft_ratio_int4_over_dense'], 2)}x | {_spread(row['int4']['decode_tok_s'])} | "
-            f"{_spread(row['dense']['decode_tok_s'])} | {row['same_tokens']:.2f} |"
+            f"| {row['prompt_tokens']} | {median_range(row['int4']['ttft_ms'])} | {median_range(row['dense']['ttft_ms'])} | "
+            f"{median_range(row['ttft_ratio_int4_over_dense'], 2)}x | {median_range(row['int4']['decode_tok_s'])} | "
+            f"{median_range(row['dense']['decode_tok_s'])} | {row['same_tokens']:.2f} |"
         )
     lines += ["", (f"Perplexity ({ids.numel()} held-out tokens, windows of {args.window}, {args.dtype}): "
                    f"float {quality['float']:.3f}, AWQ int4 prefill {quality['int4']:.3f}, AWQ dense prefill "

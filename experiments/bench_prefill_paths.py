@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.environment import describe_environment
+from experiments.report import median_range
 
 RESULTS = ROOT / "experiments" / "results" / "decode"
-
-
-def _spread(values: list[float], digits: int = 1) -> str:
-    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -113,8 +109,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]  # fmt: skip
         for row in result["shapes"]:
             lines.append(
-                f"| {row['cached']} | {row['new']} | {_spread(row['ttft_ms']['hf'])} | "
-                f"{_spread(row['ttft_ms']['fused'])} | {_spread(row['ratio_hf_over_fused'], 2)}x | "
+                f"| {row['cached']} | {row['new']} | {median_range(row['ttft_ms']['hf'])} | "
+                f"{median_range(row['ttft_ms']['fused'])} | {median_range(row['ratio_hf_over_fused'], 2)}x | "
                 f"{row['bit_equal_logits']:.2f} |"
             )
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

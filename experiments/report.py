@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median_range(values: Sequence[float], digits: int = 1) -> str:
+    """``"median [min-max]"`` of ``values`` with ``digits`` decimals (the spread the benchmark tables print)."""
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def _mean(values: Sequence[float]) -> float | None:

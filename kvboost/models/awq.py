@@ -471,9 +471,7 @@ def fuse_int4pack(modules: Iterable[AWQLinear], dtype: torch.dtype) -> Int4Pack:
     parts = [m.int4pack_parts() for m in modules]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat([c for c, _ in parts]).contiguous(), 1)
     scale_zero = torch.cat([sz for _, sz in parts], dim=1).to(dtype).contiguous()
-    bias = None
-    if any(m.bias is not None for m in modules):
-        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules]).to(dtype)
+    bias = fused_bias(modules, dtype)
     start = 0
     for m, (codes, _) in zip(modules, parts, strict=True):
         rows = slice(start, start + m.out_features)
@@ -486,6 +484,15 @@ def fuse_int4pack(modules: Iterable[AWQLinear], dtype: torch.dtype) -> Int4Pack:
                          scale_zero[:, rows].contiguous())  # fmt: skip
         start += m.out_features
     return Int4Pack(packed, scale_zero, bias, modules[0].group_size, tuple(m.out_features for m in modules))
+
+
+def fused_bias(modules: Iterable[AWQLinear], dtype: torch.dtype) -> torch.Tensor | None:
+    """The biases of linears fused along their outputs, as one ``[sum(out)]`` vector in ``dtype`` (zeros for
+    members without one), or ``None`` when none has a bias."""
+    modules = list(modules)
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules]).to(dtype)
 
 
 def fuse_dense(modules: Iterable[AWQLinear], dtype: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvboost.models.awq import AWQLinear, fuse_dense, int4pack_mm
+from kvboost.models.awq import AWQLinear, fuse_dense, fused_bias
 from kvboost.models.decode_step import FusedDecodeStep, _rms_norm_fused, _rotate_half, unsupported_reason
 from kvboost.models.prealloc_cache import PreallocatedKV
 
@@ -107,12 +107,9 @@ class StepPrefill:
     def _dense_weights(layer: Any, dtype: torch.dtype) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        bias = None
-        if any(m.bias is not None for m in qkv):
-            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in qkv]).to(dtype)
-        o_bias = attn.o_proj.bias.to(dtype) if attn.o_proj.bias is not None else None
         return (
-            layer.input_layernorm.weight, fuse_dense(qkv, dtype), bias, fuse_dense((attn.o_proj,), dtype), o_bias,
+            layer.input_layernorm.weight, fuse_dense(qkv, dtype), fused_bias(qkv, dtype),
+            fuse_dense((attn.o_proj,), dtype), fused_bias((attn.o_proj,), dtype),
             layer.post_attention_layernorm.weight, fuse_dense((mlp.gate_proj, mlp.up_proj), dtype),
             fuse_dense((mlp.down_proj,), dtype),
         )  # fmt: skip
@@ -189,10 +186,9 @@ class StepPrefill:
         weights = step._layer_weights[i]
         if step.int4_fused:
             ln1, wqkv, sqkv, bqkv, wo, so, bo, ln2, wgu, sgu, wd, sd = weights
-            g = step.group_size
 
-            def int4(w, s, b):
-                return lambda a: int4pack_mm(a, w, g, s) if b is None else int4pack_mm(a, w, g, s) + b
+            def int4(w, s, b):  # the decode step's fused int4 call, any number of rows
+                return lambda a: step._int4(a, w, s, b)
 
             return self._fused_layer(x, cos, sin, start, keys, values, ln1, int4(wqkv, sqkv, bqkv), int4(wo, so, bo),
                                      ln2, int4(wgu, sgu, None), int4(wd, sd, None))  # fmt: skip
