@@ -29,7 +29,9 @@ PLUGIN_GROUPS = {
 RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
 LOGGERS = ("none", "wandb")
 MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "random_init", "random_seed")
-ENGINE_OPTIONS = ("store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill")
+ENGINE_OPTIONS = (
+    "store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill", "prefill_weights",
+)  # fmt: skip
 
 
 def split_workload_config(cfg: dict[str, Any]) -> tuple[str, dict[str, Any], list[str], int]:
@@ -97,6 +99,13 @@ def check_config(cfg: dict[str, Any]) -> None:
 
     if prefill != "auto" and prefill not in PREFILL_MODES:
         raise ValueError(f"engine.prefill must be auto or one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    prefill_weights = (cfg.get("engine") or {}).get("prefill_weights", "auto")
+    from kvboost.models.prepack import PREFILL_WEIGHTS
+
+    if prefill_weights != "auto" and prefill_weights not in PREFILL_WEIGHTS:
+        raise ValueError(
+            f"engine.prefill_weights must be auto or one of {', '.join(PREFILL_WEIGHTS)}, got {prefill_weights!r}"
+        )
 
     name, fields, modes, repeats = split_workload_config(cfg)
     WORKLOADS.validate({"name": name, **fields}, provided=("env",))

@@ -16,7 +16,8 @@ from kvboost.models.awq import (
     set_awq_prefill,
 )
 from kvboost.models.decode_step import FusedDecodeStep
-from kvboost.models.prefill_step import StepPrefill, choose_prefill
+from kvboost.models.prefill_step import StepPrefill, causal_additive_mask, choose_prefill
+from kvboost.models.prepack import PrepackedLinear, choose_prefill_weights, unavailable_reason
 
 
 def _awq_tiny(arch: str, dtype: torch.dtype):
@@ -51,6 +52,23 @@ def _assert_equal(ref, got, atol: float = 0.0) -> None:
     for a, b in zip(ref, got, strict=True):
         assert a.shape == b.shape
         assert torch.allclose(a.float(), b.float(), atol=atol, rtol=0), (a.float() - b.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_additive_mask_is_what_sdpa_makes_of_the_bool_mask(dtype):
+    """The mask built once per forward: 0 where query i (position start + i) sees key j <= start + i, -inf
+    elsewhere, and SDPA gives the same bits with it as with the bool mask it replaces."""
+    mask = causal_additive_mask(5, 4, dtype, torch.device("cpu"))
+    assert mask.shape == (4, 9) and mask.dtype == dtype
+    allowed = torch.arange(9)[None, :] <= torch.arange(5, 9)[:, None]
+    assert torch.equal(mask == 0, allowed) and bool(torch.isneginf(mask[~allowed]).all())
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, 9, 16, generator=gen).to(dtype) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert torch.equal(
+        sdpa(q, k, v, attn_mask=mask, enable_gqa=True), sdpa(q, k, v, attn_mask=allowed, enable_gqa=True)
+    )
 
 
 @pytest.mark.parametrize("start,new", [(0, 29), (23, 17), (40, 1)])
@@ -157,7 +175,7 @@ def test_engine_prefill_paths_give_the_same_bits(dtype):
     with a prefix hit, and the same attention-call count."""
     results, calls = {}, {}
     for prefill in ("hf", "fused"):
-        engine = make_engine("llama", prefill=prefill, decode="eager")
+        engine = make_engine("llama", prefill=prefill, decode="eager", prefill_weights="plain")
         engine.model.to(dtype)
         assert engine.decode_info()["prefill"] == prefill
         prompt = random_ids(70, seed=5)
@@ -195,3 +213,107 @@ def test_engine_with_dense_awq_prefill_reuses_exactly_in_fp32():
     assert warm.cached_tokens == 32 and warm.output_ids == cold.output_ids
     assert torch.allclose(warm.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
     engine.close()
+
+
+# ---------------------------------------------------------------------- prepacked weights (bf16 on CPU)
+needs_onednn_bf16 = pytest.mark.skipif(
+    unavailable_reason(torch.bfloat16, torch.device("cpu")) is not None, reason="no oneDNN bf16 linear in this torch"
+)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v carry a bias the packed linear applies
+def test_prepacked_prefill_is_close_to_hf_forward_in_bf16(arch):
+    """Prepacked weights change only the kernel: logits and every K/V row stay within bf16 rounding of HF's
+    forward, cold and after a cached prefix."""
+    model = tiny_model(arch).to(torch.bfloat16)
+    ids = random_ids(53, seed=11)
+    adapter = ModelAdapter(model, "tiny")
+    prefill = StepPrefill(FusedDecodeStep(model, compile=False), prepacked=True)
+    assert prefill._packed_layers is not None
+    for start in (0, 31):
+        got = []
+        for fused in (False, True):
+            with torch.inference_mode():
+                kv = adapter.allocate(60)
+                if start:
+                    adapter.forward(torch.tensor(ids[:start]), kv.cache)
+                kv.set_length(start)
+                if fused:
+                    logits = prefill(torch.tensor(ids[start:]), start, kv)
+                else:
+                    logits = adapter.forward(torch.tensor(ids[start:]), kv.cache)[-1]
+                got.append((logits, kv.keys[:, :, :53].clone(), kv.values[:, :, :53].clone()))
+        _assert_equal(got[0], got[1], atol=0.1)
+        assert torch.allclose(got[0][0].float(), got[1][0].float(), atol=0.1, rtol=0)
+
+
+@needs_onednn_bf16
+def test_prepacked_linear_applies_weight_and_bias():
+    gen = torch.Generator().manual_seed(2)
+    w, b = (torch.randn(24, 40, generator=gen) * 0.1).bfloat16(), torch.randn(24, generator=gen).bfloat16()
+    x = torch.randn(7, 40, generator=gen).bfloat16()
+    linear = PrepackedLinear(w, b)
+    assert linear.nbytes == 24 * 40 * 2
+    assert torch.allclose(linear(x).float(), torch.nn.functional.linear(x, w, b).float(), atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="takes 40"):
+        linear(torch.randn(7, 41).bfloat16())
+
+
+def test_prefill_weights_choice(monkeypatch):
+    """auto packs only for the fused prefill with plain projections, bf16 on CPU with native bf16 and copies
+    within the memory share; asking for prepacked where it cannot run is an error."""
+    from kvboost.models import prepack
+
+    cpu = torch.device("cpu")
+    ok = {"fused_prefill": True, "plain_projections": True, "dtype": torch.bfloat16, "device": cpu,
+          "weight_bytes": 10, "memory_bytes": 1000}  # fmt: skip
+    monkeypatch.setattr(prepack, "native_bf16_cpu", lambda: True)
+    if unavailable_reason(torch.bfloat16, cpu) is None:
+        assert choose_prefill_weights("auto", **ok) == ("prepacked", "auto")
+        assert choose_prefill_weights("prepacked", **ok) == ("prepacked", "requested")
+        mode, reason = choose_prefill_weights("auto", **{**ok, "weight_bytes": 51})
+        assert mode == "plain" and "5%" in reason
+        monkeypatch.setattr(prepack, "native_bf16_cpu", lambda: False)
+        mode, reason = choose_prefill_weights("auto", **ok)
+        assert mode == "plain" and "native bf16" in reason
+    assert choose_prefill_weights("plain", **ok) == ("plain", "requested")
+    for field, value, words in [("dtype", torch.float32, "serve bf16"), ("fused_prefill", False, "fused prefill"),
+                                ("plain_projections", False, "AWQ")]:  # fmt: skip
+        mode, reason = choose_prefill_weights("auto", **{**ok, field: value})
+        assert mode == "plain" and words in reason
+        with pytest.raises(ValueError, match="prefill_weights='prepacked' cannot run here"):
+            choose_prefill_weights("prepacked", **{**ok, field: value})
+    with pytest.raises(ValueError, match="prefill_weights must be"):
+        choose_prefill_weights("packed", **ok)
+
+
+@needs_onednn_bf16
+def test_engine_prepacked_prefill_in_bf16():
+    """An engine built on a bf16 model packs (when asked) and reports it; its reuse stays close to a cold prefill
+    and to the plain engine's; fp32 engines never pack, and AWQ models refuse it."""
+    from tiny import ToyTokenizer
+
+    from kvboost import KVBoost
+
+    prompt = random_ids(70, seed=8)
+    logits = {}
+    for weights in ("plain", "prepacked"):
+        model = tiny_model("llama").to(torch.bfloat16)
+        engine = KVBoost(model, ToyTokenizer(), model_identity="tiny-llama", prefill_weights=weights,
+                         chunker={"name": "fixed", "chunk_size": 16}, decode="eager")  # fmt: skip
+        info = engine.decode_info()
+        assert info["prefill"] == "fused" and info["prefill_weights"] == weights
+        engine.warm(prompt[:40])
+        hit, cold = engine.generate(prompt, 4), engine.generate(prompt, 4, mode="cold")
+        assert hit.cached_tokens == 40
+        assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=0.1, rtol=0)
+        logits[weights] = hit.first_token_logits
+        engine.close()
+    assert torch.allclose(logits["plain"], logits["prepacked"], atol=0.1, rtol=0)
+    engine = make_engine("llama")  # fp32
+    assert engine.decode_info()["prefill_weights"] == "plain"
+    engine.close()
+    model = _awq_tiny("llama", torch.bfloat16)
+    with pytest.raises(ValueError, match="not AWQ int4|AWQ"):
+        KVBoost(model, ToyTokenizer(), model_identity="tiny-awq", prefill_weights="prepacked")

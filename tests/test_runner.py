@@ -109,7 +109,8 @@ def test_unknown_workload_and_mode_are_clear_errors(tmp_path):
      ("workload=rag_reorder +workload.num_docs=3", "unknown field.*num_docs"),
      ("model.lm_head=int4", "lm_head must be null or int8"), ("model.lm_head=int8", None),
      ("model.awq_prefill=int2", "awq_prefill must be null, int4 or dense"), ("model.awq_prefill=dense", None),
-     ("engine.prefill=turbo", "engine.prefill must be"), ("engine.prefill=hf", None)],
+     ("engine.prefill=turbo", "engine.prefill must be"), ("engine.prefill=hf", None),
+     ("engine.prefill_weights=packed", "engine.prefill_weights must be"), ("engine.prefill_weights=plain", None)],
 )  # fmt: skip
 def test_config_typos_fail_before_the_model_is_loaded(tmp_path, override, message):
     from experiments.config_check import check_config

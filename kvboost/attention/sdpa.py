@@ -7,6 +7,8 @@ execution (below).
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,8 +22,39 @@ MAX_QUERY_GROUPS = 8
 MIN_QUERIES_PER_GROUP = 32
 
 
+@dataclass(frozen=True)
+class QueryGroups:
+    """Selected queries cut into position-sorted groups, each with the keys it reads and its additive mask.
+
+    Layer-wise execution runs the same selection through every layer; :meth:`SdpaBackend.selected_query_inputs`
+    builds this once per selection, so the layers neither compare positions nor convert masks again.
+    """
+
+    positions: torch.Tensor
+    groups: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first query, end query, keys read, [b-a, keys] mask)
+
+    @classmethod
+    def build(cls, q_positions: torch.Tensor, dtype: torch.dtype) -> QueryGroups:
+        """Groups for sorted ``q_positions``; masks are 0 where query i may see key j (``j <= q_positions[i]``) and
+        ``-inf`` elsewhere, in ``dtype`` (what SDPA makes of a bool mask on every call: the same bits)."""
+        q_len = int(q_positions.numel())
+        count = max(1, min(MAX_QUERY_GROUPS, q_len // MIN_QUERIES_PER_GROUP))
+        bounds = [round(i * q_len / count) for i in range(count + 1)]
+        groups = []
+        for a, b in itertools.pairwise(bounds):
+            k_end = int(q_positions[b - 1]) + 1
+            allowed = torch.arange(k_end, device=q_positions.device)[None, :] <= q_positions[a:b, None]
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
+            groups.append((a, b, k_end, mask.masked_fill_(~allowed, float("-inf"))))
+        return cls(q_positions, tuple(groups))
+
+
 def selected_query_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_positions: torch.Tensor, scaling: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_positions: torch.Tensor | QueryGroups,
+    scaling: float | None,
 ) -> torch.Tensor:
     """Attention of queries at sorted absolute positions over keys ``[0, Lk)``: query i sees key j iff
     ``j <= q_positions[i]``. Returns ``[B, Lq, Hq, D]``.
@@ -29,19 +62,18 @@ def selected_query_attention(
     A dense ``[Lq, Lk]`` mask makes SDPA compute every score, half of them masked. The queries are cut into a
     few groups of consecutive positions and each group attends only to the keys up to its last position, so
     the work approaches the causal half (8 groups: ~56% of the dense work) at the cost of a few more calls.
+    ``q_positions`` may come as :class:`QueryGroups` already built (once per selection, for every layer).
     """
     batch, heads, q_len, head_dim = query.shape
-    groups = max(1, min(MAX_QUERY_GROUPS, q_len // MIN_QUERIES_PER_GROUP))
-    bounds = [round(i * q_len / groups) for i in range(groups + 1)]
+    plan = q_positions if isinstance(q_positions, QueryGroups) else QueryGroups.build(q_positions, query.dtype)
+    if plan.groups[-1][1] != q_len:
+        raise ValueError(f"the query groups cover {plan.groups[-1][1]} queries; the layer has {q_len}")
     out = query.new_empty(batch, q_len, heads, head_dim)
     gqa = key.shape[1] != heads
-    positions = q_positions.to(query.device)
-    for a, b in zip(bounds, bounds[1:]):
-        k_end = int(positions[b - 1]) + 1
-        allowed = torch.arange(k_end, device=query.device)[None, :] <= positions[a:b, None]
+    for a, b, k_end, mask in plan.groups:
         part = F.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, :k_end], value[:, :, :k_end], attn_mask=allowed, scale=scaling,
-            enable_gqa=gqa,
+            query[:, :, a:b], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask.to(query.dtype),
+            scale=scaling, enable_gqa=gqa,
         )  # fmt: skip
         out[:, a:b] = part.transpose(1, 2)
     return out
@@ -102,7 +134,7 @@ class SdpaBackend(AttentionBackend):
     ) -> tuple[torch.Tensor | None, dict[str, Any]]:
         if q_positions.numel() > 1 and not bool((q_positions[1:] > q_positions[:-1]).all()):
             return super().selected_query_inputs(q_positions, k_len, dtype)  # unsorted: the dense mask
-        return None, {SELECTED_Q_POSITIONS: q_positions}
+        return None, {SELECTED_Q_POSITIONS: QueryGroups.build(q_positions, dtype)}
 
     def attention_forward(
         self,

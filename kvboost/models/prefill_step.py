@@ -4,7 +4,8 @@ After reuse the usual prefill is a suffix of tens to hundreds of new tokens over
 runs it through its module tree, mask builders and cache objects; this runs the same arithmetic as one loop over
 the layers, writing K/V straight into the request's preallocated buffers: ``F.rms_norm`` (HF's bits, as in the
 decode step), ``F.linear`` per projection, RoPE in the model dtype, and torch's SDPA with the causal-by-position
-bool mask (query ``i`` sees key ``j`` iff ``j <= start + i``) and ``enable_gqa``. Its logits and K/V equal HF's
+mask (query ``i`` sees key ``j`` iff ``j <= start + i``; built once per forward as the additive 0/-inf tensor SDPA
+would make of a bool mask in every layer) and ``enable_gqa``. Its logits and K/V equal HF's
 forward to the bit on the supported architectures (llama, mistral, qwen2; tested in fp32 and bf16, with and
 without a cached prefix). ``experiments/bench_prefill_paths.py`` (2 threads, AMX CPU, SmolLM2-135M): TTFT
 of HF's forward / this 1.09-1.13x in bf16 and 1.02-1.07x in fp32 for 42-255 new tokens (HF's Python is a fixed
@@ -29,6 +30,7 @@ from torch import nn
 from kvboost.models.awq import AWQLinear, fuse_dense, fused_bias
 from kvboost.models.decode_step import FusedDecodeStep, _rms_norm_fused, _rotate_half, unsupported_reason
 from kvboost.models.prealloc_cache import PreallocatedKV
+from kvboost.models.prepack import PrepackedLinear, pack_layer, plain_projections
 
 PREFILL_MODES = ("hf", "fused")
 
@@ -78,14 +80,21 @@ class StepPrefill:
     Args:
         step: the engine's :class:`FusedDecodeStep` (its per-layer weights are reused, fused int4 packs included);
             an eager one is built when the engine decodes through HF.
+        prepacked: multiply plain projections with oneDNN-prepacked copies of their weights
+            (:mod:`kvboost.models.prepack`; bf16 on CPU): faster, but no longer HF's bits.
     """
 
-    def __init__(self, step: FusedDecodeStep) -> None:
+    def __init__(self, step: FusedDecodeStep, *, prepacked: bool = False) -> None:
         self.step = step
         model = step.model
         inner = model.model
         self.inner, self.lm_head = inner, model.lm_head
         self.num_layers = len(inner.layers)
+        self._packed_layers: list[tuple] | None = None
+        if prepacked:
+            if step.int4_fused or not plain_projections(inner.layers):
+                raise ValueError("prepacked prefill weights need plain nn.Linear projections (not AWQ int4)")
+            self._packed_layers = [pack_layer(layer) for layer in inner.layers]
         self.dense_min_rows: int | None = None
         self._dense_layers: list[tuple] | None = None
         self._module_layers: list[tuple] | None = None
@@ -130,14 +139,14 @@ class StepPrefill:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _rms_norm_fused(x, weight, self.step.eps)
 
-    def _attend(self, q, k, v, start: int, keys, values) -> torch.Tensor:
+    def _attend(self, q, k, v, start: int, keys, values, mask: torch.Tensor) -> torch.Tensor:
         """``q`` ``[heads, T, d]``, ``k``/``v`` ``[kv_heads, T, d]`` (after RoPE): writes the rows ``[start, start+T)``
-        and attends causally by position over rows ``[0, start+T)``. Returns ``[T, heads * d]``."""
+        and attends over rows ``[0, start+T)`` under ``mask`` (:func:`causal_additive_mask`). Returns
+        ``[T, heads * d]``."""
         t = q.shape[1]
         end = start + t
         keys[:, start:end] = k
         values[:, start:end] = v
-        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(
             q[None], keys[None, :, :end], values[None, :, :end], attn_mask=mask, scale=self.step.scale,
             enable_gqa=self.step.grouped_query,
@@ -149,17 +158,17 @@ class StepPrefill:
         q, k = q.view(t, h, d).transpose(0, 1), k.view(t, kvh, d).transpose(0, 1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-    def _layer(self, x, cos, sin, start, keys, values, ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd):
+    def _layer(self, x, cos, sin, mask, start, keys, values, ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd):
         """One decoder layer, one projection per call: the calls HF's forward makes."""
         t, kvh, d = x.shape[0], self.step.num_kv_heads, self.step.head_dim
         a = self._norm(x, ln1)
         q, k = self._qk_rope(_linear(a, wq, bq), _linear(a, wk, bk), cos, sin)
         v = _linear(a, wv, bv).view(t, kvh, d).transpose(0, 1)
-        x = x + _linear(self._attend(q, k, v, start, keys, values), wo, None)
+        x = x + _linear(self._attend(q, k, v, start, keys, values, mask), wo, None)
         m = self._norm(x, ln2)
         return x + _linear(F.silu(_linear(m, wg, None)) * _linear(m, wu, None), wd, None)
 
-    def _fused_layer(self, x, cos, sin, start, keys, values, ln1, qkv_fn, o_fn, ln2, gate_up_fn, down_fn):
+    def _fused_layer(self, x, cos, sin, mask, start, keys, values, ln1, qkv_fn, o_fn, ln2, gate_up_fn, down_fn):
         """One decoder layer with q/k/v and gate/up each one product (``*_fn`` apply them)."""
         t, h, kvh, d = x.shape[0], self.step.num_heads, self.step.num_kv_heads, self.step.head_dim
         a = self._norm(x, ln1)
@@ -168,21 +177,23 @@ class StepPrefill:
         qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d).transpose(0, 1)
         qk = qk * cos + _rotate_half(qk) * sin
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d).transpose(0, 1)
-        x = x + o_fn(self._attend(qk[:h], qk[h:], v, start, keys, values))
+        x = x + o_fn(self._attend(qk[:h], qk[h:], v, start, keys, values, mask))
         m = self._norm(x, ln2)
         gate, up = gate_up_fn(m).split((self.step.intermediate, self.step.intermediate), dim=-1)
         return x + down_fn(F.silu(gate) * up)
 
-    def _run_layer(self, i: int, x, cos, sin, start: int, keys, values, path: str) -> torch.Tensor:
+    def _run_layer(self, i: int, x, cos, sin, mask, start: int, keys, values, path: str) -> torch.Tensor:
         step = self.step
         if path == "modules":
-            return self._layer(x, cos, sin, start, keys, values, *self._module_layers[i])
+            return self._layer(x, cos, sin, mask, start, keys, values, *self._module_layers[i])
         if path == "dense":
             ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd = self._dense_layers[i]
             return self._fused_layer(
-                x, cos, sin, start, keys, values, ln1, lambda a: F.linear(a, wqkv, bqkv),
+                x, cos, sin, mask, start, keys, values, ln1, lambda a: F.linear(a, wqkv, bqkv),
                 lambda a: F.linear(a, wo, bo), ln2, lambda a: F.linear(a, wgu), lambda a: F.linear(a, wd),
             )  # fmt: skip
+        if self._packed_layers is not None:
+            return self._layer(x, cos, sin, mask, start, keys, values, *self._packed_layers[i])
         weights = step._layer_weights[i]
         if step.int4_fused:
             ln1, wqkv, sqkv, bqkv, wo, so, bo, ln2, wgu, sgu, wd, sd = weights
@@ -190,9 +201,9 @@ class StepPrefill:
             def int4(w, s, b):  # the decode step's fused int4 call, any number of rows
                 return lambda a: step._int4(a, w, s, b)
 
-            return self._fused_layer(x, cos, sin, start, keys, values, ln1, int4(wqkv, sqkv, bqkv), int4(wo, so, bo),
+            return self._fused_layer(x, cos, sin, mask, start, keys, values, ln1, int4(wqkv, sqkv, bqkv), int4(wo, so, bo),
                                      ln2, int4(wgu, sgu, None), int4(wd, sd, None))  # fmt: skip
-        return self._layer(x, cos, sin, start, keys, values, *weights)
+        return self._layer(x, cos, sin, mask, start, keys, values, *weights)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, start: int, kv: PreallocatedKV) -> torch.Tensor:
@@ -204,6 +215,11 @@ class StepPrefill:
         step, inner = self.step, self.inner
         ids = ids.reshape(-1).to(kv.keys.device)
         x = inner.embed_tokens.weight.index_select(0, ids)
+        if self._packed_layers is not None and x.dtype != torch.bfloat16:
+            raise RuntimeError(
+                f"the prefill packed bf16 copies of the weights, but the model now runs in {x.dtype}: the model was "
+                "converted after the engine was built; build a new engine"
+            )
         # HF's rotary embedding: positions times inverse frequencies in fp32 (one product each), cos/sin scaled
         # and cast to the model dtype.
         positions = torch.arange(start, start + t, device=x.device, dtype=torch.float32)
@@ -211,19 +227,34 @@ class StepPrefill:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * step.attention_scaling).to(x.dtype)
         sin = (emb.sin() * step.attention_scaling).to(x.dtype)
+        mask = causal_additive_mask(start, t, x.dtype, x.device)
         path = "weights"
         if self._dense_layers is not None and t >= self.dense_min_rows:
             path = "dense"
         elif self._module_layers is not None and not self._int4_kernel_takes(x):
             path = "modules"
         for i in range(self.num_layers):
-            x = self._run_layer(i, x, cos, sin, start, kv.keys[i], kv.values[i], path)
+            x = self._run_layer(i, x, cos, sin, mask, start, kv.keys[i], kv.values[i], path)
         # The head's own call (nn.Linear or the int8 head), on the last position only, as HF's logits_to_keep=1.
         return self.lm_head(self._norm(x[-1:], inner.norm.weight))[0].float()
 
 
+def causal_additive_mask(start: int, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[t, start + t]``: 0 where query ``i`` (at position ``start + i``) may see key ``j`` (``j <= start + i``),
+    ``-inf`` elsewhere, in the model dtype.
+
+    Built once per forward and shared by every layer. SDPA turns a bool mask into exactly this tensor on each
+    call (``where(mask, 0, -inf)`` in the query dtype), so the results are the same bits; building it once saves
+    that conversion and the comparison in every layer (~0.1-0.2 ms per layer at a few hundred tokens on 2 cores),
+    and the flash kernel reads an additive mask a little faster than it reads a converted one.
+    """
+    allowed = torch.arange(start + t, device=device)[None, :] <= torch.arange(start, start + t, device=device)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, or the module itself where the step keeps one (AWQ linears it does not fuse, a head)."""
-    if isinstance(weight, nn.Module):
+    """``F.linear``, or the module itself where the step keeps one (AWQ linears it does not fuse, a head, a
+    prepacked weight): it applies its own bias."""
+    if isinstance(weight, (nn.Module, PrepackedLinear)):
         return weight(x)
     return F.linear(x, weight, bias)

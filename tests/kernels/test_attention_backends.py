@@ -342,6 +342,38 @@ def test_pad_keys_hides_the_padding():
         assert max_diff(got, expected) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selected_query_groups_built_once_give_the_same_bits(dtype):
+    """Layer-wise selections: groups (and their additive masks) built once by the backend give exactly what the
+    per-call bool masks gave, and both equal one dense causal-by-position mask; a plan for another query count
+    is refused."""
+    import torch.nn.functional as F
+
+    from kvboost.attention.sdpa import QueryGroups, selected_query_attention
+
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.tensor(sorted(torch.randperm(300, generator=gen)[:97].tolist()))
+    keys = int(positions[-1]) + 1
+    q = torch.randn(1, 6, positions.numel(), 16, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, keys, 16, generator=gen).to(dtype) for _ in range(2))
+    plan = ATTENTION.build("sdpa").selected_query_inputs(positions, keys, dtype)[1]["kvboost_q_positions"]
+    assert isinstance(plan, QueryGroups) and len(plan.groups) == 3  # 97 queries // 32 per group
+    once = selected_query_attention(q, k, v, plan, 0.25)
+    assert torch.equal(once, selected_query_attention(q, k, v, positions, 0.25))
+    per_call = []  # the bool masks each call built before the plan existed
+    for a, b, k_end, _ in plan.groups:
+        allowed = torch.arange(k_end)[None, :] <= positions[a:b, None]
+        part = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :k_end], v[:, :, :k_end], attn_mask=allowed,
+                                              scale=0.25, enable_gqa=True)  # fmt: skip
+        per_call.append(part.transpose(1, 2))
+    assert torch.equal(once, torch.cat(per_call, dim=1))
+    dense = torch.arange(keys)[None, :] <= positions[:, None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=0.25, enable_gqa=True)
+    assert max_diff(once.transpose(1, 2), expected) < (1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(ValueError, match="query groups cover 97"):
+        selected_query_attention(q[:, :, :50], k, v, plan, 0.25)
+
+
 def test_unknown_backend_lists_registered_names():
     with pytest.raises(UnknownPluginError) as info:
         ATTENTION.build("nope")
