@@ -284,6 +284,7 @@ class InferenceEngine:
             delattr(self.model, OWNER_ATTR)
         self._closed = True
         self.adapter.release_buffers()
+        self._prefill_step = None  # its prepacked weight copies, if any, are this engine's own
         self._store_finalizer()  # store.close(): spill into a persistent tier, flush pending writes
 
     def warmup(self) -> dict[str, Any]:
@@ -326,8 +327,10 @@ class InferenceEngine:
                 f"chunk={self.chunker.fingerprint()}",
                 f"hash={self.hasher.fingerprint()}",
             ]
-            # A backend whose arithmetic gives other bits (batch_invariant) keeps its entries apart.
+            # A backend whose arithmetic gives other bits (batch_invariant) keeps its entries apart; so do
+            # prepacked prefill weights (another bf16 kernel: K/V rows that differ in their last bits).
             + ([f"attn={tag}"] if (tag := getattr(self.attention, "fingerprint_tag", "")) else [])
+            + (["prefill_weights=prepacked"] if getattr(self, "prefill_weights", "plain") == "prepacked" else [])
         )
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it
         return fp

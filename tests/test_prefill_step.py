@@ -309,7 +309,9 @@ def test_engine_prepacked_prefill_in_bf16():
         assert hit.cached_tokens == 40
         assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=0.1, rtol=0)
         logits[weights] = hit.first_token_logits
+        assert ("prefill_weights=prepacked" in engine.fingerprint) == (weights == "prepacked")
         engine.close()
+        assert engine._prefill_step is None  # the packed copies go with the engine
     assert torch.allclose(logits["plain"], logits["prepacked"], atol=0.1, rtol=0)
     engine = make_engine("llama")  # fp32
     assert engine.decode_info()["prefill_weights"] == "plain"
