@@ -101,9 +101,9 @@ class InferenceEngine:
             always runs its own per-layer forward.
         prefill_weights: what the fused prefill multiplies: ``"auto"`` (default: ``"prepacked"`` in bf16 on a CPU
             with native bf16 when the copies take at most 5% of memory, see
-            ``kvboost.models.prepack.choose_prefill_weights``), ``"prepacked"`` (oneDNN-blocked copies of the
-            projection weights, packed once: 1.04-1.2x lower TTFT on an AMX CPU, not HF's bits) or ``"plain"``
-            (the model's own weights, HF's bits).
+            ``kvboost.models.prepack.choose_prefill_weights``), ``"prepacked"`` (copies of the projection
+            weights packed once, oneDNN's layout in bf16 and MKL's in fp32: lower TTFT, not HF's bits) or
+            ``"plain"`` (the model's own weights, HF's bits).
         speculative: the draft strategy (``DRAFT`` registry, ``kvboost.speculative``): ``"none"`` (default: one
             token per target forward, the plain decode loop), ``"prompt_lookup"``, ``"layer_skip"`` or
             ``"draft_model"``, or a config ``{"name": ..., **fields}``. The target verifies each draft in one

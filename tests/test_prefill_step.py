@@ -26,11 +26,11 @@ def _awq_tiny(arch: str, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def _both(model, start: int, new: int):
+def _both(model, start: int, new: int, *, prepacked: bool = False):
     """(HF's logits and K/V, the fused prefill's) for ``new`` tokens after a ``start``-token prefix."""
     ids = random_ids(start + new, seed=start + new)
     adapter = ModelAdapter(model, "tiny")
-    prefill = StepPrefill(FusedDecodeStep(model, compile=False))
+    prefill = StepPrefill(FusedDecodeStep(model, compile=False), prepacked=prepacked)
     out = []
     for fused in (False, True):
         with torch.inference_mode():
@@ -227,25 +227,9 @@ def test_prepacked_prefill_is_close_to_hf_forward_in_bf16(arch):
     """Prepacked weights change only the kernel: logits and every K/V row stay within bf16 rounding of HF's
     forward, cold and after a cached prefix."""
     model = tiny_model(arch).to(torch.bfloat16)
-    ids = random_ids(53, seed=11)
-    adapter = ModelAdapter(model, "tiny")
-    prefill = StepPrefill(FusedDecodeStep(model, compile=False), prepacked=True)
-    assert prefill._packed_layers is not None
     for start in (0, 31):
-        got = []
-        for fused in (False, True):
-            with torch.inference_mode():
-                kv = adapter.allocate(60)
-                if start:
-                    adapter.forward(torch.tensor(ids[:start]), kv.cache)
-                kv.set_length(start)
-                if fused:
-                    logits = prefill(torch.tensor(ids[start:]), start, kv)
-                else:
-                    logits = adapter.forward(torch.tensor(ids[start:]), kv.cache)[-1]
-                got.append((logits, kv.keys[:, :, :53].clone(), kv.values[:, :, :53].clone()))
-        _assert_equal(got[0], got[1], atol=0.1)
-        assert torch.allclose(got[0][0].float(), got[1][0].float(), atol=0.1, rtol=0)
+        hf, packed = _both(model, start, 22, prepacked=True)
+        _assert_equal(hf, packed, atol=0.1)
 
 
 @needs_onednn_bf16
@@ -278,7 +262,11 @@ def test_prefill_weights_choice(monkeypatch):
         mode, reason = choose_prefill_weights("auto", **ok)
         assert mode == "plain" and "native bf16" in reason
     assert choose_prefill_weights("plain", **ok) == ("plain", "requested")
-    for field, value, words in [("dtype", torch.float32, "serve bf16"), ("fused_prefill", False, "fused prefill"),
+    mode, reason = choose_prefill_weights("auto", **{**ok, "dtype": torch.float32})
+    assert mode == "plain" and ("keeps HF's bits" in reason or "MKL" in reason)
+    if unavailable_reason(torch.float32, cpu) is None:  # fp32 packs for MKL when asked
+        assert choose_prefill_weights("prepacked", **{**ok, "dtype": torch.float32}) == ("prepacked", "requested")
+    for field, value, words in [("dtype", torch.float16, "serve bf16 and fp32"), ("fused_prefill", False, "fused prefill"),
                                 ("plain_projections", False, "AWQ")]:  # fmt: skip
         mode, reason = choose_prefill_weights("auto", **{**ok, field: value})
         assert mode == "plain" and words in reason
@@ -319,3 +307,61 @@ def test_engine_prepacked_prefill_in_bf16():
     model = _awq_tiny("llama", torch.bfloat16)
     with pytest.raises(ValueError, match="not AWQ int4|AWQ"):
         KVBoost(model, ToyTokenizer(), model_identity="tiny-awq", prefill_weights="prepacked")
+
+
+needs_mkl_pack = pytest.mark.skipif(
+    unavailable_reason(torch.float32, torch.device("cpu")) is not None, reason="no MKL packed GEMM in this torch"
+)
+
+
+@needs_mkl_pack
+def test_mkl_packed_linear_matches_f_linear():
+    """MKL's packed product of any row count equals F.linear within fp32 rounding (the bias added after)."""
+    from kvboost.models.mkl_pack import MklPackedLinear
+
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(48, 80, generator=gen), torch.randn(48, generator=gen)
+    for bias in (None, b):
+        linear = MklPackedLinear(w, bias)
+        for rows in (1, 3, 17, 64, 130):
+            x = torch.randn(rows, 80, generator=gen)
+            assert torch.allclose(linear(x), torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+        assert linear(torch.randn(0, 80)).shape == (0, 48)
+        assert linear(torch.randn(6, 160)[:, ::2]).shape == (6, 48)  # a strided input is made contiguous
+    with pytest.raises(ValueError, match="takes \\[rows, 80\\]"):
+        linear(torch.randn(3, 81))
+    with pytest.raises(ValueError, match="fp32 CPU inputs"):
+        linear(torch.randn(3, 80).bfloat16())
+    with pytest.raises(ValueError, match="2-D fp32"):
+        MklPackedLinear(w.bfloat16(), None)
+
+
+@needs_mkl_pack
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mkl_prepacked_prefill_is_close_to_hf_forward_in_fp32(arch):
+    """fp32 with MKL-packed weights: logits and K/V within 1e-4 of HF's forward, cold and after a cached prefix
+    (what exact reuse promises in fp32)."""
+    model = tiny_model(arch)
+    for start in (0, 31):
+        hf, packed = _both(model, start, 22, prepacked=True)
+        _assert_equal(hf, packed, atol=1e-4)
+    adapter, ids = ModelAdapter(model, "tiny"), random_ids(5)
+    prefill = StepPrefill(FusedDecodeStep(model, compile=False), prepacked=True)
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="converted after the engine was built"), torch.inference_mode():
+        prefill(torch.tensor(ids[:5]), 0, adapter.allocate(8))
+
+
+@needs_mkl_pack
+def test_engine_with_mkl_prepacked_weights_reuses_within_1e4_in_fp32():
+    """fp32 packs only when asked; then a prefix hit still equals a cold prefill within 1e-4, same greedy tokens."""
+    engine = make_engine("llama", prefill_weights="prepacked", decode="eager")
+    info = engine.decode_info()
+    assert info["prefill_weights"] == "prepacked" and info["prefill_weights_reason"] == "requested"
+    prompt = random_ids(70, seed=9)
+    engine.warm(prompt[:40])
+    hit, cold = engine.generate(prompt, 6), engine.generate(prompt, 6, mode="cold")
+    assert hit.cached_tokens == 40
+    assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
+    assert hit.output_ids == cold.output_ids
+    engine.close()

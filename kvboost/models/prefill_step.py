@@ -30,7 +30,7 @@ from torch import nn
 from kvboost.models.awq import AWQLinear, fuse_dense, fused_bias
 from kvboost.models.decode_step import FusedDecodeStep, _rms_norm_fused, _rotate_half, unsupported_reason
 from kvboost.models.prealloc_cache import PreallocatedKV
-from kvboost.models.prepack import PrepackedLinear, pack_layer, plain_projections
+from kvboost.models.prepack import pack_layer, plain_projections
 
 PREFILL_MODES = ("hf", "fused")
 
@@ -80,8 +80,8 @@ class StepPrefill:
     Args:
         step: the engine's :class:`FusedDecodeStep` (its per-layer weights are reused, fused int4 packs included);
             an eager one is built when the engine decodes through HF.
-        prepacked: multiply plain projections with oneDNN-prepacked copies of their weights
-            (:mod:`kvboost.models.prepack`; bf16 on CPU): faster, but no longer HF's bits.
+        prepacked: multiply plain projections with prepacked copies of their weights
+            (:mod:`kvboost.models.prepack`: oneDNN in bf16, MKL in fp32, CPU): faster, but no longer HF's bits.
     """
 
     def __init__(self, step: FusedDecodeStep, *, prepacked: bool = False) -> None:
@@ -95,6 +95,7 @@ class StepPrefill:
             if step.int4_fused or not plain_projections(inner.layers):
                 raise ValueError("prepacked prefill weights need plain nn.Linear projections (not AWQ int4)")
             self._packed_layers = [pack_layer(layer) for layer in inner.layers]
+        self._packed_dtype = inner.norm.weight.dtype
         self.dense_min_rows: int | None = None
         self._dense_layers: list[tuple] | None = None
         self._module_layers: list[tuple] | None = None
@@ -215,10 +216,10 @@ class StepPrefill:
         step, inner = self.step, self.inner
         ids = ids.reshape(-1).to(kv.keys.device)
         x = inner.embed_tokens.weight.index_select(0, ids)
-        if self._packed_layers is not None and x.dtype != torch.bfloat16:
+        if self._packed_layers is not None and x.dtype != self._packed_dtype:
             raise RuntimeError(
-                f"the prefill packed bf16 copies of the weights, but the model now runs in {x.dtype}: the model was "
-                "converted after the engine was built; build a new engine"
+                f"the prefill packed {self._packed_dtype} copies of the weights, but the model now runs in {x.dtype}: "
+                "the model was converted after the engine was built; build a new engine"
             )
         # HF's rotary embedding: positions times inverse frequencies in fp32 (one product each), cos/sin scaled
         # and cast to the model dtype.
@@ -253,8 +254,8 @@ def causal_additive_mask(start: int, t: int, dtype: torch.dtype, device: torch.d
 
 
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, or the module itself where the step keeps one (AWQ linears it does not fuse, a head, a
-    prepacked weight): it applies its own bias."""
-    if isinstance(weight, (nn.Module, PrepackedLinear)):
+    """``F.linear``, or the callable the step keeps instead of a weight tensor (AWQ linears it does not fuse, a
+    head, a prepacked weight): it applies its own bias."""
+    if not isinstance(weight, torch.Tensor):
         return weight(x)
     return F.linear(x, weight, bias)

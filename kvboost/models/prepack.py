@@ -1,4 +1,4 @@
-"""Prepacked oneDNN weights for the fused prefill in bf16 on CPU (``engine.prefill_weights``).
+"""Prepacked weights for the fused prefill on CPU (``engine.prefill_weights``): oneDNN's layout in bf16, MKL's in fp32.
 
 A bf16 ``F.linear`` on CPU runs oneDNN's matrix-unit kernel, which first copies the plain ``[out, in]`` weight into
 its blocked layout, on every call: for the few hundred rows of a suffix prefill that copy is a large share of the
@@ -10,9 +10,9 @@ over 30 layers took 30.4 ms with ``F.linear`` and 22.4 ms prepacked; a 255-row f
 The price: the packed copies live beside the model's own weights (2 bytes per weight in bf16; ~212 MB for the
 bundled model), and the kernel the packed layout selects is not always the one ``F.linear`` selects for the same
 row count, so the fused prefill is no longer bit-equal to HF's forward in bf16 (its rows differ in last bits, as
-any reuse in bf16 does; fp32 never uses this). ``auto`` therefore packs only where it pays and is cheap: bf16
-on a CPU with native bf16 (AMX or AVX-512 BF16), plain ``nn.Linear`` projections, and copies of at most
-:data:`AUTO_MAX_MEMORY_FRACTION` of the machine's memory.
+any reuse in bf16 does). ``auto`` therefore packs only where it pays and is cheap: bf16 on a CPU with native bf16
+(AMX or AVX-512 BF16), plain ``nn.Linear`` projections, and copies of at most :data:`AUTO_MAX_MEMORY_FRACTION` of
+the machine's memory. fp32 packs for MKL (:mod:`kvboost.models.mkl_pack`, 4 bytes per weight) when asked for.
 """
 
 from __future__ import annotations
@@ -51,11 +51,16 @@ def native_bf16_cpu() -> bool:
 
 
 def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why prepacked weights cannot run for this dtype and device (None: they can)."""
+    """Why prepacked weights cannot run for this dtype and device (None: they can): bf16 packs for oneDNN, fp32
+    for MKL (:mod:`kvboost.models.mkl_pack`)."""
     if device.type != "cpu":
-        return f"prepacked oneDNN weights are a CPU path (the model is on {device.type})"
+        return f"prepacked weights are a CPU path (the model is on {device.type})"
+    if dtype == torch.float32:
+        from kvboost.models.mkl_pack import unavailable_reason as mkl_reason
+
+        return mkl_reason()
     if dtype != torch.bfloat16:
-        return f"prepacked weights serve bf16 (the model is {str(dtype).replace('torch.', '')})"
+        return f"prepacked weights serve bf16 and fp32 (the model is {str(dtype).replace('torch.', '')})"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no oneDNN linear"
     return None
@@ -70,6 +75,8 @@ def choose_prefill_weights(
     ``"prepacked"`` where it cannot run (HF's prefill, AWQ projections, another dtype or device) is an error;
     ``"auto"`` picks it only with the fused prefill, plain projections, bf16 on a CPU with native bf16, and copies
     (``weight_bytes``) of at most :data:`AUTO_MAX_MEMORY_FRACTION` of ``memory_bytes`` (default: this machine's).
+    fp32 packs (for MKL) only when asked: fp32 is the dtype of the exactness guarantees, and ``plain`` keeps HF's
+    bits there.
     """
     if requested not in ("auto", *PREFILL_WEIGHTS):
         raise ValueError(f"prefill_weights must be 'auto' or one of {PREFILL_WEIGHTS}, got {requested!r}")
@@ -87,6 +94,8 @@ def choose_prefill_weights(
         return "prepacked", "requested"
     if reason is not None:
         return "plain", reason
+    if dtype != torch.bfloat16:
+        return "plain", "fp32 keeps HF's bits under auto (ask for prefill_weights=prepacked)"
     if not native_bf16_cpu():
         return "plain", "this CPU has no native bf16 (AMX or AVX-512 BF16)"
     memory = memory_bytes if memory_bytes is not None else physical_memory_bytes()
@@ -118,6 +127,12 @@ def plain_projections(layers: Any) -> bool:
     return all(type(proj) is torch.nn.Linear for layer in layers for proj in _projections(layer))
 
 
+def _mkl_packed() -> type:
+    from kvboost.models.mkl_pack import MklPackedLinear
+
+    return MklPackedLinear
+
+
 def _projections(layer: Any) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -125,8 +140,10 @@ def _projections(layer: Any) -> tuple:
 
 def pack_layer(layer: Any) -> tuple:
     """One decoder layer's weights in :class:`kvboost.models.prefill_step.StepPrefill`'s per-projection order,
-    the projections prepacked (each applies its own bias, so the bias slots are None)."""
-    q, k, v, o, gate, up, down = (PrepackedLinear(p.weight, p.bias) for p in _projections(layer))
+    the projections prepacked for their dtype (oneDNN in bf16, MKL in fp32; each applies its own bias, so the bias
+    slots are None)."""
+    kind = PrepackedLinear if layer.self_attn.q_proj.weight.dtype == torch.bfloat16 else _mkl_packed()
+    q, k, v, o, gate, up, down = (kind(p.weight, p.bias) for p in _projections(layer))
     return (layer.input_layernorm.weight, q, None, k, None, v, None, o, layer.post_attention_layernorm.weight,
             gate, up, down)  # fmt: skip
 
