@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lines = [
             f"# Suffix prefill: HF's forward vs the fused prefill ({dtype})", "", "```", command, "```", "",
             (f"Exact prefix hit of `cached` tokens plus `new` tokens, TTFT of one token, {args.rounds} rounds "
-             f"(engine order alternating), {result['threads']} threads. Median [min-max]."), "",
+             f"(engine order rotating: each first in turn), {result['threads']} threads. Median [min-max]."), "",
             "| cached | new | TTFT ms hf | TTFT ms fused | hf / fused (paired) | first-token logits bit-equal |"
             + (" TTFT ms fused, prepacked | hf / prepacked (paired) | logit max abs diff vs hf |" if packed else ""),
             "| --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if packed else ""),
