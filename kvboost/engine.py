@@ -330,7 +330,7 @@ class InferenceEngine:
             # A backend whose arithmetic gives other bits (batch_invariant) keeps its entries apart; so do
             # prepacked prefill weights (another bf16 kernel: K/V rows that differ in their last bits).
             + ([f"attn={tag}"] if (tag := getattr(self.attention, "fingerprint_tag", "")) else [])
-            + (["prefill_weights=prepacked"] if getattr(self, "prefill_weights", "plain") == "prepacked" else [])
+            + (["prefill_weights=prepacked"] if self.prefill_weights == "prepacked" else [])
         )
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it
         return fp

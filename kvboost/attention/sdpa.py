@@ -30,7 +30,6 @@ class QueryGroups:
     builds this once per selection, so the layers neither compare positions nor convert masks again.
     """
 
-    positions: torch.Tensor
     groups: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first query, end query, keys read, [b-a, keys] mask)
 
     @classmethod
@@ -46,7 +45,7 @@ class QueryGroups:
             allowed = torch.arange(k_end, device=q_positions.device)[None, :] <= q_positions[a:b, None]
             mask = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
             groups.append((a, b, k_end, mask.masked_fill_(~allowed, float("-inf"))))
-        return cls(q_positions, tuple(groups))
+        return cls(tuple(groups))
 
 
 def selected_query_attention(

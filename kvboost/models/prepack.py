@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvboost.models import mkl_pack
+
 PREFILL_WEIGHTS = ("plain", "prepacked")
 #: ``auto`` packs only when the copies take at most this fraction of physical memory.
 AUTO_MAX_MEMORY_FRACTION = 0.05
@@ -57,9 +59,7 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"prepacked weights are a CPU path (the model is on {device.type})"
     if dtype == torch.float32:
-        from kvboost.models.mkl_pack import unavailable_reason as mkl_reason
-
-        return mkl_reason()
+        return mkl_pack.unavailable_reason()
     if dtype != torch.bfloat16:
         return f"prepacked weights serve bf16 and fp32 (the model is {str(dtype).replace('torch.', '')})"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -128,12 +128,6 @@ def plain_projections(layers: Any) -> bool:
     return all(type(proj) is torch.nn.Linear for layer in layers for proj in _projections(layer))
 
 
-def _mkl_packed() -> type:
-    from kvboost.models.mkl_pack import MklPackedLinear
-
-    return MklPackedLinear
-
-
 def _projections(layer: Any) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -143,7 +137,7 @@ def pack_layer(layer: Any) -> tuple:
     """One decoder layer's weights in :class:`kvboost.models.prefill_step.StepPrefill`'s per-projection order,
     the projections prepacked for their dtype (oneDNN in bf16, MKL in fp32; each applies its own bias, so the bias
     slots are None)."""
-    kind = PrepackedLinear if layer.self_attn.q_proj.weight.dtype == torch.bfloat16 else _mkl_packed()
+    kind = PrepackedLinear if layer.self_attn.q_proj.weight.dtype == torch.bfloat16 else mkl_pack.MklPackedLinear
     q, k, v, o, gate, up, down = (kind(p.weight, p.bias) for p in _projections(layer))
     return (layer.input_layernorm.weight, q, None, k, None, v, None, o, layer.post_attention_layernorm.weight,
             gate, up, down)  # fmt: skip
