@@ -31,16 +31,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.environment import describe_environment
-from experiments.report import median_range
+from experiments.report import cached_new_shape, median_range
 
 RESULTS = ROOT / "experiments" / "results" / "decode"
-
-
-def _shape(text: str) -> tuple[int, int]:
-    cached, _, new = text.partition(":")
-    if not cached.isdigit() or not new.isdigit() or int(new) < 1:
-        raise argparse.ArgumentTypeError(f"a shape is cached:new with new >= 1, got {text!r}")
-    return int(cached), int(new)
 
 
 def engine_options(dtype: str) -> dict[str, dict[str, str]]:
@@ -103,7 +96,7 @@ def run(dtype: str, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--shapes", nargs="+", type=_shape, default=[(20, 42), (500, 188), (1000, 255)])
+    parser.add_argument("--shapes", nargs="+", type=cached_new_shape, default=[(20, 42), (500, 188), (1000, 255)])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(RESULTS))

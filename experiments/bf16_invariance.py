@@ -5,7 +5,9 @@
 For SmolLM2-135M's layer shapes, rows of a reference call over 512 tokens are recomputed in calls of other
 lengths and starting positions (as a prefix hit's suffix prefill does), and the rows whose bits differ from the
 reference are counted: plain ``F.linear`` and SDPA (what ``attn=sdpa`` runs) against the position-aligned tiles
-of ``attn=batch_invariant`` (``kvboost/attention/batch_invariant.py``). Random inputs; no model is loaded.
+of ``attn=batch_invariant`` (``kvboost/attention/batch_invariant.py``), its projection tiles multiplied both by
+``F.linear`` and by the prepacked copies it uses where they are available (``packed_weights``). Random inputs; no
+model is loaded.
 Counts depend on the CPU (oneDNN picks its blocking by ISA: AMX differs from AVX-512), so the machine is
 recorded beside them.
 """
@@ -25,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.environment import describe_environment
-from kvboost.attention.batch_invariant import invariant_attention, tiled_linear
+from kvboost.attention.batch_invariant import BatchInvariantBackend, invariant_attention, tiled_linear
 from kvboost.models.compute import cpu_bf16_isa, matmul_path
 
 #: (start, length) of the recomputed calls: suffixes after prefixes of ragged and aligned lengths.
@@ -40,21 +42,26 @@ def _linear_rows(dtype: torch.dtype, tile: int) -> dict[str, dict[str, int]]:
         torch.manual_seed(0)
         linear = torch.nn.Linear(n_in, n_out, bias=False).to(dtype)
         x = torch.randn(512, n_in, dtype=dtype)
+        packed = BatchInvariantBackend(tile=tile)._packed(linear, x)  # None where packing does not run here
         with torch.inference_mode():
             plain_ref, tiled_ref = linear(x), tiled_linear(linear, x, 0, tile)
-            plain = tiled = rows = 0
+            packed_ref = tiled_linear(linear, x, 0, tile, packed) if packed is not None else None
+            plain = tiled = tiled_packed = rows = 0
             for start, length in CALLS:
-                part = x[start : start + length]
-                plain += int((linear(part) != plain_ref[start : start + length]).any(-1).sum())
-                tiled += int(
-                    (tiled_linear(linear, part, start, tile) != tiled_ref[start : start + length]).any(-1).sum()
-                )
+                part, span = x[start : start + length], slice(start, start + length)
+                plain += int((linear(part) != plain_ref[span]).any(-1).sum())
+                tiled += int((tiled_linear(linear, part, start, tile) != tiled_ref[span]).any(-1).sum())
+                if packed is not None:
+                    tiled_packed += int(
+                        (tiled_linear(linear, part, start, tile, packed) != packed_ref[span]).any(-1).sum()
+                    )
                 rows += length
-        out[label] = {"rows": rows, "plain_rows_differing": plain, "tiled_rows_differing": tiled}
+        out[label] = {"rows": rows, "plain_rows_differing": plain, "tiled_rows_differing": tiled,
+                      "tiled_packed_rows_differing": tiled_packed if packed is not None else None}  # fmt: skip
     return out
 
 
-def _attention_rows(dtype: torch.dtype, tile: int) -> dict[str, int]:
+def _attention_rows(dtype: torch.dtype, tile: int, key_block: int) -> dict[str, int]:
     torch.manual_seed(1)
     n, heads, kv_heads, dim = 512, 9, 3, 64
     q = torch.randn(1, heads, n, dim, dtype=dtype)
@@ -73,7 +80,7 @@ def _attention_rows(dtype: torch.dtype, tile: int) -> dict[str, int]:
 
     def invariant(start: int, end: int) -> torch.Tensor:
         return invariant_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], causal(end - start, end),
-                                   front=start % tile, tile=tile, key_block=64, scaling=dim**-0.5)  # fmt: skip
+                                   front=start % tile, tile=tile, key_block=key_block, scaling=dim**-0.5)  # fmt: skip
 
     with torch.inference_mode():
         sdpa_ref, inv_ref = sdpa(0, n), invariant(0, n)
@@ -89,7 +96,9 @@ def _attention_rows(dtype: torch.dtype, tile: int) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--tile", type=int, default=64)
+    parser.add_argument("--tile", type=int, default=64, help="projection tile (attn.tile)")
+    parser.add_argument("--query-tile", type=int, default=16, help="attention query tile (attn.query_tile)")
+    parser.add_argument("--key-block", type=int, default=128, help="attention key block (attn.key_block)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result = {
@@ -99,13 +108,15 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_path": {name: matmul_path(getattr(torch, name), "cpu") for name in args.dtypes},
         "calls": CALLS,
         "tile": args.tile,
+        "query_tile": args.query_tile,
+        "key_block": args.key_block,
         "by_dtype": {},
     }
     for name in args.dtypes:
         dtype = getattr(torch, name)
         result["by_dtype"][name] = {
             "linear": _linear_rows(dtype, args.tile),
-            "attention": _attention_rows(dtype, args.tile),
+            "attention": _attention_rows(dtype, args.query_tile, args.key_block),
         }
         print(name, json.dumps(result["by_dtype"][name], indent=1))
     if args.out is not None:

@@ -123,6 +123,17 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def cached_new_shape(text: str) -> tuple[int, int]:
+    """``"cached:new"`` -> ``(cached, new)``: a request shape of the prefill benchmarks (an exact prefix hit of
+    ``cached`` tokens plus ``new`` tokens; ``new`` >= 1). For ``argparse`` ``type=``."""
+    import argparse
+
+    cached, _, new = text.partition(":")
+    if not cached.isdigit() or not new.isdigit() or int(new) < 1:
+        raise argparse.ArgumentTypeError(f"a shape is cached:new with new >= 1, got {text!r}")
+    return int(cached), int(new)
+
+
 def median_range(values: Sequence[float], digits: int = 1) -> str:
     """``"median [min-max]"`` of ``values`` with ``digits`` decimals (the spread the benchmark tables print)."""
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"

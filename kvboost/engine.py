@@ -34,7 +34,7 @@ from kvboost.generation import PhaseClock, ReuseCounts, build_result
 from kvboost.lookup import common_prefix_length, lookup, write_exact
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
-from kvboost.models.decode_step import FusedDecodeStep, choose_decode
+from kvboost.models.decode_step import DELEGATING_BACKENDS, FusedDecodeStep, choose_decode
 from kvboost.models.layerwise import LayerwiseModel
 from kvboost.models.prealloc_cache import PreallocatedKV
 from kvboost.models.prefill_step import StepPrefill, choose_prefill
@@ -203,7 +203,11 @@ class InferenceEngine:
         self.layerwise = LayerwiseModel(model, attention)
         self.speculative = speculative
         self.decode_mode, self.decode_reason = decode_mode, decode_reason
-        self._decode_step = FusedDecodeStep(model, compile=decode_mode == "compiled") if decode_mode != "hf" else None
+        self._decode_step = (
+            FusedDecodeStep(model, compile=decode_mode == "compiled",
+                            backend=attention if attention.name in DELEGATING_BACKENDS else None)
+            if decode_mode != "hf" else None
+        )  # fmt: skip
         self.prefill_mode, self.prefill_reason = prefill_mode, prefill_reason
         self.prefill_weights, self.prefill_weights_reason = weights_mode, weights_reason
         self._prefill_step = (

@@ -64,7 +64,7 @@ def test_invariant_attention_rows_do_not_depend_on_the_call():
                                    front=start % 16, tile=16, key_block=16, scaling=32**-0.5)  # fmt: skip
 
     full = run(0, n)
-    for start, end in [(0, 37), (37, 38), (64, 150), (99, 131), (149, 150)]:
+    for start, end in [(0, 37), (37, 38), (37, 60), (0, 20), (64, 150), (99, 131), (149, 150)]:
         assert torch.equal(run(start, end), full[:, start:end]), (start, end)
 
 
@@ -111,12 +111,95 @@ def test_uninstall_restores_the_projections():
     engine = make_engine("llama", attn="batch_invariant")
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear) and m is not engine.model.lm_head]
     assert linears and all("forward" in m.__dict__ for m in linears)
-    assert engine.decode_mode == "hf"  # the fused step has its own arithmetic
+    assert engine.decode_mode == "eager"  # the eager step, calling the backend
     engine.close()
     assert all("forward" not in m.__dict__ for m in linears)
 
 
-@pytest.mark.parametrize("field,bad", [("tile", 0), ("tile", True), ("key_block", -1), ("key_block", 2.0)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # without and with projection biases
+def test_eager_step_under_the_backend_is_hf_decode_to_the_bit(arch):
+    """The eager decode step hands projections and attention to the backend: logits and K/V rows equal HF's
+    decode under the same backend, bit for bit, in bf16 (ragged tiles: 37 prompt tokens, tiles of 16 and 8)."""
+    from transformers import DynamicCache
+
+    from kvboost.models.adapter import ModelAdapter
+    from kvboost.models.decode_step import FusedDecodeStep
+
+    model = tiny_model(arch, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    model = model.to(torch.bfloat16)
+    backend = ATTENTION.build({"name": "batch_invariant", "tile": 16, "query_tile": 8, "key_block": 16})
+    backend.install(model)
+    prompt = random_ids(37, seed=5)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        token = int(model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1].argmax())
+        fed, ref_logits = [], []
+        for _ in range(9):
+            fed.append(token)
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1].float()
+            ref_logits.append(logits)
+            token = int(logits.argmax())
+        kv = ModelAdapter(model, "tiny").allocate(len(prompt) + len(fed) + 3)
+        model(input_ids=torch.tensor([prompt]), past_key_values=kv.cache)
+    step = FusedDecodeStep(model, compile=False, backend=backend)
+    step.begin(kv, len(prompt))
+    calls = backend.kernel_calls
+    got = [step(t) for t in fed]
+    assert backend.kernel_calls - calls == len(fed) * model.config.num_hidden_layers  # its kernel, every layer
+    for ref, logits in zip(ref_logits, got, strict=True):
+        assert torch.equal(logits, ref)
+    kv.set_length(step.length)
+    for layer, ref_layer in zip(kv.layers, cache.layers, strict=True):
+        assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values)
+    backend.uninstall(model)
+
+
+def test_decode_modes_under_the_backend():
+    from kvboost.models.decode_step import FusedDecodeStep, choose_decode
+
+    model = tiny_model("llama")
+    assert choose_decode("auto", model, "batch_invariant")[0] == "eager"
+    assert choose_decode("hf", model, "batch_invariant")[0] == "hf"
+    with pytest.raises(ValueError, match="only the eager step calls the backend"):
+        choose_decode("compiled", model, "batch_invariant")
+    with pytest.raises(ValueError, match="compiled decode step has its own arithmetic"):
+        FusedDecodeStep(model, compile=True, backend=ATTENTION.build("batch_invariant"))
+    with pytest.raises(ValueError, match="delegates only to"):
+        FusedDecodeStep(model, compile=False, backend=ATTENTION.build("sdpa"))
+
+
+def test_packed_weights_follow_the_weights():
+    """Packed copies (fp32: MKL) give F.linear's values, and a weight changed in place is repacked."""
+    from kvboost.models import mkl_pack
+
+    if mkl_pack.unavailable_reason() is not None:
+        pytest.skip(mkl_pack.unavailable_reason())
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(1, 21, 64)
+    backend = BatchInvariantBackend(tile=8, packed_weights=True)
+    packed = tiled_linear(linear, x, 5, 8, backend._packed(linear, x))
+    torch.testing.assert_close(packed, linear(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        linear.weight.mul_(2.0)
+    again = tiled_linear(linear, x, 5, 8, backend._packed(linear, x))
+    torch.testing.assert_close(again, linear(x), atol=1e-5, rtol=1e-5)
+    assert BatchInvariantBackend(packed_weights=False)._packed(linear, x) is None
+
+
+@pytest.mark.parametrize("settings", [{"tile": 16}, {"query_tile": 8}, {"key_block": 32}])
+def test_settings_go_into_the_fingerprint(settings):
+    model = tiny_model("llama")
+    with KVBoost(model, ToyTokenizer(), model_identity="tiny", attn="batch_invariant") as engine:
+        default = engine.fingerprint
+    with KVBoost(model, ToyTokenizer(), model_identity="tiny", attn={"name": "batch_invariant", **settings}) as engine:
+        assert engine.fingerprint != default
+
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [("tile", 0), ("tile", True), ("key_block", -1), ("key_block", 2.0), ("query_tile", 0), ("packed_weights", "yes")],
+)
 def test_bad_values_are_refused(field, bad):
     with pytest.raises(ValueError, match=f"attn.{field}"):
         BatchInvariantBackend(**{field: bad})

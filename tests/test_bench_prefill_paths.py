@@ -7,16 +7,17 @@ import json
 
 import pytest
 
-from experiments.bench_prefill_paths import _shape, main
+from experiments.bench_prefill_paths import main
+from experiments.report import cached_new_shape
 
 pytestmark = pytest.mark.integration
 
 
 def test_shapes_are_parsed_and_checked():
-    assert _shape("1000:255") == (1000, 255)
+    assert cached_new_shape("1000:255") == (1000, 255)
     for bad in ("10", "a:3", "5:0"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _shape(bad)
+            cached_new_shape(bad)
 
 
 def test_a_small_run_writes_both_paths_and_finds_them_bit_equal(tmp_path):

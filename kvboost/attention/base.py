@@ -64,9 +64,10 @@ class AttentionBackend(ABC):
     #: ``"sdpa"`` gives bool masks (or None where SDPA's ``is_causal`` suffices), ``"eager"`` additive floats.
     mask_kind: ClassVar[str] = "sdpa"
 
-    #: Non-empty for a backend whose K/V has other bits than the others' (``batch_invariant``): it goes into the
-    #: engine's fingerprint, so cache entries computed under one arithmetic are never served to the other.
-    fingerprint_tag: ClassVar[str] = ""
+    #: Non-empty for a backend whose K/V has other bits than the others' (``batch_invariant``, whose tag also
+    #: names its settings): it goes into the engine's fingerprint, so cache entries computed under one
+    #: arithmetic are never served to another.
+    fingerprint_tag: str = ""
 
     def __init__(self) -> None:
         self.kernel_calls = 0

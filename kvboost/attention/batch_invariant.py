@@ -32,12 +32,15 @@ own arithmetic). Models with attention soft-capping are refused; sliding windows
 from __future__ import annotations
 
 import types
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvboost.attention.base import SELECTED_Q_POSITIONS, AttentionBackend
+from kvboost.models import prepack
 from kvboost.registry import ATTENTION
 
 #: Upper bound on the fp32 score buffer of one group of query tiles (bytes); longer prompts loop over groups.
@@ -45,20 +48,62 @@ SCORE_BUDGET_BYTES = 64 * 2**20
 _PATCHED = "_kvboost_tiled_linear"
 
 
-def tiled_linear(module: torch.nn.Linear, x: torch.Tensor, offset: int, tile: int) -> torch.Tensor:
+def tiled_linear(
+    module: torch.nn.Linear, x: torch.Tensor, offset: int, tile: int, multiply: Callable | None = None
+) -> torch.Tensor:
     """``F.linear(x, module.weight, module.bias)`` in GEMMs of exactly ``tile`` rows aligned to ``offset``.
 
     The rows of ``x`` (all leading dims flattened) are the tokens at cache positions ``offset, offset + 1, ...``;
     row p is computed at row ``p % tile`` of a zero-padded tile, so its bits do not depend on the call's length.
+    ``multiply`` (``[tile, in] -> [tile, out]``, bias included) replaces ``F.linear`` per tile: a prepacked copy
+    of the weight (:mod:`kvboost.models.prepack`), the same fixed shape on every call.
     """
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     front = offset % tile
     padded = F.pad(rows, (0, 0, front, -(front + n) % tile))
-    out = torch.cat(
-        [F.linear(padded[i : i + tile], module.weight, module.bias) for i in range(0, padded.shape[0], tile)]
-    )
+    if multiply is None:
+        tiles = [F.linear(padded[i : i + tile], module.weight, module.bias) for i in range(0, padded.shape[0], tile)]
+    else:
+        tiles = [multiply(padded[i : i + tile]) for i in range(0, padded.shape[0], tile)]
+    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
     return out[front : front + n].reshape(*x.shape[:-1], out.shape[-1])
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Which (query tile, key block) pairs an attention call computes, from its mask alone (so every layer of a
+    forward can share one: :meth:`BatchInvariantBackend.attention_forward` builds it once per mask).
+
+    ``mask`` ``[Bm, tiles, tile, blocks, kb]`` is the padded ``allowed``; ``seen[t, j]``: some query of tile ``t``
+    may see some key of block ``j`` (else the pair is skipped: its contribution would be exact zeros);
+    ``full[t, j]``: every real query of the tile sees every key of the block (else the scores are masked). The
+    padding rows count as seeing all for ``full``: their results are dropped, and no row's bits depend on
+    another row's.
+    """
+
+    front: int
+    back: int
+    tile: int
+    key_block: int
+    k_pad: int
+    mask: torch.Tensor
+    seen: torch.Tensor
+    full: torch.Tensor
+
+    @classmethod
+    def build(cls, allowed: torch.Tensor, *, front: int, tile: int, key_block: int) -> BlockPlan:
+        q_len, k_len = allowed.shape[-2], allowed.shape[-1]
+        back = -(front + q_len) % tile
+        k_pad = -k_len % key_block
+        n_tiles, blocks = (front + q_len + back) // tile, (k_len + k_pad) // key_block
+        keys_padded = F.pad(allowed, (0, k_pad), value=False)
+        mask = F.pad(keys_padded, (0, 0, front, back), value=False)
+        mask = mask.reshape(mask.shape[0], n_tiles, tile, blocks, key_block)
+        rows_padded = F.pad(keys_padded, (0, 0, front, back), value=True).reshape(mask.shape)
+        seen = mask.any(dim=4).any(dim=2).any(dim=0)
+        full = rows_padded.all(dim=4).all(dim=2).all(dim=0)
+        return cls(front, back, tile, key_block, k_pad, mask, seen.cpu(), full.cpu())
 
 
 def invariant_attention(
@@ -71,46 +116,163 @@ def invariant_attention(
     tile: int,
     key_block: int,
     scaling: float,
+    plan: BlockPlan | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, Hq, Lq, D]`` over ``key``/``value [B, Hkv, Lk, D]`` where ``allowed
     [B or 1, 1, Lq, Lk]`` (bool) says which key each query may see; ``front`` zero rows are put before the
     queries so that they sit at their position-aligned tile offsets. Returns ``[B, Lq, Hq, D]`` in the query's
-    dtype. Rows that may see no key give zeros."""
-    batch, heads, q_len, dim = query.shape
-    k_len = key.shape[2]
-    groups = heads // key.shape[1]
-    back = -(front + q_len) % tile
-    k_pad = -k_len % key_block
-    q = F.pad(query.float(), (0, 0, front, back))
-    q = q.view(batch, heads, -1, tile, dim)  # [B, H, tiles, tile, D]
-    n_tiles = q.shape[2]
-    k = F.pad(key.float(), (0, 0, 0, k_pad)).repeat_interleave(groups, 1)
-    v = F.pad(value.float(), (0, 0, 0, k_pad)).repeat_interleave(groups, 1)
-    v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the ones column gives the row sums
-    blocks = k.shape[2] // key_block
-    v_blocks = v.view(batch, heads, blocks, key_block, dim + 1)
-    mask = F.pad(allowed, (0, k_pad, front, back), value=False)
-    mask = mask.view(mask.shape[0], 1, n_tiles, tile, -1)
-    k_t = k.transpose(-1, -2)[:, :, None]  # [B, H, 1, D, Lk']
+    dtype. Rows that may see no key give zeros. ``plan``: the :class:`BlockPlan` of this mask and these settings,
+    when the caller keeps one (built here otherwise).
 
-    per_tile = heads * tile * k.shape[2] * 4 * batch
-    step = max(1, SCORE_BUDGET_BYTES // max(per_tile, 1))
-    out = q.new_empty(batch, heads, n_tiles, tile, dim)
-    for a in range(0, n_tiles, step):
-        b = min(n_tiles, a + step)
-        s = (q[:, :, a:b] @ k_t) * scaling  # fixed-shape GEMMs: [tile, D] x [D, Lk'] per (batch, head, tile)
-        s = s.masked_fill(~mask[:, :, a:b], float("-inf"))
-        m = s.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m)
-        acc = None
-        for j in range(blocks):  # in block order: the same additions for every call that sees these keys
-            part = p[..., j * key_block : (j + 1) * key_block] @ v_blocks[:, :, j : j + 1]
-            acc = part if acc is None else acc + part
-        total = acc[..., dim:]
-        out[:, :, a:b] = torch.where(total > 0, acc[..., :dim] / total.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    out = out.view(batch, heads, -1, dim)[:, :, front : front + q_len]
+    Every product is a GEMM of one fixed shape: the ``Hq / Hkv`` query heads that read one KV head, ``tile``
+    query rows each, times one block of ``key_block`` keys (scores ``[g * tile, D] x [D, key_block]`` in fp32,
+    then probabilities ``[g * tile, key_block] x [key_block, D + 1]``, the extra column of ones giving the row
+    sums). The row maximum is exact whatever the order, ``exp(s - max)`` is elementwise, and the blocks'
+    contributions are added one after the other in key order, from zero; a block no query of a tile may see is
+    skipped, which is what adding its exact zeros would give. So a query's bits depend only on its own inputs and
+    the keys it may see, not on the call. Two schedules make the same operations: query-tile-major for calls of
+    one or two tiles (decode steps, short suffixes: one batch of GEMMs over all blocks at once) and
+    key-block-major for longer calls (a Python loop over key blocks instead of over tiles).
+    """
+    if plan is None:
+        plan = BlockPlan.build(allowed, front=front, tile=tile, key_block=key_block)
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    n_tiles, blocks = plan.seen.shape
+    rows = groups * tile
+    # Queries [B, Hkv, tiles, g * tile, D]: the g heads reading one KV head stacked, one GEMM per KV head.
+    q = F.pad(query, (0, 0, front, plan.back)).view(batch, kv_heads, groups, n_tiles, tile, dim)
+    q = q.permute(0, 1, 3, 2, 4, 5).to(torch.float32).reshape(batch, kv_heads, n_tiles, rows, dim)
+    # Keys in fp32 blocks, read transposed ([B, Hkv, blocks, D, kb] views); values [B, Hkv, blocks, kb, D + 1]
+    # with the ones. Written once each (a padded copy then a converted one cost ~2x on a long cache, per layer).
+    k_len = key.shape[2]
+    keys = torch.empty(batch, kv_heads, blocks * key_block, dim, dtype=torch.float32, device=key.device)
+    keys[:, :, :k_len] = key
+    v1 = torch.empty(batch, kv_heads, blocks * key_block, dim + 1, dtype=torch.float32, device=key.device)
+    v1[:, :, :k_len, :dim] = value
+    v1[:, :, :k_len, dim] = 1.0
+    if plan.k_pad:  # padding keys: zeros (they are masked; no row sum either)
+        keys[:, :, k_len:] = 0.0
+        v1[:, :, k_len:] = 0.0
+    k_t = keys.view(batch, kv_heads, blocks, key_block, dim).transpose(-1, -2)
+    v1 = v1.view(batch, kv_heads, blocks, key_block, dim + 1)
+    out = q.new_empty(batch, kv_heads, n_tiles, rows, dim)
+    if n_tiles <= 2:
+        for t in range(n_tiles):
+            _tile_major(q, k_t, v1, plan, out, t, groups, scaling)
+    else:
+        step = max(1, SCORE_BUDGET_BYTES // max(1, batch * kv_heads * rows * blocks * key_block * 4))
+        for a in range(0, n_tiles, step):
+            _block_major(q, k_t, v1, plan, out, a, min(n_tiles, a + step), groups, scaling)
+    out = out.view(batch, kv_heads, n_tiles, groups, tile, dim).permute(0, 1, 3, 2, 4, 5)
+    out = out.reshape(batch, heads, n_tiles * tile, dim)[:, :, front : front + q_len]
     return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; inference tensors keep none (-1: only identity is checked)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
+def _span(flags: torch.Tensor) -> tuple[int, int] | None:
+    """``(first, last + 1)`` of the True entries of a 1-D bool tensor, None if there are none."""
+    where = flags.nonzero()
+    return (int(where[0]), int(where[-1]) + 1) if where.numel() else None
+
+
+def _hide(s: torch.Tensor, mask: torch.Tensor, groups: int, value: float) -> torch.Tensor:
+    """Writes ``value`` into ``s`` ``[B, Hkv, n, g * tile, kb]`` where ``mask`` ``[Bm, n, tile, kb]`` is False."""
+    shape = s.shape
+    s5 = s.view(*shape[:-2], groups, shape[-2] // groups, shape[-1])
+    return s5.masked_fill_(~mask.unsqueeze(1).unsqueeze(-3), value).view(shape)
+
+
+def _exp_shifted(s: torch.Tensor, m: torch.Tensor, mask: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``exp(s - m)`` in place of ``s``, exact zeros where ``mask`` is False. Masked scores go through ``exp``
+    as 0, not as ``-inf``: ``exp`` of a value that underflows takes a slow path on x86 (~20x a normal one)."""
+    s.sub_(m)
+    if mask is None:
+        return s.exp_()
+    return _hide(_hide(s, mask, groups, 0.0).exp_(), mask, groups, 0.0)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """Row maxima of rows that see no key are -inf: 0 instead (their probabilities are all exact zeros)."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _normalise(acc: torch.Tensor, dim: int) -> torch.Tensor:
+    total = acc[..., dim:]
+    return torch.where(total > 0, acc[..., :dim] / total.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+def _tile_major(q, k_t, v1, plan: BlockPlan, out, t: int, groups: int, scaling: float) -> None:
+    """One query tile against all the key blocks it sees, each product a batch of fixed-shape GEMMs."""
+    span = _span(plan.seen[t])
+    if span is None:
+        out[:, :, t] = 0.0
+        return
+    lo, hi = span
+    # [B, Hkv, span, g * tile, kb]: the tile's queries broadcast over the blocks, one [g*tile, D] x [D, kb] each.
+    s = torch.matmul(q[:, :, t, None], k_t[:, :, lo:hi]).mul_(scaling)
+    cut = _span(~plan.full[t, lo:hi])  # the blocks to mask (causal: the last)
+    if cut is not None:
+        c0, c1 = cut
+        cut_mask = plan.mask[:, t, :, lo + c0 : lo + c1].transpose(1, 2)  # [Bm, n, tile, kb]
+        _hide(s[:, :, c0:c1], cut_mask, groups, float("-inf"))
+    m = _finite(s.amax(dim=(2, 4), keepdim=True))
+    if cut is None:
+        _exp_shifted(s, m, None, groups)
+    else:
+        _exp_shifted(s[:, :, :c0], m, None, groups)
+        _exp_shifted(s[:, :, c0:c1], m, cut_mask, groups)
+        _exp_shifted(s[:, :, c1:], m, None, groups)
+    parts = torch.matmul(s, v1[:, :, lo:hi])  # [B, Hkv, span, g*tile, D+1]
+    acc = torch.zeros_like(parts[:, :, 0])  # from zero, as the block-major schedule: the same additions
+    for j in range(hi - lo):  # in key order: the additions every call that sees these keys makes
+        acc += parts[:, :, j]
+    out[:, :, t] = _normalise(acc, out.shape[-1])
+
+
+def _block_major(q, k_t, v1, plan: BlockPlan, out, a: int, b: int, groups: int, scaling: float) -> None:
+    """Query tiles ``a..b``: a loop over key blocks, each block's products for every tile that sees it in one
+    batch of fixed-shape GEMMs. Two passes: the scores and their row maxima, then the probabilities and their
+    products added in block order."""
+    used = _span(plan.seen[a:b].any(dim=0))
+    if used is None:
+        out[:, :, a:b] = 0.0
+        return
+    scores: list[tuple[int, int, torch.Tensor, tuple[int, int, torch.Tensor] | None]] = []
+    m = q.new_full((*q.shape[:2], b - a, q.shape[3], 1), float("-inf"))
+    for j in range(*used):
+        tiles = _span(plan.seen[a:b, j])
+        if tiles is None:
+            continue
+        t0, t1 = a + tiles[0], a + tiles[1]
+        # [B, Hkv, n, g * tile, kb]: this block for tiles t0..t1, one [g*tile, D] x [D, kb] each.
+        s = torch.matmul(q[:, :, t0:t1], k_t[:, :, j, None]).mul_(scaling)
+        cut = _span(~plan.full[t0:t1, j])  # the tiles it cuts through (causal: the diagonal ones)
+        hidden = None
+        if cut is not None:
+            hidden = (cut[0], cut[1], plan.mask[:, t0 + cut[0] : t0 + cut[1], :, j])
+            _hide(s[:, :, cut[0] : cut[1]], hidden[2], groups, float("-inf"))
+        rows_m = m[:, :, t0 - a : t1 - a]
+        torch.maximum(rows_m, s.amax(dim=-1, keepdim=True), out=rows_m)
+        scores.append((j, t0, s, hidden))
+    m = _finite(m)
+    acc = q.new_zeros((*q.shape[:2], b - a, q.shape[3], v1.shape[-1]))
+    for j, t0, s, hidden in scores:  # in key order: the additions every call that sees these keys makes
+        rows_m = m[:, :, t0 - a : t0 - a + s.shape[2]]
+        if hidden is None:
+            _exp_shifted(s, rows_m, None, groups)
+        else:
+            c0, c1, cut_mask = hidden
+            _exp_shifted(s[:, :, :c0], rows_m[:, :, :c0], None, groups)
+            _exp_shifted(s[:, :, c0:c1], rows_m[:, :, c0:c1], cut_mask, groups)
+            _exp_shifted(s[:, :, c1:], rows_m[:, :, c1:], None, groups)
+        acc[:, :, t0 - a : t0 - a + s.shape[2]] += torch.matmul(s, v1[:, :, j, None])
+    out[:, :, a:b] = _normalise(acc, out.shape[-1])
 
 
 @ATTENTION.register("batch_invariant")
@@ -121,22 +283,38 @@ class BatchInvariantBackend(AttentionBackend):
     HF baselines of a run use the same arithmetic, since the backend is installed in the model they share).
 
     Args:
-        tile: rows per GEMM tile, aligned to cache positions (projections and attention queries). Larger
-            tiles mean fewer GEMM calls per prefill and more padding per decode step.
+        tile: rows per GEMM tile of the decoder projections, aligned to cache positions. Larger tiles mean
+            fewer GEMM calls per prefill and more padding per decode step.
+        query_tile: query rows per attention GEMM, aligned to cache positions the same way (a decode step
+            computes ``query_tile`` rows per head for its one).
         key_block: keys per block of the attention's in-order accumulation.
+        packed_weights: multiply the tiles with prepacked copies of the projection weights (oneDNN's layout in
+            bf16, MKL's in fp32; :mod:`kvboost.models.prepack`), which a GEMM of a few dozen rows runs 1.2-2x
+            faster than ``F.linear``, whose bf16 kernel re-lays the weight out on every call. ``"auto"`` packs on
+            CPUs with native bf16 (bf16) or MKL (fp32) when the copies take at most 5% of the memory; ``True``
+            insists (an error where it cannot), ``False`` keeps ``F.linear``. Packed copies are rebuilt when a
+            weight is changed in place or replaced.
     """
 
     name = "batch_invariant"
     mask_kind = "sdpa"
-    #: Goes into the engine's fingerprint: KV computed here has other bits than under the other backends.
-    fingerprint_tag: ClassVar[str] = "batch_invariant"
 
-    def __init__(self, tile: int = 64, key_block: int = 64) -> None:
+    def __init__(
+        self, tile: int = 64, key_block: int = 128, query_tile: int = 16, packed_weights: bool | str = "auto"
+    ) -> None:
         super().__init__()
-        for field, value in (("tile", tile), ("key_block", key_block)):
+        for field, value in (("tile", tile), ("query_tile", query_tile), ("key_block", key_block)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"attn.{field} must be a positive integer, got {value!r}")
-        self.tile, self.key_block = tile, key_block
+        if packed_weights not in ("auto", True, False):
+            raise ValueError(f"attn.packed_weights must be 'auto', true or false, got {packed_weights!r}")
+        self.tile, self.query_tile, self.key_block = tile, query_tile, key_block
+        self.packed_weights = packed_weights
+        self._pack_budget_ok = True
+        self._packs: dict[torch.nn.Module, tuple[tuple, Callable | None]] = {}
+        self._plan_cache: tuple[torch.Tensor | None, tuple, BlockPlan] | None = None
+        # The settings choose the GEMM shapes and kernels, so the bits: entries computed under other ones stay apart.
+        self.fingerprint_tag = f"batch_invariant(tile={tile},query_tile={query_tile},key_block={key_block})"
         self._offset = 0  # cache position of the first row of the forward that runs now
         self._hooks: list[Any] = []
 
@@ -159,12 +337,19 @@ class BatchInvariantBackend(AttentionBackend):
         if self._hooks:
             return model
         base = model.get_decoder() if hasattr(model, "get_decoder") else model
+        linears = [module for layer in getattr(base, "layers", []) for module in layer.modules()
+                   if isinstance(module, torch.nn.Linear) and not hasattr(module, _PATCHED)]  # fmt: skip
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        memory = prepack.physical_memory_bytes()
+        self._pack_budget_ok = memory is not None and weight_bytes <= prepack.AUTO_MAX_MEMORY_FRACTION * memory
+        if self.packed_weights is True and linears:
+            reason = self._pack_unavailable(linears[0].weight)
+            if reason is not None:
+                raise ValueError(f"attn.packed_weights=true cannot run here: {reason}; use 'auto' or false")
         self._hooks.append(base.register_forward_pre_hook(self._record_offset, with_kwargs=True))
-        for layer in getattr(base, "layers", []):
-            for module in layer.modules():
-                if isinstance(module, torch.nn.Linear) and not hasattr(module, _PATCHED):
-                    module.forward = types.MethodType(self._linear_forward, module)
-                    setattr(module, _PATCHED, self)
+        for module in linears:
+            module.forward = types.MethodType(self._linear_forward, module)
+            setattr(module, _PATCHED, self)
         return model
 
     def uninstall(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -175,6 +360,8 @@ class BatchInvariantBackend(AttentionBackend):
             if getattr(module, _PATCHED, None) is self:
                 del module.forward  # back to the class's forward
                 delattr(module, _PATCHED)
+        self._packs.clear()
+        self._plan_cache = None
         return super().uninstall(model)
 
     def _record_offset(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -185,10 +372,66 @@ class BatchInvariantBackend(AttentionBackend):
         cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers renames it to ``cache``
         self._offset = int(cache.get_seq_length()) if cache is not None else 0
 
+    def set_offset(self, position: int) -> None:
+        """The cache position of the first row the next projections compute (the tiles' alignment): what the
+        forward hook records from HF's forward, for a caller that runs the layers itself (the decode step)."""
+        self._offset = int(position)
+
     def _linear_forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(module, x, self._offset, self.tile)
+        return tiled_linear(module, x, self._offset, self.tile, self._packed(module, x))
+
+    def _pack_unavailable(self, weight: torch.Tensor) -> str | None:
+        """Why this weight is not packed (None: it is)."""
+        if self.packed_weights is False:
+            return "attn.packed_weights=false"
+        reason = prepack.unavailable_reason(weight.dtype, weight.device)
+        if reason is not None or self.packed_weights is True:
+            return reason
+        if weight.dtype == torch.bfloat16 and not prepack.native_bf16_cpu():
+            return "this CPU has no native bf16 (AMX or AVX-512 BF16)"
+        if not self._pack_budget_ok:
+            return f"the packed copies would exceed {prepack.AUTO_MAX_MEMORY_FRACTION:.0%} of the machine's memory"
+        return None
+
+    def _packed(self, module: torch.nn.Linear, x: torch.Tensor) -> Callable | None:
+        """The packed multiply for ``module``'s weight as it is now (built on first use, rebuilt when the weight
+        was replaced or changed in place), or None where ``F.linear`` runs."""
+        weight = module.weight
+        if x.dtype != weight.dtype:
+            return None  # F.linear raises its own error
+        key = (weight.data_ptr(), _version(weight), weight.dtype, weight.device, module.bias is not None)
+        entry = self._packs.get(module)
+        if entry is None or entry[0] != key:
+            reason = self._pack_unavailable(weight)
+            if reason is not None and self.packed_weights is True:
+                raise RuntimeError(f"attn.packed_weights=true cannot pack {tuple(weight.shape)} here: {reason}")
+            multiply = None
+            if reason is None:
+                kind = prepack.PrepackedLinear if weight.dtype == torch.bfloat16 else prepack.mkl_pack.MklPackedLinear
+                multiply = kind(weight.detach(), None if module.bias is None else module.bias.detach())
+            entry = self._packs[module] = (key, multiply)
+        return entry[1]
 
     # ------------------------------------------------------------------ attention
+    def _plan(self, attention_mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> BlockPlan:
+        """The block plan of this call's mask, shared by every layer of a forward (they get the same mask
+        object, or none): kept while the mask object is alive and unchanged."""
+        source = attention_mask
+        key = (q_len, k_len, str(device), None if source is None else _version(source))
+        cached = self._plan_cache
+        if cached is not None and cached[0] is source and cached[1] == key:
+            return cached[2]
+        front = (k_len - q_len) % self.query_tile
+        if source is not None:
+            allowed = source if source.dtype == torch.bool else source == 0
+        else:  # causal, aligned bottom-right: the queries are the last q_len positions
+            keys = torch.arange(k_len, device=device)
+            allowed = (keys[None, :] <= torch.arange(k_len - q_len, k_len, device=device)[:, None])[None, None]
+        plan = BlockPlan.build(allowed, front=front, tile=self.query_tile, key_block=self.key_block)
+        # The mask itself is held, so its storage cannot be reused by another mask while this entry lives.
+        self._plan_cache = (source, key, plan)
+        return plan
+
     def attention_forward(
         self,
         module: torch.nn.Module,
@@ -204,20 +447,15 @@ class BatchInvariantBackend(AttentionBackend):
             raise ValueError("attention backend 'batch_invariant' runs inference only (dropout must be 0)")
         q_len, k_len = query.shape[2], key.shape[2]
         q_positions = kwargs.pop(SELECTED_Q_POSITIONS, None)
-        keys = torch.arange(k_len, device=query.device)
         if q_positions is not None:  # layer-wise execution: selected rows, by their own positions
+            keys = torch.arange(k_len, device=query.device)
             allowed = (keys[None, :] <= q_positions.to(query.device)[:, None])[None, None]
-            front = 0
-        elif attention_mask is not None:
-            allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-            front = (k_len - q_len) % self.tile
-        else:  # causal, aligned bottom-right: the queries are the last q_len positions
-            positions = torch.arange(k_len - q_len, k_len, device=query.device)
-            allowed = (keys[None, :] <= positions[:, None])[None, None]
-            front = (k_len - q_len) % self.tile
+            plan = BlockPlan.build(allowed, front=0, tile=self.query_tile, key_block=self.key_block)
+        else:
+            plan = self._plan(attention_mask, q_len, k_len, query.device)
         out = invariant_attention(
-            query, key, value, allowed, front=front, tile=self.tile, key_block=self.key_block,
-            scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            query, key, value, plan.mask, front=plan.front, tile=self.query_tile, key_block=self.key_block,
+            scaling=scaling if scaling is not None else query.shape[-1] ** -0.5, plan=plan,
         )  # fmt: skip
         self.kernel_calls += 1
         return out, None

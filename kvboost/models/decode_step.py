@@ -29,6 +29,11 @@ matrix each: four int4 calls per layer instead of seven, the modules keeping vie
 compiled; the fused call is the modules' arithmetic to the bit. Elsewhere (``dequant``, CUDA) each projection
 runs through its own module and the compiled step refuses them. ``auto`` picks the eager step for AWQ models
 (faster than compiled here, see :func:`choose_decode`).
+
+Under ``attn=batch_invariant`` the eager step hands the backend what HF's forward would: each projection goes
+through its (tiled) module at the token's position, and attention through the backend's own kernel with no mask
+(the call HF makes for one query), so the step's logits equal HF's decode under that backend, bit for bit,
+without HF's Python around each token.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # RoPE types whose inverse frequencies are fixed once built (the step reads ``rotary_emb.inv_freq`` once).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DECODE_MODES = ("hf", "eager", "compiled")
+#: Attention backends whose arithmetic the eager step runs by calling them (projections and attention).
+DELEGATING_BACKENDS = ("batch_invariant",)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -149,12 +156,22 @@ class FusedDecodeStep:
         compile: compile the step with ``torch.compile`` (inductor, dynamic shapes); False runs it eagerly,
             and then computes what HF's forward computes to the bit (``F.linear``, transformers' SDPA call,
             the same roundings), bf16 included.
+        backend: an installed attention backend of :data:`DELEGATING_BACKENDS` whose projections and attention
+            the (eager) step calls instead of its own, for HF's bits under that backend.
     """
 
-    def __init__(self, model: Any, *, compile: bool = True) -> None:
+    def __init__(self, model: Any, *, compile: bool = True, backend: Any = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused decode step does not support this model: {reason}")
+        self.backend = backend
+        if backend is not None:
+            if getattr(backend, "name", None) not in DELEGATING_BACKENDS:
+                raise ValueError(f"the decode step delegates only to {DELEGATING_BACKENDS}, not {backend!r}")
+            if compile:
+                raise ValueError(f"attn={backend.name}: the compiled decode step has its own arithmetic; use eager")
+            if has_int4_projections(model):
+                raise ValueError(f"attn={backend.name}: AWQ int4 projections are not tiled; decode through HF")
         self.int4 = has_int4_projections(model)
         # AWQ int4 projections: fused per input (q/k/v, gate/up) for torch's int4 CPU kernel where the modules'
         # one-row call is that kernel; elsewhere each runs through its own module.
@@ -211,11 +228,12 @@ class FusedDecodeStep:
                 down.scale_zero,
             )  # fmt: skip
 
-        def w(proj):  # a plain linear's weight, or an int4 linear itself (it applies its own bias)
-            return proj.weight if isinstance(proj, torch.nn.Linear) else proj
+        def w(proj):  # a plain linear's weight, or the module itself (an int4 linear; under a delegating
+            # backend, the backend's tiled forward): it applies its own bias
+            return proj.weight if isinstance(proj, torch.nn.Linear) and self.backend is None else proj
 
         def b(proj):
-            return proj.bias if isinstance(proj, torch.nn.Linear) else None
+            return proj.bias if isinstance(proj, torch.nn.Linear) and self.backend is None else None
 
         return (
             layer.input_layernorm.weight, w(attn.q_proj), b(attn.q_proj), w(attn.k_proj), b(attn.k_proj),
@@ -269,6 +287,12 @@ class FusedDecodeStep:
         # A slice, not keys[:, position]: an integer index would specialise the graph on the position.
         keys[:, position : position + 1] = k[:, None]
         values[:, position : position + 1] = v[:, None]
+        if self.backend is not None:  # the backend's call for HF's one query: no mask, [1, 1, heads, d] back
+            out, _ = self.backend.attention_forward(
+                None, q.view(1, h, 1, d), keys[None, :, : position + 1], values[None, :, : position + 1], None,
+                scaling=self.scale,
+            )  # fmt: skip
+            return out.reshape(h * d)
         if not self.exact:
             ks = keys[:, : position + 1].float()  # [kvh, n, d]
             vs = values[:, : position + 1].float()
@@ -320,6 +344,8 @@ class FusedDecodeStep:
 
     def _forward(self, token: torch.Tensor, position: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
+        if self.backend is not None:
+            self.backend.set_offset(position)  # what its hook records when HF's forward runs this token
         x, cos, sin = self._prologue_fn(token, position, inner.embed_tokens.weight, inner.rotary_emb.inv_freq)
         for i, weights in enumerate(self._layer_weights):
             x = self._layer_fn(x, cos, sin, position, keys[i], values[i], *weights)
@@ -414,6 +440,8 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
         reason = unsupported_reason(model)
         if reason is not None:
             return "hf", f"fused decode step unsupported: {reason}"
+        if attention in DELEGATING_BACKENDS and not has_int4_projections(model):
+            return "eager", f"attention backend {attention!r}: the eager step calls it"
         if attention != "sdpa":
             return "hf", f"attention backend {attention!r} decodes through HF's forward"
         if has_int4_projections(model):
@@ -434,6 +462,11 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"decode={requested!r}: the fused decode step does not support this model: {reason}")
+    if attention in DELEGATING_BACKENDS:
+        if requested == "compiled" or has_int4_projections(model):
+            raise ValueError(f"decode={requested!r} with attn={attention!r}: only the eager step calls the backend "
+                             "(and not with AWQ int4 projections); use decode='eager', 'hf' or 'auto'")  # fmt: skip
+        return requested, "requested"
     if attention != "sdpa":
         raise ValueError(
             f"decode={requested!r} runs its own attention; with attn={attention!r} use decode='hf' (or 'auto')"
