@@ -52,6 +52,21 @@ def test_invariant_attention_is_attention(q_len, k_len, heads, kv_heads):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_len,k_len", [(1, 40), (7, 40), (40, 40), (50, 50)])
+def test_invariant_attention_with_a_batch_and_a_padding_mask(q_len, k_len):
+    """Two sequences, the second left-padded by 9 keys: each row is SDPA's under the same mask, both schedules
+    (one or two query tiles: tile-major; more: block-major), rows that see no key give zeros."""
+    torch.manual_seed(8)
+    q, k, v = torch.randn(2, 6, q_len, 16), torch.randn(2, 2, k_len, 16), torch.randn(2, 2, k_len, 16)
+    allowed = _causal(q_len, k_len).repeat(2, 1, 1, 1)
+    allowed[1, :, :, :9] = False
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+    got = invariant_attention(q, k, v, allowed, front=(k_len - q_len) % 8, tile=8, key_block=16, scaling=16**-0.5)
+    seen = allowed.any(-1)[:, 0]  # [B, Lq]: rows that see some key
+    torch.testing.assert_close(got[seen], expected[seen], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[~seen], torch.zeros_like(got[~seen]))
+
+
 def test_invariant_attention_rows_do_not_depend_on_the_call():
     torch.manual_seed(3)
     n = 150
