@@ -301,7 +301,8 @@ class InferenceEngine:
     def decode_info(self) -> dict[str, Any]:
         """How tokens after the first are decoded (mode, why, the compile time paid so far in seconds) and how a
         suffix prefill runs (``prefill``, ``prefill_reason``, ``prefill_weights``, ``prefill_weights_reason``,
-        ``awq_prefill``)."""
+        ``awq_prefill``), and the bytes of the prepacked weight copies held beside the model's own
+        (``packed_weight_bytes``: the prefill's and the attention backend's, so far)."""
         step = self._decode_step
         mode = self.decode_mode if step is None or step.compiled or self.decode_mode != "compiled" else "eager"
         return {
@@ -313,6 +314,8 @@ class InferenceEngine:
             "prefill_weights": self.prefill_weights,
             "prefill_weights_reason": self.prefill_weights_reason,
             "awq_prefill": getattr(self.model, "_kvboost_awq_prefill", None),
+            "packed_weight_bytes": (self._prefill_step.packed_bytes if self._prefill_step is not None else 0)
+            + int(getattr(self.attention, "packed_bytes", 0)),
         }
 
     def __enter__(self) -> InferenceEngine:

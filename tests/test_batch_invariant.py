@@ -200,6 +200,18 @@ def test_packed_weights_follow_the_weights():
     again = tiled_linear(linear, x, 5, 8, backend._packed(linear, x))
     torch.testing.assert_close(again, linear(x), atol=1e-5, rtol=1e-5)
     assert BatchInvariantBackend(packed_weights=False)._packed(linear, x) is None
+    assert backend.packed_bytes >= 64 * 48 * 4  # one copy, rebuilt in place of the stale one
+
+
+def test_the_engine_reports_the_backends_packed_copies():
+    engine = make_engine("llama", attn="batch_invariant")
+    before = engine.decode_info()["packed_weight_bytes"]
+    engine.generate(random_ids(20, seed=2), max_new_tokens=2)
+    after = engine.decode_info()["packed_weight_bytes"]
+    packs_here = engine.attention._pack_unavailable(engine.model.model.layers[0].mlp.up_proj.weight) is None
+    assert before == 0 and (after > 0) == packs_here  # built on first use, where packing runs
+    engine.close()
+    assert engine.attention.packed_bytes == 0  # uninstall drops them
 
 
 @pytest.mark.parametrize("settings", [{"tile": 16}, {"query_tile": 8}, {"key_block": 32}])

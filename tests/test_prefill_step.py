@@ -358,6 +358,10 @@ def test_engine_with_mkl_prepacked_weights_reuses_within_1e4_in_fp32():
     engine = make_engine("llama", prefill_weights="prepacked", decode="eager")
     info = engine.decode_info()
     assert info["prefill_weights"] == "prepacked" and info["prefill_weights_reason"] == "requested"
+    # The packed copies are reported: MKL's layout of every projection weight, at least their fp32 bytes.
+    weights = sum(p.numel() * 4 for layer in engine.model.model.layers for name, p in layer.named_parameters()
+                  if name.endswith("proj.weight"))  # fmt: skip
+    assert info["packed_weight_bytes"] >= weights
     prompt = random_ids(70, seed=9)
     engine.warm(prompt[:40])
     hit, cold = engine.generate(prompt, 6), engine.generate(prompt, 6, mode="cold")

@@ -380,6 +380,11 @@ class BatchInvariantBackend(AttentionBackend):
     def _linear_forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return tiled_linear(module, x, self._offset, self.tile, self._packed(module, x))
 
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the prepacked weight copies built so far (they are built on first use)."""
+        return sum(int(getattr(multiply, "nbytes", 0)) for _, multiply in self._packs.values() if multiply)
+
     def _pack_unavailable(self, weight: torch.Tensor) -> str | None:
         """Why this weight is not packed (None: it is)."""
         if self.packed_weights is False:

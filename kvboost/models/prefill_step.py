@@ -132,6 +132,14 @@ class StepPrefill:
             layer.post_attention_layernorm.weight, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
         )  # fmt: skip
 
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the prepacked copies of the projection weights this prefill holds (0 without them)."""
+        if self._packed_layers is None:
+            return 0
+        return sum(int(getattr(w, "nbytes", 0)) for layer in self._packed_layers for w in layer
+                   if not isinstance(w, torch.Tensor))  # fmt: skip
+
     def _int4_kernel_takes(self, x: torch.Tensor) -> bool:
         """Whether the modules' call on ``x``'s rows is torch's int4 kernel (what the fused packs compute)."""
         return self.inner.layers[0].self_attn.q_proj._use_int4pack(x)
