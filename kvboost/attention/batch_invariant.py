@@ -15,18 +15,22 @@ How, with stock torch kernels:
   aligned to the absolute cache position (row p always sits at offset ``p % tile`` of a tile; the tile is padded
   with zero rows). A GEMM of fixed shape reduces each output element in a fixed order whatever the other rows
   hold, so a token's projection no longer depends on how many tokens share the forward. Decode steps (one
-  row) pay for a padded tile: that is the price of the guarantee.
-- attention: fp32, queries in the same position-aligned tiles, keys in blocks of ``key_block`` rows. The row
-  maximum is exact whatever the order; probabilities ``exp(s - max)`` are elementwise; each key block's
-  contribution (a fixed-shape GEMM, with a column of ones in V giving the row sums in the same product) is
-  added in block order. Blocks past a query's position contribute exact zeros, so the result depends only on
-  the keys the query may see.
+  row) pay for a padded tile: that is the price of the guarantee. Where it pays (``packed_weights``), the tiles
+  multiply prepacked copies of the weights (one fixed kernel as well, without ``F.linear``'s per-call re-layout).
+- attention: fp32, queries in position-aligned tiles of ``query_tile`` rows, keys in blocks of ``key_block``
+  rows, every product one fixed-shape GEMM per (tile, block) (see :func:`invariant_attention`). The row maximum
+  is exact whatever the order; probabilities ``exp(s - max)`` are elementwise; each block's contribution (with
+  a column of ones in V giving the row sums in the same product) is added in block order. Blocks past a
+  query's position contribute exact zeros (and are skipped when no query of the tile sees them), so the result
+  depends only on the keys the query may see.
 
 The LM head is left alone: the engine and the HF baselines both compute only the last row's logits.
 
 Content reuse (layer-wise execution of selected rows) runs through the same code, correct but not aligned
-(its result is an approximation anyway). Decoding goes through HF's forward (the fused decode step has its
-own arithmetic). Models with attention soft-capping are refused; sliding windows come in the mask.
+(its result is an approximation anyway). The engine's eager decode step calls this backend (its tiled modules,
+:meth:`BatchInvariantBackend.set_offset`, its attention), so its tokens are HF's under the backend, bit for bit.
+Models with attention soft-capping are refused; sliding windows come in the mask. Cost against ``attn=sdpa``
+on an AMX CPU in bf16: ``experiments/results/bf16_exactness/cost/bench_bfloat16.md``.
 """
 
 from __future__ import annotations
