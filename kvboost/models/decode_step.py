@@ -427,7 +427,8 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
 
     ``"auto"`` (the default) takes ``$KVBOOST_DECODE`` when set, else ``"compiled"`` where the model is supported,
     the attention backend is ``sdpa`` (the fused step has its own attention; other backends keep theirs by
-    decoding through HF) and inductor can build kernels; otherwise ``"hf"``. An explicit mode the model or the
+    decoding through HF) and inductor can build kernels; ``"eager"`` under a backend of
+    :data:`DELEGATING_BACKENDS` (the eager step calls it); otherwise ``"hf"``. An explicit mode the model or the
     backend cannot take is an error.
     """
     if requested == "auto":
