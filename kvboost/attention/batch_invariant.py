@@ -66,10 +66,7 @@ def tiled_linear(
     n = rows.shape[0]
     front = offset % tile
     padded = F.pad(rows, (0, 0, front, -(front + n) % tile))
-    if multiply is None:
-        tiles = [F.linear(padded[i : i + tile], module.weight, module.bias) for i in range(0, padded.shape[0], tile)]
-    else:
-        tiles = [multiply(padded[i : i + tile]) for i in range(0, padded.shape[0], tile)]
+    tiles = [F.linear(t, module.weight, module.bias) if multiply is None else multiply(t) for t in padded.split(tile)]
     out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
     return out[front : front + n].reshape(*x.shape[:-1], out.shape[-1])
 
@@ -88,8 +85,6 @@ class BlockPlan:
 
     front: int
     back: int
-    tile: int
-    key_block: int
     k_pad: int
     mask: torch.Tensor
     seen: torch.Tensor
@@ -107,14 +102,14 @@ class BlockPlan:
         rows_padded = F.pad(keys_padded, (0, 0, front, back), value=True).reshape(mask.shape)
         seen = mask.any(dim=4).any(dim=2).any(dim=0)
         full = rows_padded.all(dim=4).all(dim=2).all(dim=0)
-        return cls(front, back, tile, key_block, k_pad, mask, seen.cpu(), full.cpu())
+        return cls(front, back, k_pad, mask, seen.cpu(), full.cpu())
 
 
 def invariant_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     *,
     front: int,
     tile: int,
@@ -126,7 +121,7 @@ def invariant_attention(
     [B or 1, 1, Lq, Lk]`` (bool) says which key each query may see; ``front`` zero rows are put before the
     queries so that they sit at their position-aligned tile offsets. Returns ``[B, Lq, Hq, D]`` in the query's
     dtype. Rows that may see no key give zeros. ``plan``: the :class:`BlockPlan` of this mask and these settings,
-    when the caller keeps one (built here otherwise).
+    when the caller keeps one (``allowed`` may then be None); built here otherwise.
 
     Every product is a GEMM of one fixed shape: the ``Hq / Hkv`` query heads that read one KV head, ``tile``
     query rows each, times one block of ``key_block`` keys (scores ``[g * tile, D] x [D, key_block]`` in fp32,
@@ -139,6 +134,8 @@ def invariant_attention(
     key-block-major for longer calls (a Python loop over key blocks instead of over tiles).
     """
     if plan is None:
+        if allowed is None:
+            raise ValueError("invariant_attention needs the mask (allowed) or its block plan")
         plan = BlockPlan.build(allowed, front=front, tile=tile, key_block=key_block)
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -185,20 +182,31 @@ def _span(flags: torch.Tensor) -> tuple[int, int] | None:
     return (int(where[0]), int(where[-1]) + 1) if where.numel() else None
 
 
-def _hide(s: torch.Tensor, mask: torch.Tensor, groups: int, value: float) -> torch.Tensor:
-    """Writes ``value`` into ``s`` ``[B, Hkv, n, g * tile, kb]`` where ``mask`` ``[Bm, n, tile, kb]`` is False."""
+def _hide(s: torch.Tensor, hidden: torch.Tensor, groups: int, value: float) -> torch.Tensor:
+    """Writes ``value`` into ``s`` ``[B, Hkv, n, g * tile, kb]`` where ``hidden`` (:func:`_cut`) is True."""
     shape = s.shape
-    s5 = s.view(*shape[:-2], groups, shape[-2] // groups, shape[-1])
-    return s5.masked_fill_(~mask.unsqueeze(1).unsqueeze(-3), value).view(shape)
+    return s.view(*shape[:-2], groups, shape[-2] // groups, shape[-1]).masked_fill_(hidden, value).view(shape)
 
 
-def _exp_shifted(s: torch.Tensor, m: torch.Tensor, mask: torch.Tensor | None, groups: int) -> torch.Tensor:
-    """``exp(s - m)`` in place of ``s``, exact zeros where ``mask`` is False. Masked scores go through ``exp``
-    as 0, not as ``-inf``: ``exp`` of a value that underflows takes a slow path on x86 (~20x a normal one)."""
+def _cut(s: torch.Tensor, c0: int, c1: int, mask: torch.Tensor, groups: int) -> tuple[int, int, torch.Tensor]:
+    """Masks entries ``c0..c1`` of ``s``'s third dim with ``-inf`` where ``mask`` ``[Bm, c1 - c0, tile, kb]`` is
+    False; returns ``(c0, c1, hidden)`` for :func:`_exp_shifted` (``hidden``: the inverted mask, broadcast over
+    the batch's KV heads and the query heads of a group)."""
+    hidden = ~mask.unsqueeze(1).unsqueeze(-3)
+    _hide(s[:, :, c0:c1], hidden, groups, float("-inf"))
+    return c0, c1, hidden
+
+
+def _exp_shifted(s: torch.Tensor, m: torch.Tensor, cut: tuple[int, int, torch.Tensor] | None, groups: int) -> None:
+    """``exp(s - m)`` in place of ``s``, exact zeros where ``cut`` masked. Masked scores go through ``exp`` as 0,
+    not as ``-inf``: ``exp`` of a value that underflows takes a slow path on x86 (~20x a normal one)."""
     s.sub_(m)
-    if mask is None:
-        return s.exp_()
-    return _hide(_hide(s, mask, groups, 0.0).exp_(), mask, groups, 0.0)
+    if cut is not None:
+        c0, c1, hidden = cut
+        _hide(s[:, :, c0:c1], hidden, groups, 0.0)
+    s.exp_()
+    if cut is not None:
+        _hide(s[:, :, c0:c1], hidden, groups, 0.0)
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:
@@ -222,16 +230,8 @@ def _tile_major(q, k_t, v1, plan: BlockPlan, out, t: int, groups: int, scaling: 
     s = torch.matmul(q[:, :, t, None], k_t[:, :, lo:hi]).mul_(scaling)
     cut = _span(~plan.full[t, lo:hi])  # the blocks to mask (causal: the last)
     if cut is not None:
-        c0, c1 = cut
-        cut_mask = plan.mask[:, t, :, lo + c0 : lo + c1].transpose(1, 2)  # [Bm, n, tile, kb]
-        _hide(s[:, :, c0:c1], cut_mask, groups, float("-inf"))
-    m = _finite(s.amax(dim=(2, 4), keepdim=True))
-    if cut is None:
-        _exp_shifted(s, m, None, groups)
-    else:
-        _exp_shifted(s[:, :, :c0], m, None, groups)
-        _exp_shifted(s[:, :, c0:c1], m, cut_mask, groups)
-        _exp_shifted(s[:, :, c1:], m, None, groups)
+        cut = _cut(s, *cut, plan.mask[:, t, :, lo + cut[0] : lo + cut[1]].transpose(1, 2), groups)
+    _exp_shifted(s, _finite(s.amax(dim=(2, 4), keepdim=True)), cut, groups)
     parts = torch.matmul(s, v1[:, :, lo:hi])  # [B, Hkv, span, g*tile, D+1]
     acc = torch.zeros_like(parts[:, :, 0])  # from zero, as the block-major schedule: the same additions
     for j in range(hi - lo):  # in key order: the additions every call that sees these keys makes
@@ -257,24 +257,15 @@ def _block_major(q, k_t, v1, plan: BlockPlan, out, a: int, b: int, groups: int, 
         # [B, Hkv, n, g * tile, kb]: this block for tiles t0..t1, one [g*tile, D] x [D, kb] each.
         s = torch.matmul(q[:, :, t0:t1], k_t[:, :, j, None]).mul_(scaling)
         cut = _span(~plan.full[t0:t1, j])  # the tiles it cuts through (causal: the diagonal ones)
-        hidden = None
         if cut is not None:
-            hidden = (cut[0], cut[1], plan.mask[:, t0 + cut[0] : t0 + cut[1], :, j])
-            _hide(s[:, :, cut[0] : cut[1]], hidden[2], groups, float("-inf"))
+            cut = _cut(s, *cut, plan.mask[:, t0 + cut[0] : t0 + cut[1], :, j], groups)
         rows_m = m[:, :, t0 - a : t1 - a]
         torch.maximum(rows_m, s.amax(dim=-1, keepdim=True), out=rows_m)
-        scores.append((j, t0, s, hidden))
+        scores.append((j, t0, s, cut))
     m = _finite(m)
     acc = q.new_zeros((*q.shape[:2], b - a, q.shape[3], v1.shape[-1]))
-    for j, t0, s, hidden in scores:  # in key order: the additions every call that sees these keys makes
-        rows_m = m[:, :, t0 - a : t0 - a + s.shape[2]]
-        if hidden is None:
-            _exp_shifted(s, rows_m, None, groups)
-        else:
-            c0, c1, cut_mask = hidden
-            _exp_shifted(s[:, :, :c0], rows_m[:, :, :c0], None, groups)
-            _exp_shifted(s[:, :, c0:c1], rows_m[:, :, c0:c1], cut_mask, groups)
-            _exp_shifted(s[:, :, c1:], rows_m[:, :, c1:], None, groups)
+    for j, t0, s, cut in scores:  # in key order: the additions every call that sees these keys makes
+        _exp_shifted(s, m[:, :, t0 - a : t0 - a + s.shape[2]], cut, groups)
         acc[:, :, t0 - a : t0 - a + s.shape[2]] += torch.matmul(s, v1[:, :, j, None])
     out[:, :, a:b] = _normalise(acc, out.shape[-1])
 
@@ -463,7 +454,7 @@ class BatchInvariantBackend(AttentionBackend):
         else:
             plan = self._plan(attention_mask, q_len, k_len, query.device)
         out = invariant_attention(
-            query, key, value, plan.mask, front=plan.front, tile=self.query_tile, key_block=self.key_block,
+            query, key, value, None, front=plan.front, tile=self.query_tile, key_block=self.key_block,
             scaling=scaling if scaling is not None else query.shape[-1] ** -0.5, plan=plan,
         )  # fmt: skip
         self.kernel_calls += 1
