@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from tiny import ToyTokenizer, hf_greedy_reference, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.attention.batch_invariant import BatchInvariantBackend, invariant_attention, tiled_linear
@@ -135,8 +135,6 @@ def test_uninstall_restores_the_projections():
 def test_eager_step_under_the_backend_is_hf_decode_to_the_bit(arch):
     """The eager decode step hands projections and attention to the backend: logits and K/V rows equal HF's
     decode under the same backend, bit for bit, in bf16 (ragged tiles: 37 prompt tokens, tiles of 16 and 8)."""
-    from transformers import DynamicCache
-
     from kvboost.models.adapter import ModelAdapter
     from kvboost.models.decode_step import FusedDecodeStep
 
@@ -145,15 +143,8 @@ def test_eager_step_under_the_backend_is_hf_decode_to_the_bit(arch):
     backend = ATTENTION.build({"name": "batch_invariant", "tile": 16, "query_tile": 8, "key_block": 16})
     backend.install(model)
     prompt = random_ids(37, seed=5)
-    cache = DynamicCache()
+    fed, ref_logits, cache = hf_greedy_reference(model, prompt, steps=9)
     with torch.inference_mode():
-        token = int(model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1].argmax())
-        fed, ref_logits = [], []
-        for _ in range(9):
-            fed.append(token)
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1].float()
-            ref_logits.append(logits)
-            token = int(logits.argmax())
         kv = ModelAdapter(model, "tiny").allocate(len(prompt) + len(fed) + 3)
         model(input_ids=torch.tensor([prompt]), past_key_values=kv.cache)
     step = FusedDecodeStep(model, compile=False, backend=backend)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from tiny import ToyTokenizer, hf_greedy_reference, make_engine, random_ids, tiny_model
 
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compute import auto_dtype, describe
@@ -12,23 +12,6 @@ from kvboost.models.decode_step import FusedDecodeStep, choose_decode, inductor_
 from kvboost.models.loading import resolve_dtype
 
 needs_inductor = pytest.mark.skipif(inductor_unavailable_reason() is not None, reason=str(inductor_unavailable_reason()))
-
-
-def _hf_reference(model, prompt: list[int], steps: int):
-    """HF's own decode: (logits per step, final DynamicCache), greedy."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-        token = int(out.logits[0, -1].argmax())
-        fed, logits = [], []
-        for _ in range(steps):
-            fed.append(token)
-            step = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
-            logits.append(step.float())
-            token = int(step.argmax())
-    return fed, logits, cache
 
 
 def _fused_run(model, prompt: list[int], fed: list[int], compile: bool):
@@ -45,7 +28,7 @@ def _fused_run(model, prompt: list[int], fed: list[int], compile: bool):
 
 def _check_against_hf(model, *, compile: bool, atol: float) -> None:
     prompt = random_ids(37, seed=3)
-    fed, ref_logits, ref_cache = _hf_reference(model, prompt, steps=9)
+    fed, ref_logits, ref_cache = hf_greedy_reference(model, prompt, steps=9)
     logits, kv = _fused_run(model, prompt, fed, compile)
     for ref, got in zip(ref_logits, logits, strict=True):
         assert got.shape == ref.shape
@@ -102,7 +85,7 @@ def test_compiled_step_does_not_recompile_for_new_positions_or_buffers():
 def test_a_failing_compiler_falls_back_to_the_eager_step(monkeypatch):
     model = tiny_model("llama")
     prompt = random_ids(20, seed=5)
-    fed, ref_logits, _ = _hf_reference(model, prompt, steps=3)
+    fed, ref_logits, _ = hf_greedy_reference(model, prompt, steps=3)
     step = FusedDecodeStep(model, compile=False)
     step.compiled = True  # pretend it was compiled, with a compiler that fails
 

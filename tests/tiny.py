@@ -74,3 +74,21 @@ def make_engine(arch: str = "llama", *, layers: int | None = None, **options):
 def random_ids(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def hf_greedy_reference(model, prompt: list[int], steps: int):
+    """HF's own decode of ``steps`` greedy tokens after ``prompt``: (the tokens fed, fp32 logits per step, the
+    final DynamicCache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        fed, logits = [], []
+        for _ in range(steps):
+            fed.append(token)
+            step = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits.append(step.float())
+            token = int(step.argmax())
+    return fed, logits, cache
