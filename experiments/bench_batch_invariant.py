@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.environment import describe_environment
-from experiments.report import cached_new_shape, median_range
+from experiments.report import cached_new_shape, median_range, rotated, serve_prefix_hit
 
 RESULTS = ROOT / "experiments" / "results" / "bf16_exactness" / "cost"
 ENGINES = {"sdpa": {}, "batch_invariant": {"attn": "batch_invariant"}}
@@ -57,15 +57,9 @@ def run(dtype: str, shapes: list[tuple[int, int]], rounds: int, tokens: int) -> 
             tokens_equal = dict.fromkeys(names, 0)
             for round_ in range(rounds):
                 ids = [rng.randrange(100, vocab) for _ in range(cached + new)]
-                order = names[round_ % len(names) :] + names[: round_ % len(names)]  # each engine first in turn
-                for name in order:
+                for name in rotated(names, round_):
                     engine = engines[name]
-                    engine.reset_cache()
-                    if cached:
-                        engine.warm(ids[:cached])
-                    reuse = engine.generate(ids, max_new_tokens=tokens, store=False)
-                    if reuse.cached_tokens != cached:
-                        raise RuntimeError(f"expected {cached} cached tokens, {name} reused {reuse.cached_tokens}")
+                    reuse = serve_prefix_hit(engine, ids, cached, tokens)
                     ttft[name].append(reuse.ttft_ms)
                     decode[name].append(reuse.decode_tok_s)
                     cold = engine.generate(ids, max_new_tokens=tokens, store=False, mode="cold")

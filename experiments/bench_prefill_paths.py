@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.environment import describe_environment
-from experiments.report import cached_new_shape, median_range
+from experiments.report import cached_new_shape, median_range, rotated, serve_prefix_hit
 
 RESULTS = ROOT / "experiments" / "results" / "decode"
 
@@ -64,15 +64,8 @@ def run(dtype: str, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any
             for round_ in range(rounds):
                 ids = [rng.randrange(100, vocab) for _ in range(cached + new)]
                 logits = {}
-                order = names[round_ % len(names) :] + names[: round_ % len(names)]  # each engine first in turn
-                for path in order:
-                    engine = engines[path]
-                    engine.reset_cache()
-                    if cached:
-                        engine.warm(ids[:cached])
-                    r = engine.generate(ids, max_new_tokens=1, store=False)
-                    if r.cached_tokens != cached:
-                        raise RuntimeError(f"expected {cached} cached tokens, the engine reused {r.cached_tokens}")
+                for path in rotated(names, round_):
+                    r = serve_prefix_hit(engines[path], ids, cached, 1)
                     times[path].append(r.ttft_ms)
                     logits[path] = r.first_token_logits
                     progress.update(1)

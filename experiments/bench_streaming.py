@@ -230,10 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     for label, path in found.items():
         if "half_prefetch" in CONFIGS:
             run_child(path, "half_prefetch", label)
+    sys.path.insert(0, str(ROOT))
+    from experiments.report import rotated  # here, not at the top: the measured children import nothing extra
+
     for rep in range(args.repeats):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
         for label, path in found.items():
-            for config in order:
+            for config in rotated(names, rep):
                 run = {**run_child(path, config, label), "model_label": label, "repeat": rep}
                 runs.append(run)
                 print(f"[{rep}] {label:14s} {config:14s} peak RSS {run['peak_rss_mib']:.0f} MiB, "

@@ -134,6 +134,26 @@ def cached_new_shape(text: str) -> tuple[int, int]:
     return int(cached), int(new)
 
 
+def rotated(names: Sequence[str], round_: int) -> list[str]:
+    """``names`` starting at ``round_ % len(names)``: the engine order of a same-request benchmark's round, so
+    each engine goes first in turn."""
+    k = round_ % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def serve_prefix_hit(engine: Any, ids: list[int], cached: int, max_new_tokens: int) -> Any:
+    """``engine`` serves ``ids`` as an exact prefix hit of its first ``cached`` tokens: the cache is emptied, the
+    prefix warmed (untimed), then the whole prompt served (``store=False``); an engine that reused another count
+    is an error (the request would not be the shape measured)."""
+    engine.reset_cache()
+    if cached:
+        engine.warm(ids[:cached])
+    result = engine.generate(ids, max_new_tokens=max_new_tokens, store=False)
+    if result.cached_tokens != cached:
+        raise RuntimeError(f"expected {cached} cached tokens, the engine reused {result.cached_tokens}")
+    return result
+
+
 def median_range(values: Sequence[float], digits: int = 1) -> str:
     """``"median [min-max]"`` of ``values`` with ``digits`` decimals (the spread the benchmark tables print)."""
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
