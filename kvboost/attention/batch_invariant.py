@@ -305,7 +305,7 @@ class BatchInvariantBackend(AttentionBackend):
             raise ValueError(f"attn.packed_weights must be 'auto', true or false, got {packed_weights!r}")
         self.tile, self.query_tile, self.key_block = tile, query_tile, key_block
         self.packed_weights = packed_weights
-        self._pack_budget_ok = True
+        self._weight_bytes = 0  # of the tiled linears' weights (install): what packing them all would copy
         self._packs: dict[torch.nn.Module, tuple[tuple, Callable | None]] = {}
         self._plan_cache: tuple[torch.Tensor | None, tuple, BlockPlan] | None = None
         # The settings choose the GEMM shapes and kernels, so the bits: entries computed under other ones stay apart.
@@ -334,9 +334,7 @@ class BatchInvariantBackend(AttentionBackend):
         base = model.get_decoder() if hasattr(model, "get_decoder") else model
         linears = [module for layer in getattr(base, "layers", []) for module in layer.modules()
                    if isinstance(module, torch.nn.Linear) and not hasattr(module, _PATCHED)]  # fmt: skip
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        memory = prepack.physical_memory_bytes()
-        self._pack_budget_ok = memory is not None and weight_bytes <= prepack.AUTO_MAX_MEMORY_FRACTION * memory
+        self._weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
         if self.packed_weights is True and linears:
             reason = self._pack_unavailable(linears[0].weight)
             if reason is not None:
@@ -387,11 +385,7 @@ class BatchInvariantBackend(AttentionBackend):
         reason = prepack.unavailable_reason(weight.dtype, weight.device)
         if reason is not None or self.packed_weights is True:
             return reason
-        if weight.dtype == torch.bfloat16 and not prepack.native_bf16_cpu():
-            return "this CPU has no native bf16 (AMX or AVX-512 BF16)"
-        if not self._pack_budget_ok:
-            return f"the packed copies would exceed {prepack.AUTO_MAX_MEMORY_FRACTION:.0%} of the machine's memory"
-        return None
+        return prepack.auto_skip_reason(weight.dtype, self._weight_bytes)
 
     def _packed(self, module: torch.nn.Linear, x: torch.Tensor) -> Callable | None:
         """The packed multiply for ``module``'s weight as it is now (built on first use, rebuilt when the weight
@@ -407,8 +401,7 @@ class BatchInvariantBackend(AttentionBackend):
                 raise RuntimeError(f"attn.packed_weights=true cannot pack {tuple(weight.shape)} here: {reason}")
             multiply = None
             if reason is None:
-                kind = prepack.PrepackedLinear if weight.dtype == torch.bfloat16 else prepack.mkl_pack.MklPackedLinear
-                multiply = kind(weight.detach(), None if module.bias is None else module.bias.detach())
+                multiply = prepack.packed_linear(weight.detach(), None if module.bias is None else module.bias.detach())
             entry = self._packs[module] = (key, multiply)
         return entry[1]
 

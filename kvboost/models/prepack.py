@@ -97,13 +97,29 @@ def choose_prefill_weights(
         return "plain", reason
     if dtype != torch.bfloat16:
         return "plain", "fp32 keeps HF's bits under auto (ask for prefill_weights=prepacked)"
-    if not native_bf16_cpu():
-        return "plain", "this CPU has no native bf16 (AMX or AVX-512 BF16)"
+    reason = auto_skip_reason(dtype, weight_bytes, memory_bytes)
+    if reason is not None:
+        return "plain", reason
+    return "prepacked", "auto"
+
+
+def auto_skip_reason(dtype: torch.dtype, weight_bytes: int, memory_bytes: int | None = None) -> str | None:
+    """Why ``auto`` leaves weights that could be packed unpacked (None: it packs them): bf16 on a CPU without
+    native bf16 (oneDNN would emulate it), or copies (``weight_bytes``) above :data:`AUTO_MAX_MEMORY_FRACTION` of
+    ``memory_bytes`` (default: this machine's)."""
+    if dtype == torch.bfloat16 and not native_bf16_cpu():
+        return "this CPU has no native bf16 (AMX or AVX-512 BF16)"
     memory = memory_bytes if memory_bytes is not None else physical_memory_bytes()
     if memory is None or weight_bytes > AUTO_MAX_MEMORY_FRACTION * memory:
-        return "plain", (f"the packed copies ({weight_bytes / 2**20:.0f} MiB) would exceed "
-                         f"{AUTO_MAX_MEMORY_FRACTION:.0%} of the machine's memory")  # fmt: skip
-    return "prepacked", "auto"
+        return (f"the packed copies ({weight_bytes / 2**20:.0f} MiB) would exceed "
+                f"{AUTO_MAX_MEMORY_FRACTION:.0%} of the machine's memory")  # fmt: skip
+    return None
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PrepackedLinear | mkl_pack.MklPackedLinear:
+    """A packed copy of one linear for its dtype: oneDNN's layout in bf16, MKL's in fp32 (callable like it)."""
+    kind = PrepackedLinear if weight.dtype == torch.bfloat16 else mkl_pack.MklPackedLinear
+    return kind(weight, bias)
 
 
 def physical_memory_bytes() -> int | None:
@@ -137,8 +153,7 @@ def pack_layer(layer: Any) -> tuple:
     """One decoder layer's weights in :class:`kvboost.models.prefill_step.StepPrefill`'s per-projection order,
     the projections prepacked for their dtype (oneDNN in bf16, MKL in fp32; each applies its own bias, so the bias
     slots are None)."""
-    kind = PrepackedLinear if layer.self_attn.q_proj.weight.dtype == torch.bfloat16 else mkl_pack.MklPackedLinear
-    q, k, v, o, gate, up, down = (kind(p.weight, p.bias) for p in _projections(layer))
+    q, k, v, o, gate, up, down = (packed_linear(p.weight, p.bias) for p in _projections(layer))
     return (layer.input_layernorm.weight, q, None, k, None, v, None, o, layer.post_attention_layernorm.weight,
             gate, up, down)  # fmt: skip
 
@@ -147,9 +162,11 @@ __all__ = [
     "AUTO_MAX_MEMORY_FRACTION",
     "PREFILL_WEIGHTS",
     "PrepackedLinear",
+    "auto_skip_reason",
     "choose_prefill_weights",
     "native_bf16_cpu",
     "pack_layer",
+    "packed_linear",
     "physical_memory_bytes",
     "plain_projections",
     "projection_bytes",
