@@ -212,7 +212,7 @@ class InferenceEngine:
         self.prefill_weights, self.prefill_weights_reason = weights_mode, weights_reason
         self._prefill_step = (
             StepPrefill(self._decode_step or FusedDecodeStep(model, compile=False),
-                        prepacked=weights_mode == "prepacked")
+                        prepacked=weights_mode == "prepacked", attention=attention)
             if prefill_mode == "fused" else None
         )  # fmt: skip
         # Tiers that serialise entries (disk) write the fingerprint into each record and check it on read;

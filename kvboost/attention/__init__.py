@@ -1,4 +1,5 @@
-"""Attention backends (``ATTENTION`` registry): sdpa, eager, triton, cuda, batch_invariant.
+"""Attention backends (``ATTENTION`` registry): sdpa, eager, triton, cuda, cpu_kernel,
+batch_invariant.
 
 Importing this package registers the built-ins; kernels and extensions are imported lazily, only when a
 backend is checked or installed, so this import never needs triton, a GPU or a compiler. Usage::
@@ -13,6 +14,7 @@ backend is checked or installed, so this import never needs triton, a GPU or a c
 
 from kvboost.attention.base import AttentionBackend, FlashKernelBackend
 from kvboost.attention.batch_invariant import BatchInvariantBackend
+from kvboost.attention.cpu_kernel import CpuKernelBackend
 from kvboost.attention.cuda import CudaBackend
 from kvboost.attention.eager import EagerBackend
 from kvboost.attention.masks import KernelMaskParams, allowed_from_mask, mask_to_kernel_params
@@ -22,6 +24,7 @@ from kvboost.attention.triton import TritonBackend
 __all__ = [
     "AttentionBackend",
     "BatchInvariantBackend",
+    "CpuKernelBackend",
     "CudaBackend",
     "EagerBackend",
     "FlashKernelBackend",

@@ -59,6 +59,10 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DECODE_MODES = ("hf", "eager", "compiled")
 #: Attention backends whose arithmetic the eager step runs by calling them (projections and attention).
 DELEGATING_BACKENDS = ("batch_invariant",)
+#: Attention backends under which the fused step runs its own single-query SDPA: ``sdpa`` itself, and
+#: ``cpu_kernel``, whose kernel serves prefill-shaped calls (the fused prefill calls it); a decode step's one
+#: query per head reads the cache at memory speed through SDPA, and the compiled step cannot call an extension.
+STEP_SDPA_BACKENDS = ("sdpa", "cpu_kernel")
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -426,8 +430,8 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
     step without compiling) or ``"compiled"``.
 
     ``"auto"`` (the default) takes ``$KVBOOST_DECODE`` when set, else ``"compiled"`` where the model is supported,
-    the attention backend is ``sdpa`` (the fused step has its own attention; other backends keep theirs by
-    decoding through HF) and inductor can build kernels; ``"eager"`` under a backend of
+    the attention backend is one of :data:`STEP_SDPA_BACKENDS` (the fused step has its own attention; other
+    backends keep theirs by decoding through HF) and inductor can build kernels; ``"eager"`` under a backend of
     :data:`DELEGATING_BACKENDS` (the eager step calls it); otherwise ``"hf"``. An explicit mode the model or the
     backend cannot take is an error.
     """
@@ -436,14 +440,14 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
         if forced:
             if forced not in DECODE_MODES:
                 raise ValueError(f"KVBOOST_DECODE={forced!r}: use one of {DECODE_MODES}")
-            if forced == "hf" or unsupported_reason(model) is None and attention == "sdpa":
+            if forced == "hf" or unsupported_reason(model) is None and attention in STEP_SDPA_BACKENDS:
                 return forced, "KVBOOST_DECODE"
         reason = unsupported_reason(model)
         if reason is not None:
             return "hf", f"fused decode step unsupported: {reason}"
         if attention in DELEGATING_BACKENDS and not has_int4_projections(model):
             return "eager", f"attention backend {attention!r}: the eager step calls it"
-        if attention != "sdpa":
+        if attention not in STEP_SDPA_BACKENDS:
             return "hf", f"attention backend {attention!r} decodes through HF's forward"
         if has_int4_projections(model):
             # Measured on the bundled AWQ model (bf16, 2-core AMX CPU): the eager step with fused int4 calls 85
@@ -468,7 +472,7 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
             raise ValueError(f"decode={requested!r} with attn={attention!r}: only the eager step calls the backend "
                              "(and not with AWQ int4 projections); use decode='eager', 'hf' or 'auto'")  # fmt: skip
         return requested, "requested"
-    if attention != "sdpa":
+    if attention not in STEP_SDPA_BACKENDS:
         raise ValueError(
             f"decode={requested!r} runs its own attention; with attn={attention!r} use decode='hf' (or 'auto')"
         )

@@ -33,6 +33,9 @@ from kvboost.models.prealloc_cache import PreallocatedKV
 from kvboost.models.prepack import pack_layer, plain_projections
 
 PREFILL_MODES = ("hf", "fused")
+#: Attention backends the fused prefill runs: ``sdpa`` (torch's SDPA, HF's bits) and those that offer a
+#: ``prefill_attention(q, keys, values, start, scale)`` kernel call (``cpu_kernel``).
+PREFILL_ATTENTION_BACKENDS = ("sdpa", "cpu_kernel")
 
 
 def _has_forward_hooks(model: nn.Module) -> bool:
@@ -43,7 +46,8 @@ def choose_prefill(requested: str, model: Any, attention: Any) -> tuple[str, str
     """(mode, why) for the engine's ``prefill`` option: ``"fused"`` (:class:`StepPrefill`) or ``"hf"``.
 
     ``"auto"`` (the default) picks ``"fused"`` on CPU where the model is supported, the attention backend is plain
-    ``sdpa`` (other backends, and ``sdpa`` with ``key_tile``, keep their own attention through HF's forward) and no
+    ``sdpa`` or ``cpu_kernel`` (whose kernel the prefill calls; other backends, and ``sdpa`` with ``key_tile``, keep
+    their own attention through HF's forward) and no
     module has forward hooks (a layer streamer swaps weights in hooks that only HF's forward fires). On CUDA
     ``auto`` keeps HF's forward: the fused prefill has not been validated on a GPU. ``"fused"`` where it cannot
     run is an error.
@@ -55,7 +59,7 @@ def choose_prefill(requested: str, model: Any, attention: Any) -> tuple[str, str
     name = getattr(attention, "name", attention)
     reasons = [
         unsupported_reason(model),
-        None if name == "sdpa" else f"attention backend {name!r} runs through HF's forward",
+        None if name in PREFILL_ATTENTION_BACKENDS else f"attention backend {name!r} runs through HF's forward",
         "attn.key_tile pads the keys of HF's attention calls" if getattr(attention, "key_tile", 0) else None,
         "forward hooks on the model (e.g. a layer streamer) run only in HF's forward" if _has_forward_hooks(model)
         else None,
@@ -82,10 +86,13 @@ class StepPrefill:
             an eager one is built when the engine decodes through HF.
         prepacked: multiply plain projections with prepacked copies of their weights
             (:mod:`kvboost.models.prepack`: oneDNN in bf16, MKL in fp32, CPU): faster, but no longer HF's bits.
+        attention: the engine's attention backend when it offers ``prefill_attention`` (``cpu_kernel``): the
+            layers' attention calls it instead of torch's SDPA. None (or ``sdpa``): SDPA, HF's bits.
     """
 
-    def __init__(self, step: FusedDecodeStep, *, prepacked: bool = False) -> None:
+    def __init__(self, step: FusedDecodeStep, *, prepacked: bool = False, attention: Any = None) -> None:
         self.step = step
+        self._kernel_attention = getattr(attention, "prefill_attention", None)
         model = step.model
         inner = model.model
         self.inner, self.lm_head = inner, model.lm_head
@@ -156,6 +163,8 @@ class StepPrefill:
         end = start + t
         keys[:, start:end] = k
         values[:, start:end] = v
+        if self._kernel_attention is not None:
+            return self._kernel_attention(q, keys, values, start, self.step.scale)
         out = F.scaled_dot_product_attention(
             q[None], keys[None, :, :end], values[None, :, :end], attn_mask=mask, scale=self.step.scale,
             enable_gqa=self.step.grouped_query,

@@ -1,0 +1,147 @@
+"""The CPU attention kernel (``csrc/cpu_attention.cpp``), built lazily with ``torch.utils.cpp_extension``.
+
+Python side of the attention contract in :mod:`kernels_triton` for the ``cpu_kernel`` backend::
+
+    out = cpu_attention_forward(q, k, v, causal=True, sm_scale=None, q_positions=None, kv_start=None, kv_len=None,
+                            out=None, tile=32)
+
+fp32 and bf16, any head dim, grouped-query attention (``Hq % Hkv == 0``), causal by position (bottom-right by
+default, or per-query ``q_positions``), per-row ``kv_start`` / ``kv_len`` padding, inputs with any strides and a
+contiguous last dimension, ``out`` with any strides. Why it exists and how it works: the comment at the top of
+the C++ file; measured against torch's SDPA in ``experiments/bench_cpu_attention.py``.
+
+Needs an x86 build of torch with MKL (the kernel calls the MKL GEMMs torch carries) and a C++ compiler (g++ and
+ninja). The first use compiles it (~25 s on 2 cores); torch caches the binary under ``TORCH_EXTENSIONS_DIR``
+(one build per CPU capability: AVX512, AVX2 or DEFAULT, which sets the vector width of the softmax).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvboost.attention.cuda_ext import _row_bounds  # the same per-row bounds check as the CUDA kernel's
+
+__all__ = ["CSRC_DIR", "cpu_attention_forward", "cpu_extension_unavailable_reason", "load_cpu_extension"]
+
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+_SOURCE = CSRC_DIR / "cpu_attention.cpp"
+_EXT_NAME = "kvboost_cpu_kernel"
+
+#: Compiler flags per ATen CPU capability: the vector ISA the softmax's ``at::vec`` code is built for.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def cpu_capability() -> str:
+    """The vector ISA to build for: torch's own choice for this CPU (``AVX512``, ``AVX2``) or ``DEFAULT``."""
+    cap = str(torch.backends.cpu.get_cpu_capability()).upper()
+    if cap.startswith("AVX512"):
+        return "AVX512"
+    return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
+
+
+def cpu_extension_unavailable_reason() -> str | None:
+    """Why the kernel cannot be built here (no MKL in torch, not x86, no compiler, no sources), or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it calls MKL's GEMMs, which torch carries only on x86 (this machine is {platform.machine()})"
+    if not torch.backends.mkl.is_available():
+        return "this torch build has no MKL (the kernel calls MKL's GEMMs inside torch's library)"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler on PATH (install g++, e.g. apt-get install -y g++)"
+    if not _SOURCE.exists():
+        return f"the kernel's source is missing: {_SOURCE}"
+    return None
+
+
+@functools.cache
+def load_cpu_extension() -> Any:
+    """Build (once per process; torch caches the binary on disk) and return the compiled extension module.
+
+    Raises:
+        RuntimeError: the kernel cannot be built here (see :func:`cpu_extension_unavailable_reason`), or the
+            build failed (the compiler's output is in the chained exception).
+    """
+    reason = cpu_extension_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"attention backend 'cpu_kernel' is unavailable: {reason}; use attn=sdpa")
+    from torch.utils.cpp_extension import load
+
+    cap = cpu_capability()
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
+    if cap != "DEFAULT":
+        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
+    try:
+        return load(name=f"{_EXT_NAME}_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+    except Exception as exc:  # the compiler's message is in exc
+        raise RuntimeError(
+            f"attention backend 'cpu_kernel': building {_SOURCE.name} failed ({type(exc).__name__}); "
+            "it needs g++ and ninja (pip install ninja); use attn=sdpa meanwhile"
+        ) from exc
+
+
+def _positions(x: Any, batch: int, q_len: int) -> torch.Tensor | None:
+    if x is None:
+        return None
+    t = torch.as_tensor(x)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"q_positions must hold integers, got {t.dtype}")
+    if tuple(t.shape) != (batch, q_len):
+        raise ValueError(f"q_positions must have shape [{batch}, {q_len}], got {list(t.shape)}")
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def cpu_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_positions: Any = None,
+    kv_start: Any = None,
+    kv_len: Any = None,
+    out: torch.Tensor | None = None,
+    tile: int = 32,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, Hq, Lq, D]`` over ``k``/``v`` ``[B, Hkv, Lk, D]`` on the CPU; returns
+    ``[B, Hq, Lq, D]`` (``out`` when given, written through its strides).
+
+    Query ``i`` of row ``b`` sits at ``q_positions[b, i]`` (default ``Lk - Lq + i``) and sees key ``j`` iff
+    ``kv_start[b] <= j < kv_len[b]`` and, when ``causal``, ``j <= `` its position; a query that sees no key
+    gets zeros. ``tile``: query tokens per work unit (their G query heads form one GEMM of ``G * tile`` rows).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"cpu_kernel: {name} must be 4-D [B, H, L, D], got shape {list(t.shape)}")
+        if t.device.type != "cpu":
+            raise ValueError(f"cpu_kernel: {name} is on {t.device}; this kernel runs on the CPU")
+    if q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"cpu_kernel: q, k, v must all be float32 or all bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, heads, q_len, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim or heads % k.shape[1]:
+        raise ValueError(
+            f"cpu_kernel: shapes do not match: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+            "(q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] with Hq a multiple of Hkv)"
+        )
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"cpu_kernel: tile must be a positive integer, got {tile!r}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("cpu_kernel: out must have q's shape and dtype and a contiguous last dimension")
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    ext = load_cpu_extension()
+    cpu = torch.device("cpu")
+    ext.forward(q, k, v, bool(causal), scale, _positions(q_positions, batch, q_len),
+                _row_bounds(kv_start, "kv_start", batch, cpu), _row_bounds(kv_len, "kv_len", batch, cpu), out, tile)  # fmt: skip
+    return out
