@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.environment import describe_environment
-from experiments.report import median_range
+from experiments.report import cached_new_shape, median_range, rotated, serve_prefix_hit
 from kvboost.attention.cpu_ext import cpu_attention_forward, load_cpu_extension
 
 RESULTS = ROOT / "experiments" / "results" / "decode"
@@ -81,8 +81,8 @@ def measure(dtype: torch.dtype, cached: int, new: int, args: argparse.Namespace)
         median_ms(fn, 3)
     rounds = []
     for r in range(args.rounds):
-        order = [("sdpa", sdpa), ("kernel", kernel)][:: 1 if r % 2 == 0 else -1]
-        rounds.append({name: median_ms(fn, args.repeats) for name, fn in order})
+        calls = {"sdpa": sdpa, "kernel": kernel}
+        rounds.append({name: median_ms(calls[name], args.repeats) for name in rotated(list(calls), r)})
     flops = 4 * args.heads * args.head_dim * (cached + 1 + keys) * new / 2  # sum over queries of visible keys
     sdpa_ms = statistics.median(r["sdpa"] for r in rounds)
     kernel_ms = statistics.median(r["kernel"] for r in rounds)
@@ -99,7 +99,6 @@ def measure_engines(args: argparse.Namespace, shapes: list[tuple[int, int]]) -> 
     import random
 
     from experiments.bench_peers import Arch, compute_floor_ms, measure_matmul_rate
-    from experiments.report import serve_prefix_hit
     from kvboost import KVBoost
 
     engines = {attn: KVBoost.from_pretrained(dtype=args.engine_dtype, attn=attn, prefill_weights=args.prefill_weights)
@@ -117,7 +116,7 @@ def measure_engines(args: argparse.Namespace, shapes: list[tuple[int, int]]) -> 
         for round_ in range(args.engine_rounds):
             ids = [rng.randrange(100, engines["sdpa"].vocab_size) for _ in range(cached + new)]
             logits = {}
-            for attn in list(engines)[:: 1 if round_ % 2 == 0 else -1]:
+            for attn in rotated(list(engines), round_):
                 r = serve_prefix_hit(engines[attn], ids, cached, 1)
                 times[attn].append(r.ttft_ms)
                 logits[attn] = r.first_token_logits
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",") if s]
+    shapes = [cached_new_shape(s) for s in args.shapes.split(",") if s]
     build_start = time.perf_counter()
     load_cpu_extension()
     result: dict[str, Any] = {
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name} {cached}:{new}  sdpa {r['sdpa_ms']:.3f} ms  kernel {r['kernel_ms']:.3f} ms  "
                   f"x{median_range(r['speedup'], 2)}", flush=True)  # fmt: skip
         result["dtypes"][name] = rows
-    engine_shapes = [tuple(int(x) for x in s.split(":")) for s in args.engine_shapes.split(",") if s]
+    engine_shapes = [cached_new_shape(s) for s in args.engine_shapes.split(",") if s]
     if engine_shapes:
         result["engine"] = measure_engines(args, engine_shapes)
     out = Path(args.out)

@@ -1,19 +1,20 @@
 """attn=cpu_kernel: the C++ CPU attention kernel against a float64 reference, its contract and errors, and the
-engine's fused prefill running it (reuse within 1e-4 of a cold prefill in fp32, HF's greedy tokens).
+engine on it (reuse within 1e-4 of a cold prefill in fp32, HF's greedy tokens).
 
 The backend's conformance with the other backends (prefill, cached prefix + decode, left-padded batches) is in
-tests/kernels/test_attention_backends.py.
+tests/kernels/test_attention_backends.py; the fused prefill calling the kernel against HF's forward in
+tests/test_prefill_step.py.
 """
 
 import pytest
 import torch
 from tiny import hf_greedy_reference, make_engine, random_ids, tiny_model
 
+from kernels_triton.flash_attn_reference import flash_attn_reference
 from kvboost.attention import cpu_ext
 from kvboost.attention.cpu_ext import cpu_attention_forward, cpu_extension_unavailable_reason
-from kvboost.models.adapter import ModelAdapter
-from kvboost.models.decode_step import FusedDecodeStep, choose_decode
-from kvboost.models.prefill_step import StepPrefill, choose_prefill
+from kvboost.models.decode_step import choose_decode
+from kvboost.models.prefill_step import choose_prefill
 from kvboost.registry import ATTENTION
 
 pytestmark = pytest.mark.skipif(
@@ -22,25 +23,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def reference(q, k, v, *, causal=True, q_positions=None, kv_start=None, kv_len=None, scale=None):
-    """Float64 attention under the kernel contract; rows that see no key are 0."""
-    q, k, v = (t.double() for t in (q, k, v))
-    batch, heads, q_len, d = q.shape
-    k_len, groups = k.shape[2], heads // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    pos = torch.arange(k_len - q_len, k_len).expand(batch, q_len) if q_positions is None else q_positions.long()
-    keys = torch.arange(k_len)
-    allowed = torch.ones(batch, q_len, k_len, dtype=torch.bool)
-    if causal:
-        allowed &= keys[None, None, :] <= pos[:, :, None]
-    if kv_start is not None:
-        allowed &= keys[None, None, :] >= kv_start.long()[:, None, None]
-    if kv_len is not None:
-        allowed &= keys[None, None, :] < kv_len.long()[:, None, None]
-    s = q @ k.transpose(-1, -2) * (scale if scale is not None else d**-0.5)
-    s = s.masked_fill(~allowed[:, None], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return p @ v
+def reference(q, k, v, **contract):
+    """The contract's plain-torch reference, computed in float64 (rows that see no key are 0)."""
+    return flash_attn_reference(q.double(), k.double(), v.double(), **contract)
 
 
 def rand(*shape, dtype=torch.float32, seed=0):
@@ -79,7 +64,7 @@ def test_kernel_positions_padding_strides_and_empty_rows(dtype):
     got = cpu_attention_forward(q, k, v, q_positions=positions, kv_start=kv_start, kv_len=kv_len,
                                 out=out.transpose(1, 2), tile=4, sm_scale=0.3)  # fmt: skip
     assert got.data_ptr() == out.data_ptr()
-    expected = reference(q, k, v, q_positions=positions, kv_start=kv_start, kv_len=kv_len, scale=0.3)
+    expected = reference(q, k, v, q_positions=positions, kv_start=kv_start, kv_len=kv_len, sm_scale=0.3)
     assert (got.double() - expected).abs().max().item() < TOL[dtype]
     # Row 1 starts at key 3: its queries at positions 2, 1 and 0 see no key and get exact zeros.
     for i in (0, 6, 8):
@@ -121,29 +106,6 @@ def test_fused_paths_run_under_cpu_kernel():
     assert choose_prefill("auto", model, ATTENTION.build("cpu_kernel")) == ("fused", "auto")
     assert choose_decode("auto", model, "cpu_kernel")[0] in ("compiled", "eager")
     assert choose_decode("eager", model, "cpu_kernel") == ("eager", "requested")
-
-
-@pytest.mark.parametrize(("start", "new"), [(0, 23), (37, 19), (40, 1)])
-def test_fused_prefill_with_the_kernel_is_close_to_hf_forward_in_fp32(start, new):
-    """Logits and every K/V row of the fused prefill calling the kernel, against HF's forward (SDPA)."""
-    model = tiny_model("llama")
-    backend = ATTENTION.build({"name": "cpu_kernel", "tile": 8})
-    ids = random_ids(start + new, seed=start + new)
-    adapter = ModelAdapter(model, "tiny")
-    prefill = StepPrefill(FusedDecodeStep(model, compile=False), attention=backend)
-    out = []
-    for fused in (False, True):
-        with torch.inference_mode():
-            kv = adapter.allocate(start + new + 2)
-            if start:
-                adapter.forward(torch.tensor(ids[:start]), kv.cache)
-            kv.set_length(start)
-            logits = (prefill(torch.tensor(ids[start:]), start, kv) if fused
-                      else adapter.forward(torch.tensor(ids[start:]), kv.cache)[-1])  # fmt: skip
-            out.append((logits, kv.keys[:, :, : start + new].clone(), kv.values[:, :, : start + new].clone()))
-    assert backend.kernel_calls == model.config.num_hidden_layers
-    for ref, got in zip(*out, strict=True):
-        assert (ref - got).abs().max().item() < 1e-5
 
 
 def test_engine_on_cpu_kernel_reuses_within_1e4_and_decodes_hf_tokens():

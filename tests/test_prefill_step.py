@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny import make_engine, random_ids, tiny_model
 
+from kvboost.attention.cpu_ext import cpu_extension_unavailable_reason
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.awq import (
     DENSE_MIN_ROWS,
@@ -18,6 +19,7 @@ from kvboost.models.awq import (
 from kvboost.models.decode_step import FusedDecodeStep
 from kvboost.models.prefill_step import StepPrefill, causal_additive_mask, choose_prefill
 from kvboost.models.prepack import PrepackedLinear, choose_prefill_weights, unavailable_reason
+from kvboost.registry import ATTENTION
 
 
 def _awq_tiny(arch: str, dtype: torch.dtype):
@@ -26,11 +28,12 @@ def _awq_tiny(arch: str, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def _both(model, start: int, new: int, *, prepacked: bool = False):
-    """(HF's logits and K/V, the fused prefill's) for ``new`` tokens after a ``start``-token prefix."""
+def _both(model, start: int, new: int, *, prepacked: bool = False, attention=None):
+    """(HF's logits and K/V, the fused prefill's) for ``new`` tokens after a ``start``-token prefix; ``attention``:
+    a backend whose ``prefill_attention`` the fused prefill calls instead of SDPA."""
     ids = random_ids(start + new, seed=start + new)
     adapter = ModelAdapter(model, "tiny")
-    prefill = StepPrefill(FusedDecodeStep(model, compile=False), prepacked=prepacked)
+    prefill = StepPrefill(FusedDecodeStep(model, compile=False), prepacked=prepacked, attention=attention)
     out = []
     for fused in (False, True):
         with torch.inference_mode():
@@ -369,3 +372,14 @@ def test_engine_with_mkl_prepacked_weights_reuses_within_1e4_in_fp32():
     assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
     assert hit.output_ids == cold.output_ids
     engine.close()
+
+
+@pytest.mark.skipif(cpu_extension_unavailable_reason() is not None, reason="attn=cpu_kernel cannot be built here")
+@pytest.mark.parametrize(("start", "new"), [(0, 23), (37, 19), (40, 1)])
+def test_fused_prefill_with_the_cpu_kernel_is_close_to_hf_forward_in_fp32(start, new):
+    """Logits and every K/V row of the fused prefill calling attn=cpu_kernel's kernel, against HF's forward (SDPA)."""
+    model = tiny_model("llama")
+    backend = ATTENTION.build({"name": "cpu_kernel", "tile": 8})
+    ref, got = _both(model, start, new, attention=backend)
+    assert backend.kernel_calls == model.config.num_hidden_layers
+    _assert_equal(ref, got, atol=1e-5)

@@ -28,7 +28,7 @@ import torch
 
 from kvboost.attention.cuda_ext import _row_bounds  # the same per-row bounds check as the CUDA kernel's
 
-__all__ = ["CSRC_DIR", "cpu_attention_forward", "cpu_extension_unavailable_reason", "load_cpu_extension"]
+__all__ = ["CSRC_DIR", "check_tile", "cpu_attention_forward", "cpu_extension_unavailable_reason", "load_cpu_extension"]
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCE = CSRC_DIR / "cpu_attention.cpp"
@@ -89,6 +89,13 @@ def load_cpu_extension() -> Any:
         ) from exc
 
 
+def check_tile(tile: Any, setting: str = "tile") -> int:
+    """``tile`` (query tokens per work unit) if it is a positive integer; else ValueError naming ``setting``."""
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"{setting} must be a positive integer, got {tile!r}")
+    return tile
+
+
 def _positions(x: Any, batch: int, q_len: int) -> torch.Tensor | None:
     if x is None:
         return None
@@ -132,8 +139,7 @@ def cpu_attention_forward(
             f"cpu_kernel: shapes do not match: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
             "(q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] with Hq a multiple of Hkv)"
         )
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
-        raise ValueError(f"cpu_kernel: tile must be a positive integer, got {tile!r}")
+    check_tile(tile, "cpu_kernel: tile")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

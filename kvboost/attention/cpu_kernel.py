@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvboost.attention.base import FlashKernelBackend
+from kvboost.attention.cpu_ext import check_tile
 from kvboost.attention.masks import KernelMaskParams
 from kvboost.registry import ATTENTION
 
@@ -49,9 +50,7 @@ class CpuKernelBackend(FlashKernelBackend):
 
     def __init__(self, tile: int = 32) -> None:
         super().__init__()
-        if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
-            raise ValueError(f"attn.tile must be a positive integer, got {tile!r}")
-        self.tile = tile
+        self.tile = check_tile(tile, "attn.tile")
         self._forward = None
 
     def check_available(self) -> None:

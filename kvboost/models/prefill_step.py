@@ -47,8 +47,8 @@ def choose_prefill(requested: str, model: Any, attention: Any) -> tuple[str, str
 
     ``"auto"`` (the default) picks ``"fused"`` on CPU where the model is supported, the attention backend is plain
     ``sdpa`` or ``cpu_kernel`` (whose kernel the prefill calls; other backends, and ``sdpa`` with ``key_tile``, keep
-    their own attention through HF's forward) and no
-    module has forward hooks (a layer streamer swaps weights in hooks that only HF's forward fires). On CUDA
+    their own attention through HF's forward) and no module has forward hooks (a layer streamer swaps weights in
+    hooks that only HF's forward fires). On CUDA
     ``auto`` keeps HF's forward: the fused prefill has not been validated on a GPU. ``"fused"`` where it cannot
     run is an error.
     """
