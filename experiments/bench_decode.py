@@ -40,18 +40,21 @@ from kvboost.models.compute import describe
 from kvboost.models.decode_step import has_int4_projections
 from kvboost.models.loading import load_model_and_tokenizer
 
-PATHS = ("hf", "eager", "compiled")
+PATHS = ("hf", "eager", "compiled", "graphed")  # graphed: CUDA only (one CUDA graph per token)
 AWQ_BUFFERS = (*AWQ_TENSORS, "bias")  # an AWQ linear keeps its bias as a buffer too
 
 
-def stream_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+def stream_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> float:
     """GB/s of reading a large tensor once (``sum``): what streaming the weights can reach at best."""
-    x = torch.ones(nbytes // 4)
+    x = torch.ones(nbytes // 4, device=device)
     x.sum()
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         x.sum()
+        sync()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 
@@ -93,10 +96,14 @@ def time_decode(engine: Any, prompt: list[int], steps: int) -> tuple[float, list
 
 def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer, path = load_model_and_tokenizer(args.model, dtype=dtype)
+    device = next(model.parameters()).device
     engines, compile_s = {}, {}
-    paths = [p for p in args.paths if not (p == "compiled" and has_int4_projections(model))]
+    paths = [p for p in args.paths if not (p in ("compiled", "graphed") and has_int4_projections(model))]
     if len(paths) < len(args.paths):
-        print("int4 (AWQ) projections: the compiled path does not take them; timing", ", ".join(paths))
+        print("int4 (AWQ) projections: the compiled paths do not take them; timing", ", ".join(paths))
+    if device.type != "cuda" and "graphed" in paths:
+        paths.remove("graphed")
+        print("not on a CUDA device: the graphed path (CUDA graphs) is skipped")
     for name in paths:
         engine = KVBoost(model, tokenizer, model_identity=path, decode=name, share_model=bool(engines))
         compile_s[name] = engine.warmup()["decode_compile_s"]
@@ -124,7 +131,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
                         "ratio_vs_hf": timed["hf"][0] / seconds if "hf" in timed else None,
                         "tokens_equal_to_hf_before_divergence": agree,
                     })  # fmt: skip
-    bandwidth = stream_bandwidth_gbs()
+    bandwidth = stream_bandwidth_gbs(device=device.type)
     nbytes = weight_bytes(model)
     summary = {}
     for name in engines:
@@ -144,7 +151,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     for engine in engines.values():
         engine.close()
     return {
-        "dtype": dtype, "compute": describe(model.dtype, "cpu" if not torch.cuda.is_available() else "cuda", dtype),
+        "dtype": dtype, "compute": describe(model.dtype, device.type, dtype),
         "weight_bytes": nbytes, "stream_gbs": bandwidth,
         "floor_tokens_per_s": bandwidth * 1e9 / nbytes, "tokens_timed": args.tokens, "summary": summary, "rows": rows,
     }  # fmt: skip
@@ -178,7 +185,8 @@ def to_markdown(results: list[dict[str, Any]], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS,
+                   help="decode paths to time (graphed is skipped off CUDA)")
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)

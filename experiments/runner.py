@@ -121,7 +121,7 @@ def _breakdown(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int) -> None:
+def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int, max_new_tokens: int = 0) -> None:
     """Kernels, not the cache: one unrelated request per mode, kernel tuning for the run's lengths, then forget."""
     cfg = engine.model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -129,7 +129,8 @@ def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int) -> 
         num_q_heads=cfg.num_attention_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim, dtype=engine.adapter.dtype, device=engine.adapter.device, max_len=max_len,
     )  # fmt: skip
-    engine.warmup()  # compiles the decode step (timed apart: summary run.decode_compile_s)
+    # compiles the decode step, and on CUDA captures the graphs of the run's lengths (summary run.decode_compile_s)
+    engine.warmup(max_tokens=max_len + max_new_tokens)
     for runner in runners.values():
         runner.generate(WARMUP_MESSAGES, 4)
     for runner in runners.values():
@@ -172,7 +173,8 @@ def _run(
     max_new_tokens = int(workload.max_new_tokens)
 
     if cfg.get("warmup", True):
-        _warm_up(engine, runners, max_len=int(workload_fields.get("max_prompt_tokens") or 4096))
+        _warm_up(engine, runners, max_len=int(workload_fields.get("max_prompt_tokens") or 4096),
+                 max_new_tokens=max_new_tokens)
     engine.attention.reset_stats()
     engine.reseed()
     shared = workload.shared_context()

@@ -34,7 +34,8 @@ from kvboost.generation import PhaseClock, ReuseCounts, build_result
 from kvboost.lookup import common_prefix_length, lookup, write_exact
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
-from kvboost.models.decode_step import DELEGATING_BACKENDS, FusedDecodeStep, choose_decode
+from kvboost.models.decode_step import DELEGATING_BACKENDS, FusedDecodeStep, choose_decode, make_decode_step
+from kvboost.models.graphed_decode import GraphedDecodeStep, GraphedPrefill
 from kvboost.models.layerwise import LayerwiseModel
 from kvboost.models.prealloc_cache import PreallocatedKV
 from kvboost.models.prefill_step import StepPrefill, choose_prefill
@@ -169,7 +170,7 @@ class InferenceEngine:
             attention.check_available()
             attention.check_model(model)
         decode_mode, decode_reason = choose_decode(decode, model, attention.name)
-        prefill_mode, prefill_reason = choose_prefill(prefill, model, attention)
+        prefill_mode, prefill_reason = choose_prefill(prefill, model, attention, decode_mode)
         weights_mode, weights_reason = _choose_prefill_weights(prefill_weights, prefill_mode, model)
         speculative = DRAFT.build(speculative)
         speculative.bind(model, tokenizer)  # loads a draft model, refuses a misfit (vocabulary, layers)
@@ -203,18 +204,20 @@ class InferenceEngine:
         self.layerwise = LayerwiseModel(model, attention)
         self.speculative = speculative
         self.decode_mode, self.decode_reason = decode_mode, decode_reason
-        self._decode_step = (
-            FusedDecodeStep(model, compile=decode_mode == "compiled",
-                            backend=attention if attention.name in DELEGATING_BACKENDS else None)
-            if decode_mode != "hf" else None
-        )  # fmt: skip
+        self._decode_step = make_decode_step(
+            decode_mode, model, backend=attention if attention.name in DELEGATING_BACKENDS else None
+        )
         self.prefill_mode, self.prefill_reason = prefill_mode, prefill_reason
         self.prefill_weights, self.prefill_weights_reason = weights_mode, weights_reason
-        self._prefill_step = (
-            StepPrefill(self._decode_step or FusedDecodeStep(model, compile=False),
-                        prepacked=weights_mode == "prepacked", attention=attention)
-            if prefill_mode == "fused" else None
-        )  # fmt: skip
+        self._prefill_step: Any = None
+        if prefill_mode == "fused":
+            self._prefill_step = StepPrefill(self._decode_step or FusedDecodeStep(model, compile=False),
+                                             prepacked=weights_mode == "prepacked", attention=attention)  # fmt: skip
+        elif prefill_mode == "graphed":
+            graphed = self._decode_step
+            self._prefill_step = GraphedPrefill(
+                graphed if isinstance(graphed, GraphedDecodeStep) else GraphedDecodeStep(model, compile=True)
+            )
         # Tiers that serialise entries (disk) write the fingerprint into each record and check it on read;
         # pending writes (and, spilled, the memory tier's entries) reach a persistent tier at close() or exit.
         self.store.bind_context(
@@ -291,18 +294,26 @@ class InferenceEngine:
         self._prefill_step = None  # its prepacked weight copies, if any, are this engine's own
         self._store_finalizer()  # store.close(): spill into a persistent tier, flush pending writes
 
-    def warmup(self) -> dict[str, Any]:
+    def warmup(self, max_tokens: int | None = None) -> dict[str, Any]:
         """Build what the first request would otherwise build inside its timings: the decode step is compiled
-        (and run once) on scratch buffers; the cache is not touched. Returns :meth:`decode_info`."""
-        if self._decode_step is not None and not self._decode_step.warmed:
-            self._decode_step.warmup()
+        (and run once) on scratch buffers; on CUDA the graphs of requests up to ``max_tokens`` rows (prompt and
+        generated tokens; default 2048) are captured. The cache is not touched. Returns :meth:`decode_info`."""
+        steps = [self._decode_step]
+        if isinstance(self._prefill_step, GraphedPrefill) and self._prefill_step.step is not self._decode_step:
+            steps.append(self._prefill_step.step)
+        for step in steps:
+            if isinstance(step, GraphedDecodeStep):
+                step.warmup(max_tokens=max_tokens or 2048)
+            elif step is not None and not step.warmed:
+                step.warmup()
         return self.decode_info()
 
     def decode_info(self) -> dict[str, Any]:
         """How tokens after the first are decoded (mode, why, the compile time paid so far in seconds) and how a
         suffix prefill runs (``prefill``, ``prefill_reason``, ``prefill_weights``, ``prefill_weights_reason``,
-        ``awq_prefill``), and the bytes of the prepacked weight copies held beside the model's own
-        (``packed_weight_bytes``: the prefill's and the attention backend's, so far)."""
+        ``awq_prefill``), the bytes of the prepacked weight copies held beside the model's own
+        (``packed_weight_bytes``: the prefill's and the attention backend's, so far), and on CUDA the graphs held
+        (``cuda_graphs``, ``cuda_graph_capture_s``, ``graph_fallback_reason``)."""
         step = self._decode_step
         mode = self.decode_mode if step is None or step.compiled or self.decode_mode != "compiled" else "eager"
         return {
@@ -316,6 +327,19 @@ class InferenceEngine:
             "awq_prefill": getattr(self.model, "_kvboost_awq_prefill", None),
             "packed_weight_bytes": (self._prefill_step.packed_bytes if self._prefill_step is not None else 0)
             + int(getattr(self.attention, "packed_bytes", 0)),
+            **self._graph_info(),
+        }
+
+    def _graph_info(self) -> dict[str, Any]:
+        """CUDA graphs held (``(C, T)`` pairs) and the seconds their captures took, where a step is graphed."""
+        steps = {id(s): s for s in (self._decode_step, getattr(self._prefill_step, "step", None))
+                 if isinstance(s, GraphedDecodeStep)}  # fmt: skip
+        if not steps:
+            return {}
+        return {
+            "cuda_graphs": sum(len(s.captured) for s in steps.values()),
+            "cuda_graph_capture_s": sum(s.capture_seconds for s in steps.values()),
+            "graph_fallback_reason": next((s.fallback_reason for s in steps.values() if s.fallback_reason), None),
         }
 
     def __enter__(self) -> InferenceEngine:
@@ -419,7 +443,7 @@ class InferenceEngine:
 
             step = self._decode_step
             if step is not None and step.can_run(kv, n, max_new_tokens):
-                step.begin(kv, n)
+                step.begin(kv, n, reserve=n + max_new_tokens)
                 forward = step
             else:
                 step, forward = None, lambda tok: self.adapter.forward(torch.tensor([tok]), kv.cache)[-1]
@@ -439,7 +463,7 @@ class InferenceEngine:
                     tokens_so_far=n,
                 )
             if step is not None:
-                kv.set_length(step.length)  # the fused step wrote the rows; HF's cache objects now see them
+                step.finish(kv)  # the fused step wrote the rows; HF's cache objects now see them
             clock.mark("decoded")
             if mode == "reuse" and store:
                 seq = ids + (decoded.token_ids[:-1] if self.store_generated else [])
@@ -480,7 +504,7 @@ class InferenceEngine:
         def plain_step(token: int) -> torch.Tensor:
             step.begin(kv, kv.length())
             logits = step(token)
-            kv.set_length(step.length)
+            step.finish(kv)
             return logits
 
         return speculative_decode(
@@ -568,7 +592,7 @@ class InferenceEngine:
 
     def _forward_suffix(self, ids: torch.Tensor, start: int, kv: PreallocatedKV) -> torch.Tensor:
         """Run ``ids`` after the ``start`` rows of ``kv`` (the prefill option's path); returns the last logits."""
-        if self._prefill_step is None:
+        if self._prefill_step is None or not self._prefill_step.fits(start, int(ids.numel())):
             return self.adapter.forward(ids, kv.cache)[-1]
         logits = self._prefill_step(ids, start, kv)
         kv.set_length(start + int(ids.numel()))

@@ -22,7 +22,9 @@ class ToyTokenizer:
         return VOCAB
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
         return self(text)["input_ids"] if tokenize else text
 
     def decode(self, ids, skip_special_tokens=True):
@@ -77,18 +79,20 @@ def random_ids(n: int, seed: int = 0) -> list[int]:
 
 
 def hf_greedy_reference(model, prompt: list[int], steps: int):
-    """HF's own decode of ``steps`` greedy tokens after ``prompt``: (the tokens fed, fp32 logits per step, the
-    final DynamicCache)."""
+    """HF's own decode of ``steps`` greedy tokens after ``prompt`` on the model's device: (the tokens fed, fp32
+    logits per step, the final DynamicCache)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True)
         token = int(out.logits[0, -1].argmax())
         fed, logits = [], []
         for _ in range(steps):
             fed.append(token)
-            step = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            ids = torch.tensor([[token]], device=device)
+            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
             logits.append(step.float())
             token = int(step.argmax())
     return fed, logits, cache

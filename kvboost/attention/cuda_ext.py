@@ -103,6 +103,30 @@ def _row_bounds(x: Any, name: str, batch: int, device: torch.device) -> torch.Te
     return t.to(torch.int32).contiguous()
 
 
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """What the C++ binding checks, checked here first: an error raised inside the extension crossed into
+    Python as a crash (SIGSEGV) on one CUDA image (torch 2.11.0+cu130 on an H200), so inputs the kernel cannot
+    take must never reach it."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        raise ValueError(f"q, k and v must be CUDA tensors, got {q.device}, {k.device}, {v.device}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    (batch, heads_q, len_q, head_dim), (k_batch, heads_kv, len_k, k_dim) = q.shape, k.shape
+    if k_batch != batch or k_dim != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and head dim")
+    if head_dim not in (64, 128):
+        raise ValueError(f"the cuda attention backend needs head dim 64 or 128, got {head_dim}; use attn=triton")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"the number of query heads ({heads_q}) must be a multiple of the number of key/value "
+                         f"heads ({heads_kv})")  # fmt: skip
+    if causal and len_q > len_k:
+        raise ValueError(f"causal attention needs len_q <= len_k, got len_q={len_q} len_k={len_k}")
+
+
 def cuda_flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,7 +184,8 @@ def cuda_flash_attn_forward(
             )
     if split_kv is not None and not isinstance(split_kv, bool):
         raise TypeError(f"split_kv must be None, True or False, got {split_kv!r}")
-    ext = load_cuda_extension()
+    ext = load_cuda_extension()  # first: on a machine without a GPU, its error says what is missing
+    _check_shapes(q, k, v, causal)
     batch = q.shape[0]
     kv_start_t = _row_bounds(kv_start, "kv_start", batch, q.device)
     kv_len_t = _row_bounds(kv_len, "kv_len", batch, q.device)

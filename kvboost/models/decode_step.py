@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # RoPE types whose inverse frequencies are fixed once built (the step reads ``rotary_emb.inv_freq`` once).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-DECODE_MODES = ("hf", "eager", "compiled")
+#: ``graphed``: the step replayed as one CUDA graph per token (``kvboost.models.graphed_decode``; CUDA only).
+DECODE_MODES = ("hf", "eager", "compiled", "graphed")
 #: Attention backends whose arithmetic the eager step runs by calling them (projections and attention).
 DELEGATING_BACKENDS = ("batch_invariant",)
 #: Attention backends under which the fused step runs its own single-query SDPA: ``sdpa`` itself, and
@@ -356,9 +357,14 @@ class FusedDecodeStep:
         return self._epilogue_fn(x, inner.norm.weight, *self._head)
 
     # ------------------------------------------------------------------ per request
-    def begin(self, kv: PreallocatedKV, length: int) -> None:
-        """Start decoding into ``kv``, whose first ``length`` rows hold the prompt's K/V."""
+    def begin(self, kv: PreallocatedKV, length: int, reserve: int | None = None) -> None:
+        """Start decoding into ``kv``, whose first ``length`` rows hold the prompt's K/V. ``reserve``: the rows
+        the request may reach (a hint for steps that size a workspace; this one writes ``kv`` directly)."""
         self._kv, self.length = kv, length
+
+    def finish(self, kv: PreallocatedKV) -> None:
+        """Expose the rows decoded since ``begin`` to ``kv``'s cache objects (``kv.set_length``)."""
+        kv.set_length(self.length)
 
     def can_run(self, kv: PreallocatedKV, length: int, new_tokens: int) -> bool:
         """Whether ``new_tokens`` steps fit ``kv``'s buffers and every layer still reads them (no layer grew
@@ -425,11 +431,28 @@ class FusedDecodeStep:
         return elapsed
 
 
+def _model_device(model: Any) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def make_decode_step(mode: str, model: Any, backend: Any = None) -> FusedDecodeStep | None:
+    """The step object of a mode chosen by :func:`choose_decode` (``None`` for ``"hf"``)."""
+    if mode == "hf":
+        return None
+    if mode == "graphed":
+        from kvboost.models.graphed_decode import GraphedDecodeStep
+
+        return GraphedDecodeStep(model, compile=True)
+    return FusedDecodeStep(model, compile=mode == "compiled", backend=backend)
+
+
 def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]:
     """(mode, why) for the engine's ``decode`` option: ``"hf"`` (HF's forward per token), ``"eager"`` (the fused
-    step without compiling) or ``"compiled"``.
+    step without compiling), ``"compiled"`` or ``"graphed"`` (compiled and replayed as a CUDA graph; CUDA only).
 
-    ``"auto"`` (the default) takes ``$KVBOOST_DECODE`` when set, else ``"compiled"`` where the model is supported,
+    ``"auto"`` (the default) takes ``$KVBOOST_DECODE`` when set, else ``"graphed"`` on CUDA and ``"compiled"``
+    elsewhere where the model is supported,
     the attention backend is one of :data:`STEP_SDPA_BACKENDS` (the fused step has its own attention; other
     backends keep theirs by decoding through HF) and inductor can build kernels; ``"eager"`` under a backend of
     :data:`DELEGATING_BACKENDS` (the eager step calls it); otherwise ``"hf"``. An explicit mode the model or the
@@ -440,6 +463,8 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
         if forced:
             if forced not in DECODE_MODES:
                 raise ValueError(f"KVBOOST_DECODE={forced!r}: use one of {DECODE_MODES}")
+            if forced == "graphed" and _model_device(model).type != "cuda":
+                raise ValueError("KVBOOST_DECODE=graphed replays CUDA graphs; the model is not on a CUDA device")
             if forced == "hf" or unsupported_reason(model) is None and attention in STEP_SDPA_BACKENDS:
                 return forced, "KVBOOST_DECODE"
         reason = unsupported_reason(model)
@@ -456,6 +481,8 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
             reason = fused_int4_reason(model)
             return "eager", ("AWQ int4 projections, fused" if reason is None else
                              f"AWQ int4 projections through their own modules ({reason})")  # fmt: skip
+        if _model_device(model).type == "cuda":
+            return "graphed", "auto: CUDA (compiled, one CUDA graph per token)"
         reason = inductor_unavailable_reason()
         if reason is not None:
             return "eager", f"not compiled: {reason}"
@@ -476,6 +503,12 @@ def choose_decode(requested: str, model: Any, attention: str) -> tuple[str, str]
         raise ValueError(
             f"decode={requested!r} runs its own attention; with attn={attention!r} use decode='hf' (or 'auto')"
         )
+    if requested == "graphed":
+        if _model_device(model).type != "cuda":
+            raise ValueError("decode='graphed' replays CUDA graphs; the model is not on a CUDA device (use "
+                             "decode='compiled', 'eager' or 'auto')")  # fmt: skip
+        if has_int4_projections(model):
+            raise ValueError("decode='graphed' does not take AWQ int4 projections; use decode='eager' (or 'auto')")
     if requested == "compiled":
         if has_int4_projections(model) and fused_int4_reason(model) is not None:
             raise ValueError(f"decode='compiled' runs AWQ int4 projections fused through torch's int4 CPU kernel, "

@@ -28,11 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvboost.models.awq import AWQLinear, fuse_dense, fused_bias
-from kvboost.models.decode_step import FusedDecodeStep, _rms_norm_fused, _rotate_half, unsupported_reason
+from kvboost.models.decode_step import (
+    FusedDecodeStep,
+    _rms_norm_fused,
+    _rotate_half,
+    has_int4_projections,
+    unsupported_reason,
+)
 from kvboost.models.prealloc_cache import PreallocatedKV
 from kvboost.models.prepack import pack_layer, plain_projections
 
-PREFILL_MODES = ("hf", "fused")
+#: ``graphed``: short suffixes replayed as CUDA graphs (:class:`kvboost.models.graphed_decode.GraphedPrefill`).
+PREFILL_MODES = ("hf", "fused", "graphed")
 #: Attention backends the fused prefill runs: ``sdpa`` (torch's SDPA, HF's bits) and those that offer a
 #: ``prefill_attention(q, keys, values, start, scale)`` kernel call (``cpu_kernel``).
 PREFILL_ATTENTION_BACKENDS = ("sdpa", "cpu_kernel")
@@ -42,21 +49,22 @@ def _has_forward_hooks(model: nn.Module) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
-def choose_prefill(requested: str, model: Any, attention: Any) -> tuple[str, str]:
-    """(mode, why) for the engine's ``prefill`` option: ``"fused"`` (:class:`StepPrefill`) or ``"hf"``.
+def choose_prefill(requested: str, model: Any, attention: Any, decode_mode: str | None = None) -> tuple[str, str]:
+    """(mode, why) for the engine's ``prefill`` option: ``"fused"`` (:class:`StepPrefill`), ``"graphed"`` (CUDA
+    graphs, :class:`kvboost.models.graphed_decode.GraphedPrefill`) or ``"hf"``.
 
     ``"auto"`` (the default) picks ``"fused"`` on CPU where the model is supported, the attention backend is plain
     ``sdpa`` or ``cpu_kernel`` (whose kernel the prefill calls; other backends, and ``sdpa`` with ``key_tile``, keep
     their own attention through HF's forward) and no module has forward hooks (a layer streamer swaps weights in
-    hooks that only HF's forward fires). On CUDA
-    ``auto`` keeps HF's forward: the fused prefill has not been validated on a GPU. ``"fused"`` where it cannot
-    run is an error.
+    hooks that only HF's forward fires). On CUDA ``auto`` picks ``"graphed"`` where the decode step is graphed
+    (``decode_mode``) under plain ``sdpa``, else HF's forward. A mode that cannot run here is an error.
     """
     if requested not in ("auto", *PREFILL_MODES):
         raise ValueError(f"prefill must be 'auto' or one of {PREFILL_MODES}, got {requested!r}")
     if requested == "hf":
         return "hf", "requested"
     name = getattr(attention, "name", attention)
+    on_cuda = next(model.parameters()).device.type == "cuda"
     reasons = [
         unsupported_reason(model),
         None if name in PREFILL_ATTENTION_BACKENDS else f"attention backend {name!r} runs through HF's forward",
@@ -65,12 +73,23 @@ def choose_prefill(requested: str, model: Any, attention: Any) -> tuple[str, str
         else None,
     ]  # fmt: skip
     reason = next((r for r in reasons if r), None)
+    if requested == "graphed":
+        reason = reason or (None if on_cuda else "the model is not on a CUDA device")
+        reason = reason or (None if name == "sdpa" else f"attention backend {name!r}: the graphs run their own SDPA")
+        reason = reason or ("AWQ int4 projections" if has_int4_projections(model) else None)
+        if reason is not None:
+            raise ValueError(f"prefill='graphed' cannot run here: {reason}; use prefill='hf' (or 'auto')")
+        return "graphed", "requested"
     if requested == "fused":
         if reason is not None:
             raise ValueError(f"prefill='fused' cannot run here: {reason}; use prefill='hf' (or 'auto')")
         return "fused", "requested"
     if reason is not None:
         return "hf", reason
+    if on_cuda:
+        if decode_mode == "graphed" and name == "sdpa":
+            return "graphed", "auto: CUDA, the decode step is graphed (suffixes up to its max_graph_tokens)"
+        return "hf", "CUDA: the fused prefill is CPU-only and the decode step is not graphed"
     if next(model.parameters()).device.type != "cpu":
         return "hf", "not validated on this device (CPU only)"
     return "fused", "auto"
@@ -224,6 +243,10 @@ class StepPrefill:
         return self._layer(x, cos, sin, mask, start, keys, values, *weights)
 
     @torch.inference_mode()
+    def fits(self, start: int, count: int) -> bool:
+        """Whether this prefill runs ``count`` tokens after ``start`` rows (always: it has no size limit)."""
+        return True
+
     def __call__(self, ids: torch.Tensor, start: int, kv: PreallocatedKV) -> torch.Tensor:
         t = int(ids.numel())
         if t < 1:

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU checks of kvboost in one script, for a machine with an NVIDIA GPU (compute capability >= 8.0).
+#
+#   bash experiments/gpu_suite.sh STEPS OUT_DIR
+#
+# STEPS: a comma-separated list of
+#   tests      the GPU tests (CUDA + Triton kernels, graphed decode/prefill); GPU_TESTS=paths narrows them,
+#              GPU_PYTEST_ARGS adds pytest options (e.g. --maxfail=3)
+#   attention  the attention-kernel benchmark (experiments/bench_attention.py --quick)
+#   replay     the ShareGPT replay in bf16 (run.py, every mode; CUDA graphs for decode and short prefills)
+#   decode     decode tokens/s of every path (experiments/bench_decode.py: hf / eager / compiled / graphed)
+#   all        every step above
+# MODEL_DIR=folder runs replay and decode on that model instead of the bundled one (e.g. a random-weight copy of
+# its architecture from experiments/random_weights.py, for timing where the weights cannot travel).
+#
+# Every step is time-boxed (a limit per step, scaled by TIMEOUT_PERCENT, default 100) and logged under OUT_DIR; a failing
+# step does not stop the next one, and the script's exit status is the number of failed steps. CPU-only machines run
+# none of this: the CPU suite is the README's test command.
+set -uo pipefail
+
+steps="${1:?usage: gpu_suite.sh STEPS OUT_DIR (STEPS: tests,attention,replay,decode or all)}"
+out="${2:?usage: gpu_suite.sh STEPS OUT_DIR}"
+[[ "$steps" == all ]] && steps="tests,attention,replay,decode"
+wants() { [[ ",$steps," == *",$1,"* ]]; }
+mkdir -p "$out"
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo 9.0)}"
+percent="${TIMEOUT_PERCENT:-100}"
+failed=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.log, keep going on failure
+  local name="$1" limit=$(($2 * percent / 100))
+  shift 2
+  local start=$SECONDS
+  echo "=== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "=== $name: rc=$rc in $((SECONDS - start))s"
+  [[ $rc -eq 0 ]] || failed=$((failed + 1))
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "triton", triton.__version__)'
+} >"$out/environment.txt" 2>&1
+cat "$out/environment.txt"
+
+default_tests="tests/test_graphed_decode.py tests/kernels/test_cuda_kernel.py tests/kernels/test_backend_gpu_model.py
+  tests/kernels/test_flash_attn_triton.py tests/kernels/test_attention_backends.py tests/kernels/test_awq_gemm.py"
+model_args=() bench_model=()
+if [[ -n "${MODEL_DIR:-}" ]]; then
+  model_args=("model.name_or_path=$MODEL_DIR") bench_model=(--model "$MODEL_DIR")
+fi
+if wants tests; then
+  # One pytest run per file, each with its own time box and summary: a run cut short loses only its own file's
+  # failure details. The CPU-side checks (C++ emulation of the kernel, nvcc compile check) are CI's or the
+  # compile_check script's; they are left out here to keep device time for the GPU.
+  for file in ${GPU_TESTS:-$default_tests}; do
+    # shellcheck disable=SC2086  # GPU_PYTEST_ARGS is a list of options
+    step "gpu_tests_$(basename "$file" .py)" 150 python3 -m pytest -v --tb=short -rfE -p no:cacheprovider \
+      --timeout 120 --deselect tests/kernels/test_cuda_kernel.py::test_kernel_cpu_emulation \
+      --deselect tests/kernels/test_cuda_kernel.py::test_compile_check_script ${GPU_PYTEST_ARGS:-} "$file"
+  done
+fi
+if wants attention; then
+  step bench_attention 120 python3 experiments/bench_attention.py --quick --out "$out/bench_attention_gpu.json"
+fi
+if wants replay; then
+  step replay_bf16 270 python3 run.py logger=none workload.num_conversations=4 workload.max_turns=6 \
+    "workload.max_new_tokens=${REPLAY_NEW_TOKENS:-64}" "${model_args[@]}" hydra.run.dir="$out/replay_bf16"
+fi
+if wants decode; then
+  step bench_decode 150 python3 experiments/bench_decode.py --dtypes bfloat16 --contexts 256 1024 \
+    --tokens 64 --repeats 3 "${bench_model[@]}" --out "$out"
+fi
+echo "gpu_suite: $failed step(s) failed"
+exit "$failed"
