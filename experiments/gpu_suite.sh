@@ -9,8 +9,9 @@
 #   attention  the attention-kernel benchmark (experiments/bench_attention.py --quick)
 #   replay     the ShareGPT replay in bf16 (run.py, every mode; CUDA graphs for decode and short prefills)
 #   decode     decode tokens/s of every path (experiments/bench_decode.py: hf / eager / compiled / graphed)
+#   profile    kernels per token of the graphed decode step's variants (experiments/profile_graphed_step.py)
 #   all        every step above
-# MODEL_DIR=folder runs replay and decode on that model instead of the bundled one (e.g. a random-weight copy of
+# MODEL_DIR=folder runs replay, decode and profile on that model instead of the bundled one (e.g. a random-weight copy of
 # its architecture from experiments/random_weights.py, for timing where the weights cannot travel).
 #
 # Every step is time-boxed (a limit per step, scaled by TIMEOUT_PERCENT, default 100) and logged under OUT_DIR; a failing
@@ -20,7 +21,7 @@ set -uo pipefail
 
 steps="${1:?usage: gpu_suite.sh STEPS OUT_DIR (STEPS: tests,attention,replay,decode or all)}"
 out="${2:?usage: gpu_suite.sh STEPS OUT_DIR}"
-[[ "$steps" == all ]] && steps="tests,attention,replay,decode"
+[[ "$steps" == all ]] && steps="tests,attention,replay,decode,profile"
 wants() { [[ ",$steps," == *",$1,"* ]]; }
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -74,6 +75,10 @@ fi
 if wants decode; then
   step bench_decode 150 python3 experiments/bench_decode.py --dtypes bfloat16 --contexts 256 1024 \
     --tokens 64 --repeats 3 "${bench_model[@]}" --out "$out"
+fi
+if wants profile; then
+  step profile_graphed_step 150 python3 experiments/profile_graphed_step.py "${bench_model[@]}" \
+    --out "$out/profile_graphed_step.json"
 fi
 echo "gpu_suite: $failed step(s) failed"
 exit "$failed"

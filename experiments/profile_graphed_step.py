@@ -1,12 +1,14 @@
 """Where the graphed decode step's time goes on a GPU: kernels per token and their GPU time, and the replay rate.
 
     python experiments/profile_graphed_step.py [--model DIR] [--context 1024] [--tokens 200] [--out FILE.json]
+        [--variants compiled compiled_matmul compiled_fused compiled_matmul_fused eager]
 
 Runs the step's static forward once uncaptured under ``torch.profiler`` (every kernel one decode token launches,
-grouped by name, with its GPU time), then times ``--tokens`` replays of the captured graph (CUDA events), for the
-compiled and the eager per-layer functions. The sum of kernel times against the replay time says whether the
-GPU work itself or the gaps between kernels set the rate; the kernel list says what a fused kernel would save.
-CUDA only.
+grouped by name, with its GPU time), then times ``--tokens`` replays of the captured graph (CUDA events), for each
+variant of the step: compiled or eager per-layer functions, masked SDPA or two matmuls for the decode attention
+(``decode_attention``), separate or concatenated q/k/v and gate/up projections (``fuse_projections``). The sum
+of kernel times against the replay time says whether the GPU work itself or the gaps between kernels set the
+rate; the kernel list says what a fused kernel would save. CUDA only.
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ if str(ROOT) not in sys.path:
 from kvboost.models.graphed_decode import GraphedDecodeStep, bucket_for
 from kvboost.models.loading import load_model_and_tokenizer
 
+#: Variant name -> GraphedDecodeStep options.
+VARIANTS = {
+    "compiled": {"compile": True},
+    "compiled_matmul": {"compile": True, "decode_attention": "matmul"},
+    "compiled_fused": {"compile": True, "fuse_projections": True},
+    "compiled_matmul_fused": {"compile": True, "decode_attention": "matmul", "fuse_projections": True},
+    "eager": {"compile": False},
+}
 
-def profile_step(model: Any, *, compile: bool, context: int, tokens: int) -> dict[str, Any]:
-    step = GraphedDecodeStep(model, compile=compile)
+
+def profile_step(model: Any, *, variant: str, context: int, tokens: int) -> dict[str, Any]:
+    step = GraphedDecodeStep(model, **VARIANTS[variant])
     size = bucket_for(context + tokens + 1, step.max_rows)
     with torch.inference_mode():
         step._graph(size, 1)  # compile and capture
@@ -59,7 +70,7 @@ def profile_step(model: Any, *, compile: bool, context: int, tokens: int) -> dic
         ms = start.elapsed_time(end) / tokens
     rows = sorted(((name, len(t), sum(t)) for name, t in kernels.items()), key=lambda r: -r[2])
     return {
-        "compile": compile, "workspace_rows": size, "context": context,
+        "variant": variant, **VARIANTS[variant], "workspace_rows": size, "context": context,
         "kernels_per_token": sum(r[1] for r in rows), "kernel_us_per_token": sum(r[2] for r in rows),
         "replay_ms_per_token": ms, "replay_tokens_per_s": 1000 / ms,
         "top_kernels": [{"name": n[:120], "launches": c, "us": round(t, 2)} for n, c, t in rows[:25]],
@@ -71,16 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model folder (default: the bundled model)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_graphed_step: needs a CUDA device", file=sys.stderr)
         return 2
     model, _, _ = load_model_and_tokenizer(args.model, dtype="bfloat16", device="cuda")
-    results = [profile_step(model, compile=c, context=args.context, tokens=args.tokens) for c in (True, False)]
+    results = [profile_step(model, variant=v, context=args.context, tokens=args.tokens) for v in args.variants]
     for r in results:
         print(
-            f"compile={r['compile']}: {r['kernels_per_token']} kernels/token, {r['kernel_us_per_token']:.0f} us of "
+            f"{r['variant']}: {r['kernels_per_token']} kernels/token, {r['kernel_us_per_token']:.0f} us of "
             f"kernel time; replay {r['replay_ms_per_token']:.3f} ms/token ({r['replay_tokens_per_s']:.0f} tok/s)"
         )
         for k in r["top_kernels"][:12]:

@@ -9,7 +9,9 @@ same shapes give the same kernels and the same time per token, and a replay that
 dataset feeds the same prompts. What such a run cannot report is anything that depends on the weights' values
 (greedy agreement, answers, accuracy): say so beside its figures. ``--config-only`` copies the small files
 (config, generation config, tokenizer, chat template); running the script again on that folder, without
-``--config-only``, writes the random weights next to them.
+``--config-only``, writes the random weights next to them. (``model=tiny_random`` differs: a shrunk random model
+built from the bundled model's converted folder, for smoke tests; this keeps the full size and needs only the
+small files.)
 """
 
 from __future__ import annotations

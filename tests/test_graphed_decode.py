@@ -29,11 +29,11 @@ def test_bucket_for_rounds_up_to_powers_of_two_and_caps_at_the_context():
         bucket_for(0)
 
 
-def _static_run(model, prompt: list[int], fed: list[int], *, compile: bool, size: int):
+def _static_run(model, prompt: list[int], fed: list[int], *, compile: bool, size: int, **options):
     """Prefill through HF, copy the rows into a workspace of ``size`` rows (stale garbage past them), then feed
     ``fed`` through ``static_forward`` with tensor positions."""
     adapter = ModelAdapter(model, "tiny")
-    step = GraphedDecodeStep(model, compile=compile)
+    step = GraphedDecodeStep(model, compile=compile, **options)
     with torch.inference_mode():
         kv = adapter.allocate(len(prompt) + len(fed) + 1)
         adapter.forward(torch.tensor(prompt), kv.cache)
@@ -49,10 +49,10 @@ def _static_run(model, prompt: list[int], fed: list[int], *, compile: bool, size
     return logits, keys, values
 
 
-def _check(model, *, compile: bool, size: int, atol: float):
+def _check(model, *, compile: bool, size: int, atol: float, **options):
     prompt = random_ids(37, seed=3)
     fed, ref_logits, ref_cache = hf_greedy_reference(model, prompt, steps=9)
-    logits, keys, values = _static_run(model, prompt, fed, compile=compile, size=size)
+    logits, keys, values = _static_run(model, prompt, fed, compile=compile, size=size, **options)
     for ref, got in zip(ref_logits, logits, strict=True):
         assert got.shape == ref.shape and got.dtype == torch.float32
         assert torch.allclose(got, ref, atol=atol, rtol=0), (got - ref).abs().max()
@@ -69,31 +69,58 @@ def test_static_arithmetic_equals_hf_forward(arch):
     _check(tiny_model(arch), compile=False, size=64, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # without and with projection biases
+@pytest.mark.parametrize("options", [{"decode_attention": "matmul"}, {"fuse_projections": True},
+                                     {"decode_attention": "matmul", "fuse_projections": True}],
+                         ids=["matmul", "fused", "matmul_fused"])  # fmt: skip
+def test_static_arithmetic_variants_equal_hf_forward(arch, options):
+    """The decode variants the GPU profile compares (matmul attention, concatenated q/k/v and gate/up) compute
+    HF's numbers too."""
+    _check(tiny_model(arch), compile=False, size=64, atol=1e-4, **options)
+
+
+def test_fused_projections_report_their_copies_and_bad_options_are_refused():
+    model = tiny_model("qwen2")
+    step = GraphedDecodeStep(model, compile=False, fuse_projections=True)
+    layer = model.model.layers[0]
+    per_layer = sum(p.numel() * 4 for p in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                            layer.self_attn.v_proj.weight, layer.self_attn.q_proj.bias,
+                                            layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias,
+                                            layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))  # fmt: skip
+    assert step.packed_bytes == per_layer * len(model.model.layers)
+    assert GraphedDecodeStep(model, compile=False).packed_bytes == 0
+    with pytest.raises(ValueError, match="decode_attention"):
+        GraphedDecodeStep(model, compile=False, decode_attention="flash")
+
+
 @needs_inductor
 @pytest.mark.slow
-def test_compiled_static_arithmetic_equals_hf_forward_at_two_bucket_sizes():
+@pytest.mark.parametrize("options", [{}, {"decode_attention": "matmul", "fuse_projections": True}],
+                         ids=["sdpa", "matmul_fused"])  # fmt: skip
+def test_compiled_static_arithmetic_equals_hf_forward_at_two_bucket_sizes(options):
     """What the GPU graph holds (torch.compile, dynamic shapes) on CPU's inductor: HF's numbers, and a second
     workspace size does not compile again."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("qwen2")  # projection biases
     counters.clear()
-    _check(model, compile=True, size=80, atol=1e-4)  # sizes unlike any model dimension
+    _check(model, compile=True, size=80, atol=1e-4, **options)  # sizes unlike any model dimension
     first = counters["stats"]["unique_graphs"]
     assert first > 0
-    _check(model, compile=True, size=112, atol=1e-4)
+    _check(model, compile=True, size=112, atol=1e-4, **options)
     assert counters["stats"]["unique_graphs"] == first, "a new bucket size compiled again"
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("start", [0, 37])
-def test_static_prefill_of_padded_rows_equals_hf_forward(start):
+def test_static_prefill_of_padded_rows_equals_hf_forward(start, fuse):
     """A prefill of 21 tokens run as 32 rows (11 padding rows at later positions) after ``start`` cached rows:
     the last real token's logits and the real rows' K/V are HF's; the padding changes nothing before it."""
     model = tiny_model("llama")
     ids = random_ids(start + 21, seed=4)
     with torch.inference_mode():
         ref = model(input_ids=torch.tensor([ids]), use_cache=True)
-    step = GraphedDecodeStep(model, compile=False)
+    step = GraphedDecodeStep(model, compile=False, fuse_projections=fuse, decode_attention="matmul")
     adapter = ModelAdapter(model, "tiny")
     with torch.inference_mode():
         kv = adapter.allocate(len(ids) + 1)

@@ -50,6 +50,10 @@ MIN_BUCKET = 256
 MIN_PREFILL_ROWS = 16
 #: Prefills of more new tokens than this run through HF's forward (the GPU's time, not Python's, dominates).
 MAX_GRAPH_TOKENS = 2048
+#: How a decode graph attends: ``sdpa`` (the masked SDPA call prefills use too) or ``matmul`` (two fp32 matmuls and
+#: a masked softmax over the workspace). Both are tested on CPU; which is faster on a GPU is for
+#: ``experiments/profile_graphed_step.py`` to say (``sdpa`` is what the H200 figures used).
+DECODE_ATTENTION = ("sdpa", "matmul")
 
 
 def bucket_for(rows: int, max_rows: int | None = None, minimum: int = MIN_BUCKET) -> int:
@@ -87,10 +91,18 @@ class GraphedDecodeStep(FusedDecodeStep):
             kernels per layer); False captures the eager kernels. A compiler failure falls back to eager
             (``fallback_reason`` says why).
         max_graph_tokens: the longest prefill run as a graph.
+        decode_attention: see :data:`DECODE_ATTENTION` (prefill graphs always use SDPA).
+        fuse_projections: multiply q/k/v and gate/up as one matrix each, from concatenated copies of the weights
+            (``packed_bytes`` more memory; fewer, larger GEMMs per layer).
     """
 
-    def __init__(self, model: Any, *, compile: bool = True, max_graph_tokens: int = MAX_GRAPH_TOKENS) -> None:
+    def __init__(self, model: Any, *, compile: bool = True, max_graph_tokens: int = MAX_GRAPH_TOKENS,
+                 decode_attention: str = "sdpa", fuse_projections: bool = False) -> None:  # fmt: skip
         super().__init__(model, compile=False)
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        self.decode_attention = decode_attention
+        self.fuse_projections = fuse_projections
         if has_int4_projections(model):
             raise ValueError("the graphed decode step does not take AWQ int4 projections; use decode='eager'")
         if max_graph_tokens < MIN_PREFILL_ROWS:
@@ -110,9 +122,22 @@ class GraphedDecodeStep(FusedDecodeStep):
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # T -> tokens, positions, last
         self._pool: Any = None
+        self._graph_weights = [self._fused_weights(w) for w in self._layer_weights] if fuse_projections else \
+            self._layer_weights  # fmt: skip
+        # the concatenated copies (q/k/v weight and bias, gate/up weight) held beside the model's own weights
+        self.packed_bytes = sum(t.numel() * t.element_size() for w in self._graph_weights for t in (w[1], w[2], w[9])
+                                if t is not None) if fuse_projections else 0  # fmt: skip
         self._size = 0  # the workspace size decoding writes into
         self._start = 0
         self.capture_seconds = 0.0
+
+    @staticmethod
+    def _fused_weights(weights: tuple) -> tuple:
+        """One layer's weights with q/k/v and gate/up concatenated (copies): one GEMM each instead of three and
+        two. Same signature as the plain tuple, the fused slots left None."""
+        ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd = weights
+        bias = None if bq is None else torch.cat((bq, bk, bv))
+        return (ln1, torch.cat((wq, wk, wv)), bias, None, None, None, None, wo, ln2, torch.cat((wg, wu)), None, wd)
 
     # ------------------------------------------------------------------ the static-shape arithmetic
     def _static_prologue(self, tokens, positions, embed, inv_freq, rows):
@@ -136,20 +161,35 @@ class GraphedDecodeStep(FusedDecodeStep):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t, g = x.shape[0], h // kvh
         a = self._norm(x, ln1, self.eps)
-        q = F.linear(a, wq, bq).view(t, h, d)
-        k = F.linear(a, wk, bk).view(t, kvh, d)
-        v = F.linear(a, wv, bv).view(t, kvh, d)
+        if wk is None:  # fused q/k/v (fuse_projections)
+            q, k, v = F.linear(a, wq, bq).split((h * d, kvh * d, kvh * d), dim=-1)
+            q, k, v = q.reshape(t, h, d), k.reshape(t, kvh, d), v.reshape(t, kvh, d)
+        else:
+            q = F.linear(a, wq, bq).view(t, h, d)
+            k = F.linear(a, wk, bk).view(t, kvh, d)
+            v = F.linear(a, wv, bv).view(t, kvh, d)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
         keys.index_copy_(1, positions, k.transpose(0, 1))
         values.index_copy_(1, positions, v.transpose(0, 1))
-        # Each KV head's g query heads become g query rows per token (row t * g + r): K/V are read once.
-        qg = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(1, kvh, t * g, d)
-        out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=self.scale)
-        out = out.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h * d)
+        if t == 1 and self.decode_attention == "matmul":
+            # One token: scores of its g query heads per KV head as two small fp32 matmuls and a masked softmax
+            # (on the H200 the masked SDPA call picked cuDNN's flash kernel, 32 us a layer for 3 query rows).
+            scores = torch.matmul(q.view(kvh, g, d).float(), keys.float().transpose(1, 2)) * self.scale
+            scores = scores.masked_fill(~mask.view(1, g, -1), float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(x.dtype).reshape(1, h * d)
+        else:
+            # Each KV head's g query heads become g query rows per token (row t * g + r): K/V are read once.
+            qg = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(1, kvh, t * g, d)
+            out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=self.scale)
+            out = out.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h * d)
         x = x + F.linear(out, wo)
         m = self._norm(x, ln2, self.eps)
-        return x + F.linear(F.silu(F.linear(m, wg)) * F.linear(m, wu), wd)
+        if wu is None:  # fused gate/up
+            gate, up = F.linear(m, wg).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(m, wg), F.linear(m, wu)
+        return x + F.linear(F.silu(gate) * up, wd)
 
     def _static_epilogue(self, x, last, norm, head):
         """Final norm and LM head of row ``last`` (a 1-element index tensor): logits [vocab], fp32."""
@@ -165,7 +205,7 @@ class GraphedDecodeStep(FusedDecodeStep):
         rows = torch.arange(keys.shape[2], device=keys.device)
         x, cos, sin, mask = self._g_prologue(tokens, positions, inner.embed_tokens.weight, inner.rotary_emb.inv_freq,
                                              rows)  # fmt: skip
-        for i, weights in enumerate(self._layer_weights):
+        for i, weights in enumerate(self._graph_weights):
             x = self._g_layer(x, cos, sin, positions, mask, keys[i], values[i], *weights)
         return self._g_epilogue(x, last, inner.norm.weight, self._head_weight())
 
