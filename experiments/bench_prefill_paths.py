@@ -3,7 +3,8 @@
     python experiments/bench_prefill_paths.py --threads 2                    # bf16 and fp32, ~4 min on 2 cores
 
 Engines on the bundled model, same dtype, differing only in ``prefill`` (``hf`` / ``fused`` on the model's own
-weights) and, in bf16 where oneDNN runs, a third: ``fused`` on prepacked weights (``prefill_weights=prepacked``).
+weights) and, where prepacking runs (oneDNN in bf16, MKL in fp32), a third: ``fused`` on prepacked weights
+(``prefill_weights=prepacked``).
 For each shape (``--shapes`` ``cached:new``, default 20:42, 500:188 and 1000:255) and round, a fresh random
 prompt's first ``cached`` tokens are warmed into every engine (so the request is an exact prefix hit plus a
 ``new``-token suffix), then each serves the whole prompt (one token, ``store=False``), each engine first in turn by round. Reported per shape: TTFT

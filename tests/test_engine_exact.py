@@ -275,7 +275,7 @@ def test_preallocated_cache_grows_and_matches_dynamic_cache():
     with torch.inference_mode():
         ref_cache = DynamicCache()
         ref = [engine.adapter.forward(ids[:20], ref_cache)]
-        kv = engine.adapter.allocate(22)  # too small on purpose: must grow
+        kv = engine.adapter.allocate(22, exact=True)  # too small on purpose: must grow
         cache = kv.cache
         out = [engine.adapter.forward(ids[:20], cache)]
         # the first 20 rows went into the engine's own (recyclable) buffer, not a copy
@@ -334,3 +334,23 @@ def test_each_exact_hit_is_one_access_for_the_eviction_policy():
     result = engine.generate(prompt, max_new_tokens=1)
     assert result.cached_tokens == len(prompt) - 1  # four full chunks and the partial tail
     assert len(accessed) == 5 and len(set(accessed)) == 5
+
+
+def test_cpu_kv_buffers_grow_by_doubling_and_are_recycled():
+    """A new CPU buffer gets the next power of two of rows (fewer fresh allocations as a chat grows); smaller
+    requests reuse it; exact=True and a keep_bytes limit below the rounded size keep the asked capacity."""
+    from kvboost.models.adapter import MIN_KV_ROWS
+
+    engine = make_engine("llama")
+    adapter = engine.adapter
+    small = adapter.allocate(10)
+    assert small.capacity == MIN_KV_ROWS
+    assert adapter.allocate(200).keys.data_ptr() == small.keys.data_ptr()  # recycled
+    grown = adapter.allocate(300)
+    assert grown.capacity == 512 and grown.keys.data_ptr() != small.keys.data_ptr()
+    assert adapter.allocate(512).keys.data_ptr() == grown.keys.data_ptr()
+    adapter.release_buffers()
+    assert adapter.allocate(300, exact=True).capacity == 300
+    adapter.release_buffers()
+    row_bytes = 2 * adapter.kv_shape.num_layers * adapter.kv_shape.num_kv_heads * adapter.kv_shape.head_dim * 4
+    assert adapter.allocate(300, keep_bytes=400 * row_bytes).capacity == 300  # 512 rows would not be kept

@@ -131,8 +131,10 @@ def allocate_kv(
     dtype: torch.dtype,
     device: torch.device,
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new_capacity: int | None = None,
 ) -> PreallocatedKV:
-    """A :class:`PreallocatedKV` of ``capacity`` rows, reusing ``buffers`` when they are large enough.
+    """A :class:`PreallocatedKV` of at least ``capacity`` rows, reusing ``buffers`` when they are large enough
+    (else new buffers of ``new_capacity`` rows, default ``capacity``).
 
     Reusing a previous request's buffers matters on CPU: a fresh allocation of this size is served by new
     pages from the OS, and faulting them in costs more than the copy itself (~86 ms for 4k tokens of
@@ -149,6 +151,8 @@ def allocate_kv(
     ):
         kbuf, vbuf = buffers
     else:
-        kbuf = torch.empty(shape, dtype=dtype, device=device)
+        if new_capacity is not None and new_capacity < capacity:
+            raise ValueError(f"new_capacity {new_capacity} is below the {capacity} rows asked for")
+        kbuf = torch.empty((*shape[:2], new_capacity or capacity, shape[3]), dtype=dtype, device=device)
         vbuf = torch.empty_like(kbuf)
     return PreallocatedKV(kbuf, vbuf)

@@ -242,11 +242,11 @@ class StepPrefill:
                                      ln2, int4(wgu, sgu, None), int4(wd, sd, None))  # fmt: skip
         return self._layer(x, cos, sin, mask, start, keys, values, *weights)
 
-    @torch.inference_mode()
     def fits(self, start: int, count: int) -> bool:
         """Whether this prefill runs ``count`` tokens after ``start`` rows (always: it has no size limit)."""
         return True
 
+    @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, start: int, kv: PreallocatedKV) -> torch.Tensor:
         t = int(ids.numel())
         if t < 1:
