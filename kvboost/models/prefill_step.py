@@ -229,8 +229,8 @@ class StepPrefill:
                 x, cos, sin, mask, start, keys, values, ln1, lambda a: F.linear(a, wqkv, bqkv),
                 lambda a: F.linear(a, wo, bo), ln2, lambda a: F.linear(a, wgu), lambda a: F.linear(a, wd),
             )  # fmt: skip
-        if self._packed_layers is not None:
-            return self._layer(x, cos, sin, mask, start, keys, values, *self._packed_layers[i])
+        if self._packed_layers is not None:  # (ln1, qkv, o, ln2, gate_up, down), each packed product a callable
+            return self._fused_layer(x, cos, sin, mask, start, keys, values, *self._packed_layers[i])
         weights = step._layer_weights[i]
         if step.int4_fused:
             ln1, wqkv, sqkv, bqkv, wo, so, bo, ln2, wgu, sgu, wd, sd = weights
