@@ -486,13 +486,15 @@ def fuse_int4pack(modules: Iterable[AWQLinear], dtype: torch.dtype) -> Int4Pack:
     return Int4Pack(packed, scale_zero, bias, modules[0].group_size, tuple(m.out_features for m in modules))
 
 
-def fused_bias(modules: Iterable[AWQLinear], dtype: torch.dtype) -> torch.Tensor | None:
-    """The biases of linears fused along their outputs, as one ``[sum(out)]`` vector in ``dtype`` (zeros for
-    members without one), or ``None`` when none has a bias."""
+def fused_bias(modules: Iterable[Any], dtype: torch.dtype) -> torch.Tensor | None:
+    """The biases of linears (AWQ int4 or ``nn.Linear``) fused along their outputs, as one ``[sum(out)]`` vector in
+    ``dtype`` (zeros, on the biases' device, for members without one), or ``None`` when none has a bias."""
     modules = list(modules)
-    if all(m.bias is None for m in modules):
+    present = [m.bias for m in modules if m.bias is not None]
+    if not present:
         return None
-    return torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules]).to(dtype)
+    zeros = present[0].new_zeros
+    return torch.cat([m.bias if m.bias is not None else zeros(m.out_features) for m in modules]).to(dtype)
 
 
 def fuse_dense(modules: Iterable[AWQLinear], dtype: torch.dtype) -> torch.Tensor:

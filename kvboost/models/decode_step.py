@@ -395,7 +395,7 @@ class FusedDecodeStep:
         except Exception as exc:
             if not self.compiled:
                 raise
-            self.fallback_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.fallback_reason = error_line(exc)
             log.warning("kvboost: compiling the decode step failed (%s); decoding eagerly", self.fallback_reason)
             self.compiled = False
             self.exact = True
@@ -429,6 +429,12 @@ class FusedDecodeStep:
         elapsed = time.perf_counter() - start
         self.compile_seconds = before + elapsed  # the whole warm-up, recompilations included
         return elapsed
+
+
+def error_line(exc: BaseException) -> str:
+    """``"Type: first line of the message"``: what a fallback reports of the error that caused it."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _model_device(model: Any) -> torch.device:

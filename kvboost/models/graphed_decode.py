@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvboost.models.decode_step import FusedDecodeStep, _rotate_half, has_int4_projections
+from kvboost.models.awq import fused_bias
+from kvboost.models.decode_step import FusedDecodeStep, _rotate_half, error_line, has_int4_projections
 from kvboost.models.prealloc_cache import PreallocatedKV
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,10 @@ class GraphedDecodeStep(FusedDecodeStep):
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # T -> tokens, positions, last
         self._pool: Any = None
-        self._graph_weights = [self._fused_weights(w) for w in self._layer_weights] if fuse_projections else \
-            self._layer_weights  # fmt: skip
+        self._graph_weights = (
+            [self._fused_weights(layer, w) for layer, w in zip(model.model.layers, self._layer_weights, strict=True)]
+            if fuse_projections else self._layer_weights
+        )  # fmt: skip
         # the concatenated copies (q/k/v weight and bias, gate/up weight) held beside the model's own weights
         self.packed_bytes = sum(t.numel() * t.element_size() for w in self._graph_weights for t in (w[1], w[2], w[9])
                                 if t is not None) if fuse_projections else 0  # fmt: skip
@@ -132,11 +135,12 @@ class GraphedDecodeStep(FusedDecodeStep):
         self.capture_seconds = 0.0
 
     @staticmethod
-    def _fused_weights(weights: tuple) -> tuple:
+    def _fused_weights(layer: Any, weights: tuple) -> tuple:
         """One layer's weights with q/k/v and gate/up concatenated (copies): one GEMM each instead of three and
         two. Same signature as the plain tuple, the fused slots left None."""
-        ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd = weights
-        bias = None if bq is None else torch.cat((bq, bk, bv))
+        ln1, wq, _, wk, _, wv, _, wo, ln2, wg, wu, wd = weights
+        attn = layer.self_attn
+        bias = fused_bias((attn.q_proj, attn.k_proj, attn.v_proj), wq.dtype)
         return (ln1, torch.cat((wq, wk, wv)), bias, None, None, None, None, wo, ln2, torch.cat((wg, wu)), None, wd)
 
     # ------------------------------------------------------------------ the static-shape arithmetic
@@ -191,10 +195,10 @@ class GraphedDecodeStep(FusedDecodeStep):
             gate, up = F.linear(m, wg), F.linear(m, wu)
         return x + F.linear(F.silu(gate) * up, wd)
 
-    def _static_epilogue(self, x, last, norm, head):
-        """Final norm and LM head of row ``last`` (a 1-element index tensor): logits [vocab], fp32."""
-        x = self._norm(x.index_select(0, last), norm, self.eps)
-        return F.linear(x, head)[0].float()
+    def _static_epilogue(self, x, last, norm, *head):
+        """:meth:`_epilogue` (final norm and LM head) of row ``last`` (a 1-element index tensor): logits [vocab],
+        fp32."""
+        return self._epilogue(x.index_select(0, last), norm, *head)[0]
 
     def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
                        keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -207,13 +211,7 @@ class GraphedDecodeStep(FusedDecodeStep):
                                              rows)  # fmt: skip
         for i, weights in enumerate(self._graph_weights):
             x = self._g_layer(x, cos, sin, positions, mask, keys[i], values[i], *weights)
-        return self._g_epilogue(x, last, inner.norm.weight, self._head_weight())
-
-    def _head_weight(self) -> torch.Tensor:
-        head = self._head
-        if len(head) != 1:  # an int8 head's (codes, scales): only on CPU, where no graph runs
-            raise RuntimeError("the graphed step needs a plain (or dequantized) LM head weight")
-        return head[0]
+        return self._g_epilogue(x, last, inner.norm.weight, *self._head)
 
     # ------------------------------------------------------------------ workspaces and graphs
     def _workspace(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +275,7 @@ class GraphedDecodeStep(FusedDecodeStep):
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self.static_forward(tokens, positions, last, keys, values)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves a working, uncaptured forward
-            self.fallback_reason = f"CUDA graph capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            self.fallback_reason = f"CUDA graph capture failed ({error_line(exc)})"
             log.warning("kvboost: %s; the forward runs uncaptured", self.fallback_reason)
             graph, logits = None, None
         torch.cuda.synchronize(self.device)
@@ -287,7 +285,7 @@ class GraphedDecodeStep(FusedDecodeStep):
         return _Graph(graph, logits)
 
     def _fall_back_to_eager(self, exc: Exception) -> None:
-        self.fallback_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self.fallback_reason = error_line(exc)
         log.warning("kvboost: compiling the graphed step failed (%s); capturing the eager kernels",
                     self.fallback_reason)  # fmt: skip
         self.compile_graph = False
@@ -415,7 +413,11 @@ class GraphedPrefill:
 
     def __init__(self, step: GraphedDecodeStep) -> None:
         self.step = step
-        self.packed_bytes = 0
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of weight copies the graphs hold beside the model's (``fuse_projections``)."""
+        return self.step.packed_bytes
 
     def fits(self, start: int, count: int) -> bool:
         return self.step.prefill_shape(start, count) is not None

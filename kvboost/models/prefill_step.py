@@ -64,7 +64,8 @@ def choose_prefill(requested: str, model: Any, attention: Any, decode_mode: str 
     if requested == "hf":
         return "hf", "requested"
     name = getattr(attention, "name", attention)
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    device = next(model.parameters()).device.type
+    on_cuda = device == "cuda"
     reasons = [
         unsupported_reason(model),
         None if name in PREFILL_ATTENTION_BACKENDS else f"attention backend {name!r} runs through HF's forward",
@@ -90,7 +91,7 @@ def choose_prefill(requested: str, model: Any, attention: Any, decode_mode: str 
         if decode_mode == "graphed" and name == "sdpa":
             return "graphed", "auto: CUDA, the decode step is graphed (suffixes up to its max_graph_tokens)"
         return "hf", "CUDA: the fused prefill is CPU-only and the decode step is not graphed"
-    if next(model.parameters()).device.type != "cpu":
+    if device != "cpu":
         return "hf", "not validated on this device (CPU only)"
     return "fused", "auto"
 
