@@ -37,7 +37,7 @@ from experiments.environment import describe_environment
 from kvboost import KVBoost
 from kvboost.models.awq import AWQ_TENSORS
 from kvboost.models.compute import describe
-from kvboost.models.decode_step import has_int4_projections
+from kvboost.runtime.llama import has_int4_projections
 from kvboost.models.loading import load_model_and_tokenizer
 
 PATHS = ("hf", "eager", "compiled", "graphed")  # graphed: CUDA only (one CUDA graph per token)
@@ -71,27 +71,31 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def time_decode(engine: Any, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    """(seconds for ``steps`` greedy tokens after the prompt, the tokens), EOS ignored; prefill not timed."""
-    adapter = engine.adapter
-    n = len(prompt)
-    with torch.inference_mode():
-        kv = adapter.allocate(n + steps + 1)
-        logits = adapter.forward(torch.tensor(prompt), kv.cache)[-1]
-        token = int(logits.argmax())
-        step = engine._decode_step
-        if step is not None:
-            step.begin(kv, n)
-            forward = step
-        else:
-            def forward(t: int) -> torch.Tensor:
-                return adapter.forward(torch.tensor([t]), kv.cache)[-1]
-        tokens = []
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = int(forward(token).argmax())
-            tokens.append(token)
-        return time.perf_counter() - start, tokens
+def time_decode(engine: Any, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    """(seconds for ``steps`` greedy decode forwards of every prompt together, each row's tokens), EOS ignored;
+    the prefill is not timed. Each step is one ``runner.run`` of a ``ForwardBatch`` with one row per prompt (the
+    batch's construction included: it is part of every real step)."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    runner = engine.runner
+    tables = [BlockTable(engine.pool) for _ in prompts]
+    try:
+        with torch.inference_mode():
+            logits = runner.run(ForwardBatch.build([SeqInput(t, p) for t, p in zip(tables, prompts, strict=True)]))
+            tokens = [[int(row.argmax())] for row in logits]
+            sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits = runner.run(ForwardBatch.build([SeqInput(t, [toks[-1]]) for t, toks in zip(tables, tokens)]))
+                for row, toks in zip(logits.argmax(-1).tolist(), tokens, strict=True):
+                    toks.append(int(row))
+            sync()
+            return time.perf_counter() - start, [toks[1:] for toks in tokens]
+    finally:
+        for t in tables:
+            t.release()
 
 
 def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -111,23 +115,27 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(args.seed)
     # One discarded round on its own prompt: the first call of a shape builds kernels (oneDNN, allocator).
     for engine in engines.values():
-        time_decode(engine, torch.randint(100, 40000, (max(args.contexts),), generator=gen).tolist(), 4)
+        time_decode(engine, [torch.randint(100, 40000, (max(args.contexts),), generator=gen).tolist()] * args.batch, 4)
     rows: list[dict[str, Any]] = []
     total = len(args.contexts) * args.repeats * len(engines)
     with tqdm(total=total, desc=f"decode {dtype}") as bar:
         for context in args.contexts:
             for repeat in range(args.repeats):
-                prompt = torch.randint(100, min(len(tokenizer), 40000), (context,), generator=gen).tolist()
+                prompts = [torch.randint(100, min(len(tokenizer), 40000), (context,), generator=gen).tolist()
+                           for _ in range(args.batch)]  # fmt: skip
                 timed = {}
                 for name, engine in engines.items():
-                    timed[name] = time_decode(engine, prompt, args.tokens)
+                    timed[name] = time_decode(engine, prompts, args.tokens)
                     bar.update(1)
                 ref_tokens = timed.get("hf", next(iter(timed.values())))[1]
                 for name, (seconds, tokens) in timed.items():
-                    agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+                    agree = statistics.mean(
+                        next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), len(mine))
+                        for mine, ref in zip(tokens, ref_tokens, strict=True)
+                    )
                     rows.append({
-                        "path": name, "context": context, "repeat": repeat, "seconds": seconds,
-                        "tokens_per_s": args.tokens / seconds,
+                        "path": name, "context": context, "repeat": repeat, "seconds": seconds, "batch": args.batch,
+                        "tokens_per_s": args.tokens * args.batch / seconds,
                         "ratio_vs_hf": timed["hf"][0] / seconds if "hf" in timed else None,
                         "tokens_equal_to_hf_before_divergence": agree,
                     })  # fmt: skip

@@ -3,7 +3,7 @@
 Replays a request trace (``experiments/token_trace.py``: real ShareGPT conversations, one request per turn,
 ``users`` conversations interleaved, token ids only) through the store's real code: ``kvboost.lookup.lookup``
 (exact walk, frontier match, content hits), ``KVStore`` over one ``MemoryTier`` with a byte budget and the
-eviction policy under test, and ``InferenceEngine._store_sequence`` (with ``_drop_redundant_sibling``) for
+eviction policy under test, and ``kvboost.cache.sequence_store.store_sequence`` (the engine's own) for
 what a request stores. Only the tensors are fake: a chunk's payload is the real ``RawKV`` of the ``none``
 quantizer holding stride-0 (expanded) zero tensors of the true shape ``[layers, kv_heads, tokens,
 head_dim]`` float32, so ``nbytes`` is the real footprint (46080 B/token for the bundled SmolLM2-135M: 2 (K,V)
@@ -17,9 +17,8 @@ Per request, as ``InferenceEngine.generate(mode="reuse")`` does with its default
 2. ``lookup(ids, spans, keys, store, quantizer, max_reuse=n - 1, content=True)``;
 3. ``approx_from`` = the first content-hit position (the ``none`` strategy recomputes no content hit, so the
    KV after it is approximate and the engine stores those chunks under their segment key only);
-4. ``_store_sequence(prompt ids [+ generated], spans, kv, approx_from=...)``: the engine's own method, run on a
-   stand-in holding the attributes it reads (store, chunker, hasher, quantizer, fingerprint), with a fake
-   ``kv`` whose ``slice`` returns the expanded zero tensors.
+4. ``store_sequence(prompt ids [+ generated], spans, approx_from=...)``: the engine's own function, with
+   payloads of the expanded zero tensors.
 
 ``--generated-tokens G`` appends G synthetic answer tokens per request to what is stored (the engine stores the
 KV of its generated tokens, ``store_generated=True``); the next turn's prompt holds the dataset's answer, not
@@ -59,7 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvboost.cache import KVStore, MemoryTier, parse_bytes
-from kvboost.engine import InferenceEngine
+from kvboost.cache.sequence_store import store_sequence
 from kvboost.lookup import lookup
 from kvboost.registry import CHUNKERS, EVICTION, HASHERS, KV_QUANT
 
@@ -135,8 +134,8 @@ def bundled_kv_shape() -> tuple[KVShape, str]:
 
 
 class FakeKV:
-    """Stands in for ``PreallocatedKV`` in ``_store_sequence``: ``slice`` gives zero K/V of the true shape and
-    dtype as stride-0 views, so payload sizes are real and memory is not spent."""
+    """The rows ``store_sequence`` stores: ``slice`` gives zero K/V of the true shape and dtype as stride-0 views,
+    so payload sizes are real and memory is not spent."""
 
     def __init__(self, shape: KVShape) -> None:
         self.shape = shape
@@ -149,15 +148,17 @@ class FakeKV:
 
 
 class _StoringEngine:
-    """What ``InferenceEngine._store_sequence`` and ``_drop_redundant_sibling`` read from ``self``, without a
-    model: the engine's methods run unchanged on it (a new attribute they need fails loudly here)."""
-
-    _store_sequence = InferenceEngine._store_sequence
-    _drop_redundant_sibling = InferenceEngine._drop_redundant_sibling
+    """The engine's store path without a model: ``kvboost.cache.sequence_store.store_sequence`` over this store
+    with the engine's plugins, the payloads its quantizer makes of zero rows."""
 
     def __init__(self, store: KVStore, chunker: Any, hasher: Any, quantizer: Any, fingerprint: str) -> None:
         self.store, self.chunker, self.hasher, self.quantizer = store, chunker, hasher, quantizer
         self.fingerprint = fingerprint
+
+    def store_sequence(self, seq: list[int], spans: list, kv: FakeKV, *, approx_from: int | None, salt: str) -> int:
+        return store_sequence(self.store, chunker=self.chunker, hasher=self.hasher, fingerprint=self.fingerprint,
+                              seq=seq, spans=spans, approx_from=approx_from, salt=salt,
+                              payload_of=lambda a, b: self.quantizer.quantize(*kv.slice(a, b)))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- one run
@@ -242,7 +243,7 @@ class Simulator:
         if self.generated_tokens:
             rng = random.Random(index)  # an answer the next turn's prompt (the dataset's answer) does not hold
             seq = ids + [rng.randrange(self.vocab_size) for _ in range(self.generated_tokens)]
-        engine._store_sequence(seq, spans, self._kv, approx_from=approx_from, salt=self.salt)
+        engine.store_sequence(seq, spans, self._kv, approx_from=approx_from, salt=self.salt)
         return plan.exact_tokens, plan.content_tokens
 
     def run(

@@ -90,12 +90,12 @@ def check_config(cfg: dict[str, Any]) -> None:
 
             streamed_decode(cfg["engine"]["decode"])
     decode = (cfg.get("engine") or {}).get("decode", "auto")
-    from kvboost.models.decode_step import DECODE_MODES
+    from kvboost.runtime.config import DECODE_MODES
 
     if decode != "auto" and decode not in DECODE_MODES:
         raise ValueError(f"engine.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
     prefill = (cfg.get("engine") or {}).get("prefill", "auto")
-    from kvboost.models.prefill_step import PREFILL_MODES
+    from kvboost.runtime.config import PREFILL_MODES
 
     if prefill != "auto" and prefill not in PREFILL_MODES:
         raise ValueError(f"engine.prefill must be auto or one of {', '.join(PREFILL_MODES)}, got {prefill!r}")

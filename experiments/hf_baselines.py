@@ -24,7 +24,33 @@ from kvboost.lookup import common_prefix_length
 from kvboost.models.adapter import ModelAdapter
 from kvboost.prompts import Prompt
 from kvboost.quality import continuation_logprob
+from kvboost.runtime.hf_generic import cache_kwarg
 from kvboost.types import GenerationResult
+
+
+def _new_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _cache_length(cache: Any) -> int:
+    return cache.get_seq_length() if len(cache.layers) else 0
+
+
+def _truncated(cache: Any, length: int) -> Any:
+    """A new cache viewing the first ``length`` tokens of ``cache`` (no copy)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    out = DynamicCache()
+    for src in cache.layers:
+        layer = DynamicLayer()
+        layer.dtype, layer.device = src.keys.dtype, src.keys.device
+        layer.keys, layer.values = src.keys[:, :, :length], src.values[:, :, :length]
+        layer.is_initialized = True
+        out.layers.append(layer)
+    return out
 
 
 class _HFRunner:
@@ -32,13 +58,21 @@ class _HFRunner:
 
     def __init__(self, model: Any, tokenizer: Any, tokenize: Callable[[Prompt], list[int]]) -> None:
         self.adapter = ModelAdapter(model, getattr(model.config, "_name_or_path", ""))
+        self.model = model
+        self._cache_kw = cache_kwarg(model.forward)
         self.tokenizer = tokenizer
         self.tokenize = tokenize
         self.eos_ids = eos_token_ids(model, tokenizer)
 
+    def _forward(self, ids: list[int], cache: Any, logits_to_keep: int = 1) -> torch.Tensor:
+        """HF's forward of ``ids`` after ``cache``'s tokens; the last ``logits_to_keep`` rows' logits (fp32)."""
+        out = self.model(input_ids=torch.tensor([ids], device=self.adapter.device), use_cache=True,
+                         logits_to_keep=logits_to_keep, **{self._cache_kw: cache})  # fmt: skip
+        return out.logits[0, -logits_to_keep:].float()
+
     def _past_for(self, ids: list[int]) -> tuple[Any, int]:
         """(cache to prefill after, number of prompt tokens it already holds)."""
-        return self.adapter.new_cache(), 0
+        return _new_cache(), 0
 
     def _after(self, ids: list[int], out_ids: list[int], cache: Any) -> None:
         pass
@@ -66,11 +100,11 @@ class _HFRunner:
             cache, reused = self._past_for(ids)
             clock.mark("looked_up")
             clock.mark("assembled")
-            logits = self.adapter.forward(torch.tensor(ids[reused:]), cache)[-1]
+            logits = self._forward(ids[reused:], cache)[-1]
             first = pick_token(logits, sampling)
             clock.mark("first")
             decoded = decode_loop(
-                lambda tok: self.adapter.forward(torch.tensor([tok]), cache)[-1],
+                lambda tok: self._forward([tok], cache)[-1],
                 first,
                 max_new_tokens=max_new_tokens,
                 eos_ids=self.eos_ids,
@@ -83,10 +117,10 @@ class _HFRunner:
                 self._after(ids, decoded.token_ids, cache)
             extra: dict[str, Any] = {}
             if score_ids is not None:
-                scoring = self.adapter.truncated(cache, n)
+                scoring = _truncated(cache, n)
                 extra["answer_logprob"] = continuation_logprob(
                     logits, list(score_ids),
-                    lambda toks: self.adapter.forward(torch.tensor(toks), scoring, logits_to_keep=len(toks)),
+                    lambda toks: self._forward(list(toks), scoring, logits_to_keep=len(toks)),
                 )  # fmt: skip
         counts = ReuseCounts(cached_tokens=reused, exact_tokens=reused, extra={"prefill_tokens": n - reused})
         extra.update({
@@ -122,17 +156,17 @@ class HFPrefixCache(_HFRunner):
 
     def _past_for(self, ids: list[int]) -> tuple[Any, int]:
         if self._cache is None:
-            return self.adapter.new_cache(), 0
+            return _new_cache(), 0
         # At least one prompt token must run to produce the next-token logits.
         common = min(common_prefix_length(self._cache_ids, ids), len(ids) - 1)
         if common <= 0:
-            return self.adapter.new_cache(), 0
+            return _new_cache(), 0
         # A view of the carried tensors: the forward concatenates into new tensors, so the carried cache is
         # left intact (a request with commit=False does not disturb it).
-        return self.adapter.truncated(self._cache, common), common
+        return _truncated(self._cache, common), common
 
     def _after(self, ids: list[int], out_ids: list[int], cache: Any) -> None:
         # The cache holds the prompt and every generated token but the last (never fed back).
         seq = ids + out_ids[:-1]
-        self._cache_ids = seq[: self.adapter.cache_length(cache)]
+        self._cache_ids = seq[: _cache_length(cache)]
         self._cache = cache

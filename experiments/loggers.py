@@ -70,6 +70,10 @@ class WandbLogger(NullLogger):
         run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
         self.run.finish()
         if self.mode == "offline":
+            # finish() can return before W&B's service has written the run's last records; tearing the service
+            # down waits for it (a next run starts a new one), so the folder is complete when this returns.
+            self._wandb.teardown()
+        if self.mode == "offline":
             print(f"W&B run saved offline; upload it with: wandb sync {run_dir}")
 
 

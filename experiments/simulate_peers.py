@@ -40,7 +40,7 @@ Systems (``SYSTEMS``); what each models, and from where:
 - ``kvboost``: the real thing, not a re-implementation: a ``KVStore`` over one real ``MemoryTier`` with ``lru``
   eviction (``leaves_first``), the engine's chunker (``fixed``, ``chunk_size`` 64) and hasher (``sha256``), the
   real ``kvboost.lookup.lookup`` (exact walk, token-level frontier match, content hits; ``max_reuse = len - 1``
-  like ``InferenceEngine.generate``) and the engine's own ``InferenceEngine._store_sequence`` (partial last
+  like ``InferenceEngine.generate``) and the engine's own ``kvboost.cache.sequence_store.store_sequence`` (partial last
   chunk stored, a shorter partial sibling dropped), run on payloads that carry no tensors: an entry of ``t``
   tokens weighs ``t * bytes_per_token`` bytes (default 1 byte per token, so the tier's byte budget is the
   capacity in tokens). ``recompute=none``: a content hit's successors are stored under segment keys only, as the
@@ -77,7 +77,7 @@ from tqdm.auto import tqdm
 
 from kvboost.cache.memory import MemoryTier
 from kvboost.cache.store import KVStore
-from kvboost.engine import InferenceEngine
+from kvboost.cache.sequence_store import store_sequence
 from kvboost.lookup import common_prefix_length, lookup
 from kvboost.registry import CHUNKERS, HASHERS
 
@@ -370,7 +370,7 @@ class _TokenPayload:
 
 
 class _TokenCountQuantizer:
-    """The quantizer seam of ``lookup`` and ``_store_sequence``: payloads carry token counts only."""
+    """The quantizer seam of ``lookup`` and ``store_sequence``: payloads carry token counts only."""
 
     lossless = True  # lookup "dequantizes" every hit (to row counts) instead of handing the payload on
 
@@ -384,19 +384,11 @@ class _TokenCountQuantizer:
         return _Rows(payload.num_tokens), _Rows(payload.num_tokens)
 
 
-class _PromptKV:
-    """The ``kv`` that ``_store_sequence`` slices: rows of the prompt, token counts only."""
-
-    def slice(self, start: int, end: int) -> tuple[_Rows, _Rows]:
-        return _Rows(end - start), _Rows(end - start)
-
-
 class KVBoostStore:
     """kvboost's real store, lookup and store path on tensor-free payloads (see the module docstring).
 
-    ``_store_sequence`` and ``_drop_redundant_sibling`` are ``InferenceEngine``'s own methods, run on this
-    object (it has the attributes they read: ``chunker``, ``hasher``, ``fingerprint``, ``store``,
-    ``quantizer``), so what is stored is what the engine stores.
+    What is stored is decided by the engine's own ``kvboost.cache.sequence_store.store_sequence``, so what is
+    stored is what the engine stores (with token-count payloads).
 
     Args:
         capacity_tokens: the tier's budget in tokens (bytes = tokens x ``bytes_per_token``).
@@ -408,8 +400,6 @@ class KVBoostStore:
     """
 
     name = "kvboost"
-    _store_sequence = InferenceEngine._store_sequence
-    _drop_redundant_sibling = InferenceEngine._drop_redundant_sibling
 
     def __init__(
         self,
@@ -440,7 +430,9 @@ class KVBoostStore:
         plan = lookup(ids, spans, keys, self.store, self.quantizer, max_reuse=len(ids) - 1, content=self.content)
         # recompute=none: KV after the first content hit is approximate (the engine's approx_from)
         approx_from = next((p.start for p in plan.placements if p.kind == "content"), None)
-        self._store_sequence(ids, spans, _PromptKV(), approx_from=approx_from)
+        store_sequence(self.store, chunker=self.chunker, hasher=self.hasher, fingerprint=self.fingerprint, seq=ids,
+                       spans=spans, approx_from=approx_from,
+                       payload_of=lambda a, b: self.quantizer.quantize(_Rows(b - a), _Rows(b - a)))  # fmt: skip
         return plan.reused_tokens
 
 

@@ -25,4 +25,21 @@ Valid keys of row b for query i: ``kv_start[b] <= j < kv_len[b]`` and (if causal
 The CUDA kernel (``kvboost.attention.cuda_ext.cuda_flash_attn_forward``) implements the same contract without
 ``q_positions`` (fp16/bf16, head dim 64/128). Both have a split-KV path for decode and for short suffixes over long
 caches, where one program per (query tile, head) would leave most of the GPU idle.
+
+Paged contract (attention over one layer of a block-table KV pool, written out in ``paged_attention_reference.py``,
+whose ``paged_attention_reference`` is the plain-torch reference)::
+
+    out = paged_attention(
+        q,                      # [T, Hq, D]    the queries of B sequences, flattened
+        k_cache, v_cache,       # [Hkv, S, D]   one layer of the pool, S = num_blocks * block_size slots
+        block_tables=...,       # [B, M] int32  block ids per sequence, logical order
+        kv_lens=...,            # [B] int32     keys per sequence
+        query_start=...,        # [B + 1] int32 sequence b owns rows query_start[b]:query_start[b + 1] of q
+        q_positions=...,        # [T] int32     query t sees key j iff j <= q_positions[t] and j < kv_lens[b]
+        block_size=16, sm_scale=None, out=None,
+    ) -> out                    # [T, Hq, D]; a query that sees no key gets zeros
+
+``kernels_triton.paged_attention.paged_attention`` (Triton: varlen prefill and split-K decode kernels) adds
+``max_q_len`` / ``max_kv_len`` (upper bounds; with both given the call never synchronises, so it can be captured
+in a CUDA graph) and ``decode`` (force the split-K or the prefill kernel).
 """

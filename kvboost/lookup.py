@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvboost.cache.pooled import is_pooled
 from kvboost.cache.store import KVStore
 from kvboost.chunking.base import Chunker
 from kvboost.hashing.base import Hasher
@@ -40,16 +41,6 @@ def chunk_prompt(
     """Spans (``chunker.split``) and keys of token ids (prompts given as ids)."""
     spans = chunker.split(ids)
     return spans, hasher.chunk_keys(ids, spans, fingerprint, salt)
-
-
-def write_exact(kv, placement: Placement, quantizer: KVQuantizer) -> None:
-    """Put an exact placement's KV into rows ``[start, end)`` of ``kv`` (a ``PreallocatedKV``): a payload is
-    decoded in place by the quantizer, dequantized KV is copied."""
-    if placement.payload is not None:
-        rows = slice(placement.start, placement.end)
-        quantizer.dequantize_into(placement.payload, kv.keys[:, :, rows], kv.values[:, :, rows])
-    else:
-        kv.write(placement.start, placement.keys, placement.values)
 
 
 def _append(placements: list[Placement], p: Placement) -> None:
@@ -132,9 +123,14 @@ def lookup(
                 stats.misses += 1
         take = min(take, limit - span.start)
         if take > 0 and entry is not None:
-            if kind == "exact" and not getattr(quantizer, "lossless", True):  # (a duck-typed one: dequantize)
-                # decoded later straight into the request's cache (engine: write_exact), no temporary
+            if kind == "exact" and (is_pooled(entry.payload) or not getattr(quantizer, "lossless", True)):
+                # pool blocks (shared by reference) or a quantized payload (decoded straight into the sequence's
+                # blocks): kvboost.reuse.assemble, no temporary
                 placement = Placement(span.start, span.start + take, kind, entry_key=entry.key, payload=entry.payload)
+            elif is_pooled(entry.payload):  # a content hit: a copy of the rows, re-rotated when assembled
+                k, v = entry.payload.materialize(take)
+                placement = Placement(span.start, span.start + take, kind, entry_key=entry.key,
+                                      stored_start=entry.start, keys=k, values=v)  # fmt: skip
             else:
                 k, v = quantizer.dequantize(entry.payload)
                 if take < k.shape[2]:

@@ -58,3 +58,50 @@ def continuation_logprob(
         logp = torch.log_softmax(logits, -1)
         total += float(logp[torch.arange(len(answer_ids) - 1), torch.tensor(answer_ids[1:])].sum())
     return total
+
+
+def verify_correctness(
+    engine: Any, prompts: Sequence[Any] | None = None, *, max_new_tokens: int = 16, prefix_fraction: float = 0.6,
+    kl_tolerance: float = 1e-4,
+) -> Any:  # fmt: skip
+    """Check that exact reuse reproduces a cold prefill, prompt by prompt.
+
+    For each prompt: a ``cold`` generation; then, in a scratch store (the engine's own cache is left untouched),
+    the first ``prefix_fraction`` of its tokens is stored and the prompt is generated with ``reuse`` (exact hits, a
+    frontier partial hit, a suffix prefill, the configured quantizer and strategy). Compared: greedy tokens,
+    first-token KL(cold || reuse), first divergence, max abs logit difference.
+    """
+    from kvboost.cache.store import KVStore
+    from kvboost.registry import CACHE_TIERS
+    from kvboost.types import CorrectnessReport
+
+    prompts = list(prompts) if prompts is not None else list(DEFAULT_VERIFY_PROMPTS)
+    if not prompts:
+        raise ValueError("verify_correctness needs at least one prompt")
+    saved_store, saved_counters = engine.store, (engine._requests, engine._prompt_tokens, engine._cached_tokens)
+    checks = []
+    try:
+        for prompt in prompts:
+            engine.store = KVStore([CACHE_TIERS.build({"name": "memory", "capacity": "4GiB"})])
+            try:
+                cold = engine.generate(prompt, max_new_tokens=max_new_tokens, mode="cold")
+                ids = cold.prompt_ids
+                cut = max(1, int(len(ids) * prefix_fraction))
+                engine.warm(ids[:cut])
+                warm = engine.generate(ids, max_new_tokens=max_new_tokens, mode="reuse")
+                checks.append(compare_generations(prompt, cold, warm))
+            finally:
+                engine.store.clear()  # its entries' pool blocks go back
+    finally:
+        engine.store = saved_store
+        engine._requests, engine._prompt_tokens, engine._cached_tokens = saved_counters
+    return CorrectnessReport(checks=checks, kl_tolerance=kl_tolerance)
+
+
+DEFAULT_VERIFY_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog. " * 6 + "Write one sentence about foxes.",
+    "You are a helpful assistant. Answer briefly and precisely.\n\nQuestion: what is the boiling point of water "
+    "at sea level, in degrees Celsius and Fahrenheit? Explain why it changes with altitude.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "# Explain what this function returns for n = 10 and why.\n",
+)

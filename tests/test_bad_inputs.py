@@ -154,26 +154,33 @@ def test_a_second_engine_on_an_installed_model_is_refused_until_closed():
 
 # ------------------------------------------------------------------ memory
 def test_max_new_tokens_is_clamped_to_the_context(engine):
+    free = engine.pool.num_free
     r = engine.generate(random_ids(30, seed=9), max_new_tokens=10**6, mode="cold")
     assert r.generated_tokens <= 512 - 30
-    assert engine.adapter._buffers is None or engine.adapter._buffers[0].shape[2] <= 512
+    assert engine.pool.num_free == free  # a cold request holds no block after it returns
 
 
 def test_a_kv_buffer_that_cannot_fit_is_refused_before_allocating():
     engine = make_engine("llama", max_kv_bytes=100_000)  # 512 B/token: ~195 tokens
     before = engine.cache_stats()["entries"]
-    with pytest.raises(PromptError, match=r"needs 0 MiB|needs \d+ MiB.*lower max_new_tokens"):
+    with pytest.raises(PromptError, match=r"needs [\d.]+ MiB.*lower max_new_tokens"):
         engine.generate(random_ids(100, seed=10), max_new_tokens=200)
     assert engine.cache_stats()["entries"] == before
     assert engine.generate(random_ids(100, seed=10), max_new_tokens=50).generated_tokens > 0
 
 
-def test_large_buffers_are_not_kept_between_requests():
-    engine = make_engine("llama", keep_buffer_bytes=50_000)
-    engine.generate(random_ids(20, seed=11), max_new_tokens=4)
-    assert engine.adapter._buffers is not None  # small: kept for the next request
-    engine.generate(random_ids(200, seed=12), max_new_tokens=4)
-    assert engine.adapter._buffers is None  # ~104 KB: dropped after use
+def test_a_pool_too_small_for_a_request_is_refused_before_compute():
+    """A request whose KV needs more blocks than the whole pool has is refused up front, naming the setting."""
+    engine = make_engine("llama", kv={"pool_bytes": 20 * 512 * 16})  # 20 blocks of 16 tokens (512 B/token)
+    with pytest.raises(PromptError, match="kv.pool_bytes"):
+        engine.generate(random_ids(300, seed=12), max_new_tokens=400)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.generate(random_ids(200, seed=12), max_new_tokens=4).generated_tokens > 0
+
+
+def test_unknown_kv_options_are_refused_with_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"unknown kv option.*block_sise.*accepted.*block_size"):
+        make_engine("llama", kv={"block_sise": 32})
 
 
 def test_the_sampling_generator_lives_on_the_models_device(engine):

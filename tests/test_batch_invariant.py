@@ -126,17 +126,19 @@ def test_uninstall_restores_the_projections():
     engine = make_engine("llama", attn="batch_invariant")
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear) and m is not engine.model.lm_head]
     assert linears and all("forward" in m.__dict__ for m in linears)
-    assert engine.decode_mode == "eager"  # the eager step, calling the backend
+    assert engine.decode_info()["decode"] == "eager"  # the eager runner, calling the backend
     engine.close()
     assert all("forward" not in m.__dict__ for m in linears)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # without and with projection biases
-def test_eager_step_under_the_backend_is_hf_decode_to_the_bit(arch):
-    """The eager decode step hands projections and attention to the backend: logits and K/V rows equal HF's
-    decode under the same backend, bit for bit, in bf16 (ragged tiles: 37 prompt tokens, tiles of 16 and 8)."""
-    from kvboost.models.adapter import ModelAdapter
-    from kvboost.models.decode_step import FusedDecodeStep
+def test_eager_runner_under_the_backend_is_hf_decode_to_the_bit(arch):
+    """The eager runner hands projections (sequence by sequence, aligned to each one's positions) and attention
+    to the backend: logits and K/V rows equal HF's decode under the same backend, bit for bit, in bf16 (ragged
+    tiles: 37 prompt tokens, tiles of 16 and 8), with the prompt's blocks not consecutive."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+    from kvboost.runtime.standalone import StandaloneRunner
 
     model = tiny_model(arch, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
     model = model.to(torch.bfloat16)
@@ -144,34 +146,35 @@ def test_eager_step_under_the_backend_is_hf_decode_to_the_bit(arch):
     backend.install(model)
     prompt = random_ids(37, seed=5)
     fed, ref_logits, cache = hf_greedy_reference(model, prompt, steps=9)
+    rt = StandaloneRunner(model, attention=backend, max_tokens=128)
+    assert rt.config.decode == "eager"
+    table = BlockTable(rt.pool)
     with torch.inference_mode():
-        kv = ModelAdapter(model, "tiny").allocate(len(prompt) + len(fed) + 3)
-        model(input_ids=torch.tensor([prompt]), past_key_values=kv.cache)
-    step = FusedDecodeStep(model, compile=False, backend=backend)
-    step.begin(kv, len(prompt))
-    calls = backend.kernel_calls
-    got = [step(t) for t in fed]
+        rt.runner.run(ForwardBatch.build([SeqInput(table, prompt[:20])]))
+        rt.pool.alloc(1)  # a stray block: the rest of the prompt goes elsewhere
+        rt.runner.run(ForwardBatch.build([SeqInput(table, prompt[20:])]))
+        calls = backend.kernel_calls
+        got = [rt.runner.run(ForwardBatch.build([SeqInput(table, [t])]))[0] for t in fed]
     assert backend.kernel_calls - calls == len(fed) * model.config.num_hidden_layers  # its kernel, every layer
     for ref, logits in zip(ref_logits, got, strict=True):
         assert torch.equal(logits, ref)
-    kv.set_length(step.length)
-    for layer, ref_layer in zip(kv.layers, cache.layers, strict=True):
-        assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values)
+    keys, values = rt.pool.read(table.slots(0, table.length))
+    for layer, ref_layer in enumerate(cache.layers):
+        assert torch.equal(keys[layer], ref_layer.keys[0]) and torch.equal(values[layer], ref_layer.values[0])
     backend.uninstall(model)
 
 
 def test_decode_modes_under_the_backend():
-    from kvboost.models.decode_step import FusedDecodeStep, choose_decode
+    from kvboost.runtime.config import choose_runner
 
     model = tiny_model("llama")
-    assert choose_decode("auto", model, "batch_invariant")[0] == "eager"
-    assert choose_decode("hf", model, "batch_invariant")[0] == "hf"
-    with pytest.raises(ValueError, match="only the eager step calls the backend"):
-        choose_decode("compiled", model, "batch_invariant")
-    with pytest.raises(ValueError, match="compiled decode step has its own arithmetic"):
-        FusedDecodeStep(model, compile=True, backend=ATTENTION.build("batch_invariant"))
-    with pytest.raises(ValueError, match="delegates only to"):
-        FusedDecodeStep(model, compile=False, backend=ATTENTION.build("sdpa"))
+    backend = ATTENTION.build("batch_invariant")
+    assert choose_runner(model, backend).decode == "eager"
+    assert choose_runner(model, backend, decode="hf").runner == "hf"
+    with pytest.raises(ValueError, match="keeps its own arithmetic"):
+        choose_runner(model, backend, decode="compiled")
+    with pytest.raises(ValueError, match="prefill_weights='prepacked'"):
+        choose_runner(model, backend, prefill_weights="prepacked")
 
 
 def test_packed_weights_follow_the_weights():

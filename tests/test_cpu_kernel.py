@@ -1,9 +1,9 @@
 """attn=cpu_kernel: the C++ CPU attention kernel against a float64 reference, its contract and errors, and the
-engine on it (reuse within 1e-4 of a cold prefill in fp32, HF's greedy tokens).
+engine on it (reuse within 1e-4 of a cold prefill in fp32, HF's greedy tokens, one kernel call per layer).
 
 The backend's conformance with the other backends (prefill, cached prefix + decode, left-padded batches) is in
-tests/kernels/test_attention_backends.py; the fused prefill calling the kernel against HF's forward in
-tests/test_prefill_step.py.
+tests/kernels/test_attention_backends.py; the runner calling the kernel against HF's forward in
+tests/test_model_runner.py.
 """
 
 import pytest
@@ -13,9 +13,8 @@ from tiny import hf_greedy_reference, make_engine, random_ids, tiny_model
 from kernels_triton.flash_attn_reference import flash_attn_reference
 from kvboost.attention import cpu_ext
 from kvboost.attention.cpu_ext import cpu_attention_forward, cpu_extension_unavailable_reason
-from kvboost.models.decode_step import choose_decode
-from kvboost.models.prefill_step import choose_prefill
 from kvboost.registry import ATTENTION
+from kvboost.runtime.config import choose_runner
 
 pytestmark = pytest.mark.skipif(
     cpu_extension_unavailable_reason() is not None,
@@ -101,23 +100,28 @@ def test_unavailable_reasons_are_clear(monkeypatch):
     assert "compiler" in cpu_extension_unavailable_reason()
 
 
-def test_fused_paths_run_under_cpu_kernel():
+def test_the_runner_decodes_with_its_own_attention_under_cpu_kernel():
+    """The kernel serves prefill-shaped calls; a decode step's one query per head is the runner's (compiled)."""
     model = tiny_model("llama")
-    assert choose_prefill("auto", model, ATTENTION.build("cpu_kernel")) == ("fused", "auto")
-    assert choose_decode("auto", model, "cpu_kernel")[0] in ("compiled", "eager")
-    assert choose_decode("eager", model, "cpu_kernel") == ("eager", "requested")
+    backend = ATTENTION.build("cpu_kernel")
+    assert backend.capabilities.runner_decode
+    config = choose_runner(model, backend)
+    assert config.runner == "llama" and config.decode in ("compiled", "eager")
+    assert choose_runner(model, backend, decode="eager").decode == "eager"
 
 
 def test_engine_on_cpu_kernel_reuses_within_1e4_and_decodes_hf_tokens():
     engine = make_engine("llama", attn="cpu_kernel", decode="eager")
     info = engine.decode_info()
-    assert info["prefill"] == "fused" and info["decode"] == "eager"
+    assert info["runner"] == "llama" and info["prefill"] == "fused" and info["decode"] == "eager"
     prompt = random_ids(70, seed=11)
     engine.warm(prompt[:40])
     calls = engine.attention.stats()["kernel_calls"]
-    hit, cold = engine.generate(prompt, 6), engine.generate(prompt, 6, mode="cold")
+    hit = engine.generate(prompt, 1, store=False)
+    # one kernel call per layer for the one-sequence suffix prefill: counted once (not by the engine and the backend)
+    assert engine.attention.stats()["kernel_calls"] - calls == engine.model.config.num_hidden_layers
+    hit, cold = engine.generate(prompt, 6, store=False), engine.generate(prompt, 6, mode="cold")
     assert hit.cached_tokens == 40
-    assert engine.attention.stats()["kernel_calls"] > calls  # the prefills ran the kernel
     assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
     plain = tiny_model("llama")  # the same seeded weights on transformers' own SDPA
     assert torch.equal(plain.lm_head.weight, engine.model.lm_head.weight)

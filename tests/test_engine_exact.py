@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from tiny import make_engine, random_ids, tiny_model
 
@@ -35,17 +34,19 @@ def test_logits_match_along_the_whole_suffix(arch):
     engine.warm(ids[:50])
     with torch.inference_mode():
         ref = engine.model(input_ids=torch.tensor([ids])).logits[0, 50:]
-        from kvboost.lookup import chunk_prompt, lookup, write_exact
+        from kvboost.kv.block_table import BlockTable
+        from kvboost.lookup import chunk_prompt, lookup
+        from kvboost.reuse.assemble import assemble_exact
+        from kvboost.runtime.batch import ForwardBatch, SeqInput
 
         spans, keys = chunk_prompt(ids, engine.chunker, engine.hasher, engine.fingerprint)
         plan = lookup(ids, spans, keys, engine.store, engine.quantizer)
         assert plan.reused_tokens == plan.exact_tokens == 50
-        kv = engine.adapter.allocate(len(ids))
-        for p in plan.placements:
-            if p.kind == "exact":
-                write_exact(kv, p, engine.quantizer)
-        kv.set_length(50)
-        out = engine.adapter.forward(torch.tensor(ids[50:]), kv.cache, logits_to_keep=40)
+        table = BlockTable(engine.pool)
+        assemble_exact(plan, table, engine.quantizer)
+        assert table.length == 50
+        out = engine.runner.run(ForwardBatch.build([SeqInput(table, ids[50:], logits=list(range(40)))]))
+        table.release()
     assert _max_diff(ref, out) <= 1e-4
 
 
@@ -128,13 +129,13 @@ def test_timers_charge_each_phase_where_it_happens(monkeypatch):
     assert slow_tok.ttft_ms >= slow_tok.extra["tokenize_ms"]
     monkeypatch.setattr(engine.chunker, "split", real_split)
 
-    real_store = engine._store_sequence
+    real_store = engine._store
 
     def slow_store(*args, **kwargs):
         _time.sleep(delay)
         return real_store(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_store_sequence", slow_store)
+    monkeypatch.setattr(engine, "_store", slow_store)
     r = engine.generate(random_ids(64, seed=13), max_new_tokens=4)
     assert r.store_ms >= delay * 1e3 and r.total_ms >= r.ttft_ms + delay * 1e3
     assert r.ttft_ms < delay * 1e3 * 0.75  # storing happens after the first token: never in TTFT
@@ -264,31 +265,34 @@ def test_a_prompt_larger_than_the_cache_keeps_its_first_chunks_and_strands_nothi
     assert engine.generate(prompt, max_new_tokens=1).cached_tokens == 48
 
 
-def test_preallocated_cache_grows_and_matches_dynamic_cache():
-    """The engine's in-place cache gives HF's numbers, also past its capacity and after crop."""
+def test_the_pool_backed_cache_gives_hf_numbers():
+    """HF's own forward over the pool (the HF-generic runner's ``PoolCache``, blocks not consecutive) gives the
+    logits and K/V rows of HF's ``DynamicCache``, to the bit."""
     from transformers import DynamicCache
 
-    from kvboost.models.prealloc_cache import PreallocatedLayer
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
 
-    engine = make_engine("qwen2")
-    ids = torch.tensor(random_ids(30, seed=21))
+    engine = make_engine("qwen2", decode="hf")
+    ids = random_ids(30, seed=21)
+    pool = engine.pool
     with torch.inference_mode():
         ref_cache = DynamicCache()
-        ref = [engine.adapter.forward(ids[:20], ref_cache)]
-        kv = engine.adapter.allocate(22, exact=True)  # too small on purpose: must grow
-        cache = kv.cache
-        out = [engine.adapter.forward(ids[:20], cache)]
-        # the first 20 rows went into the engine's own (recyclable) buffer, not a copy
-        assert torch.equal(kv.keys[0, :, :20], cache.layers[0].keys[0, :, :20])
-        for t in range(20, 30):
-            ref.append(engine.adapter.forward(ids[t : t + 1], ref_cache))
-            out.append(engine.adapter.forward(ids[t : t + 1], cache))
-    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
-    assert cache.get_seq_length() == ref_cache.get_seq_length() == 30
+        ref = [engine.model(input_ids=torch.tensor([ids[:16]]), past_key_values=ref_cache, use_cache=True,
+                            logits_to_keep=1).logits[0, -1]]  # fmt: skip
+        table = BlockTable(pool)
+        out = [engine.runner.run(ForwardBatch.build([SeqInput(table, ids[:16])]))[0]]
+        pool.alloc(1)  # the next block is taken: the sequence's blocks stop being consecutive
+        for t in range(16, 30):
+            ref.append(engine.model(input_ids=torch.tensor([[ids[t]]]), past_key_values=ref_cache,
+                                    use_cache=True).logits[0, -1])  # fmt: skip
+            out.append(engine.runner.run(ForwardBatch.build([SeqInput(table, [ids[t]])]))[0])
+    assert table.length == 30 and table.run_start() is None
     for a, b in zip(ref, out):
-        assert _max_diff(a, b) <= 1e-5
-    for la, lb in zip(ref_cache.layers, cache.layers):
-        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+        assert torch.equal(a.float(), b)
+    keys, values = pool.read(table.slots(0, 30))
+    for layer, lr in enumerate(ref_cache.layers):
+        assert torch.equal(lr.keys[0], keys[layer]) and torch.equal(lr.values[0], values[layer])
 
 
 def test_bf16_and_an_eos_token():
@@ -336,21 +340,3 @@ def test_each_exact_hit_is_one_access_for_the_eviction_policy():
     assert len(accessed) == 5 and len(set(accessed)) == 5
 
 
-def test_cpu_kv_buffers_grow_by_doubling_and_are_recycled():
-    """A new CPU buffer gets the next power of two of rows (fewer fresh allocations as a chat grows); smaller
-    requests reuse it; exact=True and a keep_bytes limit below the rounded size keep the asked capacity."""
-    from kvboost.models.adapter import MIN_KV_ROWS
-
-    engine = make_engine("llama")
-    adapter = engine.adapter
-    small = adapter.allocate(10)
-    assert small.capacity == MIN_KV_ROWS
-    assert adapter.allocate(200).keys.data_ptr() == small.keys.data_ptr()  # recycled
-    grown = adapter.allocate(300)
-    assert grown.capacity == 512 and grown.keys.data_ptr() != small.keys.data_ptr()
-    assert adapter.allocate(512).keys.data_ptr() == grown.keys.data_ptr()
-    adapter.release_buffers()
-    assert adapter.allocate(300, exact=True).capacity == 300
-    adapter.release_buffers()
-    row_bytes = 2 * adapter.kv_shape.num_layers * adapter.kv_shape.num_kv_heads * adapter.kv_shape.head_dim * 4
-    assert adapter.allocate(300, keep_bytes=400 * row_bytes).capacity == 300  # 512 rows would not be kept

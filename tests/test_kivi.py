@@ -333,32 +333,38 @@ def test_engine_serves_a_repeated_prompt_from_a_kivi8_cache():
     engine.close()
 
 
-def test_exact_hits_decode_straight_into_the_request_cache():
-    """Under a lossy quantizer an exact hit carries the stored payload, not a dequantized copy; write_exact
-    decodes it (whole chunks and a partial frontier chunk) into the request's rows, equal to dequantize."""
-    from kvboost.lookup import chunk_prompt, lookup, write_exact
+def test_exact_hits_decode_into_the_sequences_blocks():
+    """Under a lossy quantizer an exact hit carries the stored payload, not a dequantized copy; assembly decodes it
+    (whole chunks and a partial frontier chunk) into the sequence's fresh blocks, equal to dequantize, and writes
+    nothing past the hits."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.lookup import chunk_prompt, lookup
     from kvboost.plan import Placement, ReusePlan
+    from kvboost.reuse.assemble import assemble_exact
 
     engine = make_engine("llama", quant={"name": "kivi4", "group_size": 8})
     first = random_ids(70, seed=21)
     engine.warm(first)
     ids = first[:40] + random_ids(20, seed=22)  # 2 whole chunks of 16 and 8 tokens of the third
+    pool = engine.pool
     with torch.inference_mode():
         spans, keys = chunk_prompt(ids, engine.chunker, engine.hasher, engine.fingerprint)
         plan = lookup(ids, spans, keys, engine.store, engine.quantizer)
         exact = [p for p in plan.placements if p.kind == "exact"]
         assert [len(p) for p in exact] == [16, 16, 8] and plan.exact_tokens == 40
         assert all(p.keys is None and p.values is None and isinstance(p.payload, KiviPayload) for p in exact)
-        kv = engine.adapter.allocate(len(ids))
-        kv.keys.fill_(float("nan"))
-        kv.values.fill_(float("nan"))
-        for p in exact:
-            write_exact(kv, p, engine.quantizer)
+        pool.keys.fill_(float("nan"))
+        pool.values.fill_(float("nan"))
+        table = BlockTable(pool)
+        stats = assemble_exact(plan, table, engine.quantizer)
+        assert stats.loaded_rows == 40 and stats.shared_blocks == 0  # quantized entries never share blocks
         for p in exact:
             k, v = engine.quantizer.dequantize(p.payload)
-            assert torch.equal(kv.keys[:, :, p.start : p.end], k[:, :, : len(p)])
-            assert torch.equal(kv.values[:, :, p.start : p.end], v[:, :, : len(p)])
-        assert bool(kv.keys[:, :, 40:].isnan().all())  # nothing written past the hits
+            got_k, got_v = pool.read(table.slots(p.start, p.end))
+            assert torch.equal(got_k, k[:, :, : len(p)]) and torch.equal(got_v, v[:, :, : len(p)])
+        rest = pool.keys[:, :, table.slots(40, table.capacity)]
+        assert bool(rest.isnan().all())  # nothing written past the hits
+        table.release()
     with pytest.raises(ValueError, match="payload"):  # a payload shorter than its placement
         ReusePlan(ids[:20], [Placement(0, 20, "exact", payload=exact[0].payload)])
     engine.close()

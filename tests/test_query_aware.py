@@ -7,9 +7,11 @@ import torch
 from test_content_reuse import DOCS, blend_engine, rag_prompt
 from tiny import random_ids, tiny_model
 
-from kvboost.models.probe import ReaderAttentionProbe, observing
+from kvboost.kv.block_table import BlockTable
 from kvboost.plan import Placement, ReusePlan
 from kvboost.recompute.query_aware import QueryAware
+from kvboost.reuse.repair import ReaderProbeHook
+from kvboost.runtime.batch import ForwardBatch, SeqInput
 
 
 def _warmed(recompute, attn="sdpa"):
@@ -19,25 +21,30 @@ def _warmed(recompute, attn="sdpa"):
     return engine
 
 
-@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager"), ("phi3", "sdpa")])
 def test_the_probe_measures_the_models_own_attention(arch, attn):
-    """The probe's probabilities equal the eager attention weights HF returns, for the last queries."""
-    ids = torch.tensor([random_ids(40, seed=1)])
+    """The probe's probabilities (from the runner's queries and the pool's keys) equal the eager attention weights HF
+    returns, for the last queries; the forward stops after the last probed layer."""
+    ids = random_ids(40, seed=1)
     readers = torch.arange(33, 40)
     reference = tiny_model(arch, max_position_embeddings=1024, num_hidden_layers=4)  # blend_engine's model
     reference.set_attn_implementation("eager")
     with torch.no_grad():
-        attentions = reference(ids, output_attentions=True).attentions
+        attentions = reference(torch.tensor([ids]), output_attentions=True).attentions
     engine = blend_engine(arch, attn=attn)  # same seed, same weights; attention through a kvboost backend
-    probe = ReaderAttentionProbe((0, 3), 40, readers)
-    with torch.no_grad(), observing(engine.attention, probe):
-        engine.model(ids)
+    probe = ReaderProbeHook((0, 3), 40, readers)
+    probe.scale = float(engine.model.model.layers[0].self_attn.scaling)
+    table = BlockTable(engine.pool)
+    with torch.inference_mode():
+        out = engine.runner.run(ForwardBatch.build([SeqInput(table, ids)], hook=probe))
+    assert out is None  # stopped after layer 3, the last probed one (no logits)
     got = probe.result()
     assert got.shape == (2, attentions[0].shape[1], 40)
     for row, layer in enumerate((0, 3)):
         want = attentions[layer][0, :, 33:40].mean(dim=1)
         assert float((got[row] - want).abs().max()) < 1e-5
-    assert engine.attention.query_observer is None  # removed after the block
+    assert engine.attention.query_observer is None  # the HF-generic runner removes its observer after the layer
+    table.release()
 
 
 def test_ratio_one_equals_full_and_ratio_zero_equals_none():
@@ -73,21 +80,24 @@ def test_a_probe_that_stops_early_leaks_nothing():
 
 
 def test_stop_after_layer_computes_only_the_layers_asked_for():
+    """A hook whose ``stop_after`` is set ends the forward after that layer: the later layers' rows are never
+    written (the pool's rows stay as they were) and no logits come back."""
     engine = _warmed("none")
-    ids = torch.tensor(random_ids(30, seed=4))
-    positions = torch.arange(30)
-    mask = torch.zeros(30, dtype=torch.bool)
+    ids = random_ids(30, seed=4)
     with torch.inference_mode():
-        kv_all = engine.adapter.allocate(30)
-        logits, stats_all = engine.layerwise.prefill(ids, kv_all, positions, content_mask=mask)
-        want = kv_all.keys[:, :, :30].clone()
-        kv_two = engine.adapter.allocate(30)  # (may be the same kept buffer)
-        kv_two.keys.zero_()
-        stopped, stats_two = engine.layerwise.prefill(ids, kv_two, positions, content_mask=mask, stop_after_layer=1)
-        got = kv_two.keys[:, :, :30].clone()
+        full = BlockTable(engine.pool)
+        logits = engine.runner.run(ForwardBatch.build([SeqInput(full, ids)]))
+        want = engine.pool.read(full.slots(0, 30))[0]
+        stopped_table = BlockTable(engine.pool)
+        stopped_table.reserve(30)
+        engine.pool.keys[:, :, stopped_table.slots(0, 30)] = 0.0
+        hook = ReaderProbeHook((1,), 30, torch.arange(25, 30))
+        stopped = engine.runner.run(ForwardBatch.build([SeqInput(stopped_table, ids)], hook=hook))
+        got = engine.pool.read(stopped_table.slots(0, 30))[0]
     assert logits is not None and stopped is None
-    assert len(stats_all.computed_per_layer) == 4 and len(stats_two.computed_per_layer) == 2
     assert torch.equal(got[:2], want[:2]) and not got[2:].any()
+    full.release()
+    stopped_table.release()
 
 
 def test_cost_follows_the_ratio():

@@ -163,7 +163,10 @@ def test_kvboost_simulator_runs_the_real_store_and_engine_code():
     kv = KVBoostStore(1000)
     assert isinstance(kv.store, KVStore) and isinstance(kv.store.tiers[0], MemoryTier)
     assert kv.store.tiers[0].eviction.registry_name == "lru" and kv.store.tiers[0].eviction.leaves_first
-    assert KVBoostStore._store_sequence is InferenceEngine._store_sequence
+    import experiments.simulate_peers as sim
+    from kvboost.cache import sequence_store
+
+    assert sim.store_sequence is sequence_store.store_sequence  # the engine's own store path
     assert kv.chunker.fingerprint() == "fixed:64"
     kv.serve(ids(100, 25))
     assert kv.store.tiers[0].used_bytes == 100  # one byte per token: the budget is in tokens

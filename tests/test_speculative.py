@@ -93,8 +93,10 @@ def test_greedy_equals_plain_with_the_compiled_step_in_fp32():
     prompt = quoting_prompt(seed=3)
     expected = plain.generate(prompt, max_new_tokens=20).output_ids
     for name in ("prompt_lookup", "layer_skip"):
-        spec = make_engine("llama", speculative=spec_for(name, "llama"), share_model=True)
-        spec.model, spec._decode_step = plain.model, plain._decode_step
+        # the same model: the engines share its pool and runner (one compiled graph)
+        spec = KVBoost(plain.model, ToyTokenizer(), model_identity="tiny-llama", share_model=True,
+                       chunker={"name": "fixed", "chunk_size": 16}, speculative=spec_for(name, "llama"))  # fmt: skip
+        assert spec.runner is plain.runner and spec.pool is plain.pool
         assert spec.generate(prompt, max_new_tokens=20).output_ids == expected
 
 
@@ -137,8 +139,8 @@ def test_rollback_leaves_the_cache_plain_decoding_leaves():
     ta, tb = plain.store.tiers[0], spec.store.tiers[0]
     assert set(ta.keys()) == set(tb.keys())
     for key in set(ta.keys()):
-        ka, va = plain.quantizer.dequantize(ta.peek(key).payload)
-        kb, vb = spec.quantizer.dequantize(tb.peek(key).payload)
+        ka, va = ta.peek(key).payload.materialize()  # the entries reference pool blocks
+        kb, vb = tb.peek(key).payload.materialize()
         assert float((ka - kb).abs().max()) <= 1e-4 and float((va - vb).abs().max()) <= 1e-4
     follow = prompt + a.output_ids + random_ids(5, seed=12)
     fa, fb = plain.generate(follow, max_new_tokens=4), spec.generate(follow, max_new_tokens=4)
@@ -302,11 +304,14 @@ def test_every_draft_strategy_meets_the_contract(name):
     # propose() directly: at most k valid ids, the context untouched.
     from kvboost.speculative.base import DraftRequest
 
-    kv = engine.adapter.allocate(len(prompt) + 16)
-    kv.set_length(0)
-    engine.adapter.forward(torch.tensor(prompt[:-1]), kv.cache)
-    strategy.begin(DraftRequest(prompt_len=len(prompt) - 1, kv=kv, adapter=engine.adapter,
-                                decode_step=engine._decode_step))  # fmt: skip
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    table = BlockTable(engine.pool)
+    with torch.inference_mode():
+        engine.runner.run(ForwardBatch.build([SeqInput(table, prompt[:-1])]))
+    before = engine.pool.read(table.slots(0, table.length))
+    strategy.begin(DraftRequest(prompt_len=len(prompt) - 1, table=table, runner=engine.runner))
     context = list(prompt)
     for k in (1, 3):
         for sampling in (Sampling(), Sampling(do_sample=True)):
@@ -315,8 +320,13 @@ def test_every_draft_strategy_meets_the_contract(name):
             if draft.probs is not None:
                 assert draft.probs.shape == (len(draft), 128)
                 assert torch.allclose(draft.probs.sum(-1), torch.ones(len(draft)), atol=1e-4)
+            # the target's cache is as it was: its length, and the context's rows
+            assert table.length == len(prompt) - 1
+            after = engine.pool.read(table.slots(0, table.length))
+            assert all(torch.equal(x, y) for x, y in zip(before, after))
     assert context == list(prompt)
     strategy.end()
+    table.release()
 
 
 # ---------------------------------------------------------------------------------------------- bad inputs
@@ -349,9 +359,32 @@ def test_draft_model_with_another_vocabulary_is_refused():
         make_engine("llama", speculative={"name": "draft_model", "model": other})
 
 
-def test_layer_skip_refuses_a_model_the_fused_step_cannot_run():
-    with pytest.raises(ValueError, match="layer_skip"):
-        make_engine("phi3", speculative={"name": "layer_skip", "layers": 1})
+def test_layer_skip_runs_on_the_hf_generic_runner_too():
+    """phi3 runs on the HF-generic runner, which stops after the draft's layers too: greedy output equals plain."""
+    plain = make_engine("phi3", layers=4)
+    spec = make_engine("phi3", layers=4, speculative={"name": "layer_skip", "layers": 2, "num_draft": 4})
+    assert spec.decode_info()["runner"] == "hf"
+    prompt = quoting_prompt(seed=13)
+    a, b = plain.generate(prompt, max_new_tokens=16, mode="cold"), spec.generate(prompt, max_new_tokens=16, mode="cold")
+    assert a.output_ids == b.output_ids and b.extra["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_layer_skip_with_an_int8_head(decode):
+    """The draft's head is the target's head, an int8 one included (it crashed before the runner: the old step
+    read ``lm_head.weight``, which an Int8Linear does not have); greedy output equals plain decoding's."""
+    from kvboost.models.int8_head import Int8Linear, quantize_lm_head
+
+    def engine(**extra):
+        model = quantize_lm_head(tiny_model("llama", num_hidden_layers=4), "int8")
+        assert isinstance(model.lm_head, Int8Linear)
+        return KVBoost(model, ToyTokenizer(), model_identity="tiny-int8", decode=decode,
+                       chunker={"name": "fixed", "chunk_size": 16}, **extra)  # fmt: skip
+
+    plain, spec = engine(), engine(speculative={"name": "layer_skip", "layers": 2, "num_draft": 4})
+    prompt = quoting_prompt(seed=17)
+    a, b = plain.generate(prompt, max_new_tokens=16, mode="cold"), spec.generate(prompt, max_new_tokens=16, mode="cold")
+    assert a.output_ids == b.output_ids and b.extra["drafted_tokens"] > 0
 
 
 def test_config_check_refuses_bad_speculative_fields():

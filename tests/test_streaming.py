@@ -14,7 +14,6 @@ from tiny import VOCAB, ToyTokenizer, random_ids, tiny_model
 from kvboost import KVBoost
 from kvboost.models.fingerprint import ModelFingerprint
 from kvboost.streaming import (
-    DECODE_REASON,
     StreamingBudgetError,
     StreamingConfig,
     build_streamed_model,
@@ -293,14 +292,14 @@ def test_from_pretrained_with_streaming(folder_with_tokenizer):
     plain = KVBoost.from_pretrained(str(folder_with_tokenizer), dtype="float32", decode="hf")
     assert streamed.streamer is not None and streamed.streamer.streamed == (2, 3)
     info = streamed.decode_info()
-    assert info["decode"] == "hf" and info["decode_reason"] == DECODE_REASON
-    # the streamer swaps weights in forward hooks, which only HF's forward fires
+    # the streamer swaps weights in forward hooks, which only HF's modules fire: the HF-generic runner
+    assert info["runner"] == "hf" and info["decode"] == "hf" and "hooks" in info["decode_reason"]
     assert info["prefill"] == "hf" and "hooks" in info["prefill_reason"]
     assert streamed.fingerprint == plain.fingerprint
     a = streamed.generate("Tell me about foxes.", max_new_tokens=8, mode="cold")
     b = plain.generate("Tell me about foxes.", max_new_tokens=8, mode="cold")
     assert a.output_ids == b.output_ids
-    with pytest.raises(ValueError, match="fused decode step reads every layer"):
+    with pytest.raises(ValueError, match="forward hooks that only HF.s modules fire"):
         KVBoost.from_pretrained(str(folder_with_tokenizer), dtype="float32", decode="eager",
                                 streaming={"resident_layers": 1})  # fmt: skip
     none = KVBoost.from_pretrained(str(folder_with_tokenizer), dtype="float32", decode="hf", streaming="none")

@@ -56,6 +56,25 @@ def test_a_two_trial_optuna_search(tmp_path):
     assert len(list(sweep.glob("*/summary.json"))) == 2
 
 
+def _wandb_payloads(data: bytes) -> bytes:
+    """The record payloads of a ``.wandb`` file, joined: the file is a LevelDB-style log (a 7-byte header, then
+    32 KiB blocks of chunks with a 7-byte header each: CRC32, length, type), and a record that crosses a block
+    boundary is split in two chunks: a string searched in the raw bytes can straddle a chunk header."""
+    block, pos, parts = 32768, 7, []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # the block's trailer: padding
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        if length == 0 and data[pos + 6] == 0:  # zero padding to the block's end
+            pos += left
+            continue
+        parts.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+    return b"".join(parts)
+
+
 def test_wandb_offline_run_folder(tmp_path, capsys, monkeypatch):
     """Offline W&B: the run folder holds the group (sweep folder), job type (experiment), name (overrides), the
     summary metrics under their stable names, the per-turn table and the plots; the sync line is printed."""
@@ -79,7 +98,7 @@ def test_wandb_offline_run_folder(tmp_path, capsys, monkeypatch):
     run_dir = runs[0]
     assert f"wandb sync {run_dir}" in capsys.readouterr().out
     # the run's records (protobuf, strings stored as they are): group, job type, name, summary metric names
-    records = next(run_dir.glob("run-*.wandb")).read_bytes()
+    records = _wandb_payloads(next(run_dir.glob("run-*.wandb")).read_bytes())
     for expected in ("multirun/sweep-under-test", "chat_replay", "experiment=chat_replay workload.num_conversations=2",
                      "overall/kvboost/ttft_ms_p50", "overall/kvboost/speedup_vs_baseline_p50",
                      "quality/kvboost/greedy_match_rate", "kvboost/ttft_ms"):  # fmt: skip

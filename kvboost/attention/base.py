@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -48,6 +49,31 @@ SELECTED_Q_POSITIONS = "kvboost_q_positions"
 _LATEST_BACKEND: dict[str, AttentionBackend] = {}
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared by the backend (the engine and runners read these, never lists of names).
+
+    Attributes:
+        paged: reads K/V blocks through the block tables itself (no gathered copy of a sequence's rows).
+        subset_queries: attends queries at arbitrary positions (layer-wise content repair).
+        observer: honours a query observer (the reader-attention probe).
+        batch_invariant: a token's bits do not depend on the other rows of its forward (bit-exact bf16 reuse).
+        exact: computes transformers' own attention for a layer call (HF's bits where HF would run it).
+        tiled_projections: the backend also replaces the decoder's projections (``batch_invariant``): runners call
+            the modules, sequence by sequence, and never substitute their own arithmetic.
+        runner_decode: under this backend the runner may decode with its own attention (the compiled or graphed
+            one-row forward): the backend's own decode arithmetic is plain attention with nothing to keep.
+    """
+
+    paged: bool = False
+    subset_queries: bool = True
+    observer: bool = True
+    batch_invariant: bool = False
+    exact: bool = False
+    tiled_projections: bool = False
+    runner_decode: bool = False
+
+
 class AttentionBackend(ABC):
     """Interface of an attention backend plugin (registered in ``kvboost.registry.ATTENTION``).
 
@@ -69,10 +95,13 @@ class AttentionBackend(ABC):
     #: arithmetic are never served to another.
     fingerprint_tag: str = ""
 
+    #: What this backend can do (see :class:`Capabilities`).
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
     def __init__(self) -> None:
         self.kernel_calls = 0
         #: Called as ``observer(module, query, key, scaling)`` before every attention call while set (the
-        #: reader-attention probe of ``kvboost.models.probe`` uses it); None in normal operation.
+        #: HF-generic runner's layer hooks use it); None in normal operation.
         self.query_observer: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, float | None], None] | None = None
 
     # ------------------------------------------------------------------ to implement
@@ -137,13 +166,57 @@ class AttentionBackend(ABC):
         would let it see later keys). Returns ``(attention_mask, extra kwargs for attention_forward)``; the
         default builds the dense mask this backend's ``mask_kind`` expects.
         """
-        keys = torch.arange(k_len, device=q_positions.device)
-        allowed = keys[None, :] <= q_positions[:, None]
+        return self.causal_mask(q_positions, k_len, dtype), {}
+
+    # ------------------------------------------------------------------ the runners' call
+    def paged(
+        self, q: torch.Tensor, layer: int, batch: Any, scale: float, module: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """Attention of a :class:`~kvboost.runtime.batch.ForwardBatch`'s queries ``q`` ``[T, Hq, D]`` (after RoPE)
+        over the KV pool's ``layer``, whose rows the runner has written; returns ``[T, Hq * D]`` (the
+        o-projection's input). Query ``t`` of sequence ``b`` sees its keys ``j <= batch.positions[t]``.
+
+        Default (gathering backends): sequence by sequence, its rows as one ``[1, Hkv, kv_len, D]`` tensor (a view
+        when its blocks are consecutive, else a gathered copy) and the mask transformers would build for that
+        call (None for a decode step or a cold prefill, a causal-by-position mask for a suffix), through
+        :meth:`attention_forward`, the call HF's forward makes: the same bits as HF's forward. Rows at arbitrary
+        positions (content repair) take :meth:`selected_query_inputs`. Backends that read blocks themselves
+        (``capabilities.paged``) override this."""
+        total, heads, dim = q.shape
+        out = q.new_empty(total, heads * dim)
+        for b in range(batch.num_seqs):
+            rows = batch.rows_of(b)
+            if rows.start == rows.stop:
+                continue
+            keys, values = batch.layer_kv(b, layer)
+            mask, extra = batch.cached((self.impl_name, "inputs", b), lambda b=b: self.paged_inputs(batch, b, q.dtype))
+            qb = q[rows].transpose(0, 1)[None]
+            result, _ = self.attention_forward(module, qb, keys, values, mask, scaling=scale, **extra)
+            out[rows] = result[0].reshape(rows.stop - rows.start, heads * dim)
+        return out
+
+    def paged_inputs(self, batch: Any, b: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """``(attention_mask, extra kwargs)`` for sequence ``b`` of ``batch`` in the form this backend's
+        ``attention_forward`` takes: what transformers' mask builder gives for a plain suffix (None where SDPA's
+        ``is_causal`` suffices: one query, or a cold prefill; else the causal-by-position mask), and
+        :meth:`selected_query_inputs` for rows at arbitrary positions."""
+        rows = batch.rows_of(b)
+        t, n = rows.stop - rows.start, batch.kv_lens[b]
+        positions = batch.positions[rows]
+        if not batch.contiguous[b]:
+            return self.selected_query_inputs(positions, n, dtype)
+        if self.mask_kind == "sdpa" and (t == 1 or t == n):
+            return None, {}
+        return self.causal_mask(positions, n, dtype), {}
+
+    def causal_mask(self, positions: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[1, 1, t, n]``: query ``i`` (at ``positions[i]``) sees key ``j`` iff ``j <= positions[i]``, in this
+        backend's ``mask_kind`` (bool for ``sdpa``, 0 / dtype-min for ``eager``), as transformers builds it."""
+        allowed = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]
         if self.mask_kind == "eager":
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-            return mask[None, None], {}
-        return allowed[None, None], {}
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+            return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        return allowed[None, None]
 
     # ------------------------------------------------------------------ transformers glue
     @property

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvboost.attention.base import SELECTED_Q_POSITIONS, AttentionBackend
+from kvboost.attention.base import SELECTED_Q_POSITIONS, AttentionBackend, Capabilities
 from kvboost.models import prepack
 from kvboost.registry import ATTENTION
 
@@ -293,6 +293,7 @@ class BatchInvariantBackend(AttentionBackend):
 
     name = "batch_invariant"
     mask_kind = "sdpa"
+    capabilities = Capabilities(batch_invariant=True, tiled_projections=True)
 
     def __init__(
         self, tile: int = 64, key_block: int = 128, query_tile: int = 16, packed_weights: bool | str = "auto"

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvboost.attention.base import FlashKernelBackend
+from kvboost.attention.base import Capabilities, FlashKernelBackend
 from kvboost.attention.cpu_ext import check_tile
 from kvboost.attention.masks import KernelMaskParams
 from kvboost.registry import ATTENTION
@@ -46,6 +46,7 @@ class CpuKernelBackend(FlashKernelBackend):
 
     name = "cpu_kernel"
     mask_kind = "sdpa"
+    capabilities = Capabilities(runner_decode=True)
     supports_q_positions: ClassVar[bool] = True
 
     def __init__(self, tile: int = 32) -> None:

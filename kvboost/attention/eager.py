@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvboost.attention.base import AttentionBackend
+from kvboost.attention.base import AttentionBackend, Capabilities
 from kvboost.registry import ATTENTION
 
 
@@ -30,6 +30,7 @@ class EagerBackend(AttentionBackend):
 
     name = "eager"
     mask_kind = "eager"
+    capabilities = Capabilities(exact=True)
 
     def __init__(self) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvboost.attention.base import SELECTED_Q_POSITIONS, AttentionBackend
+from kvboost.attention.base import SELECTED_Q_POSITIONS, AttentionBackend, Capabilities
 from kvboost.registry import ATTENTION
 
 #: Selected queries are split into at most this many position-sorted groups (see ``selected_query_attention``).
@@ -107,6 +107,7 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
     mask_kind = "sdpa"
+    capabilities = Capabilities(exact=True, runner_decode=True)
 
     def __init__(self, key_tile: int = 0) -> None:
         """Args:
@@ -127,6 +128,14 @@ class SdpaBackend(AttentionBackend):
         """SDPA ships with torch >= 2.0; always available."""
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
             raise RuntimeError("attention backend 'sdpa' needs torch >= 2.0 (scaled_dot_product_attention)")
+
+    def causal_mask(self, positions: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The causal-by-position mask as the additive 0 / -inf tensor SDPA makes of a bool mask on every call
+        (the same bits), built once per forward for every layer: that saves the conversion in each layer (~0.1-0.2
+        ms per layer at a few hundred tokens on 2 cores), and the CPU flash kernel reads it a little faster."""
+        allowed = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+        return mask.masked_fill_(~allowed, float("-inf"))[None, None]
 
     def selected_query_inputs(
         self, q_positions: torch.Tensor, k_len: int, dtype: torch.dtype

@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 
-from kvboost.attention.base import FlashKernelBackend
+from kvboost.attention.base import Capabilities, FlashKernelBackend
 from kvboost.attention.masks import KernelMaskParams
 from kvboost.registry import ATTENTION
 
 log = logging.getLogger(__name__)
 
 KERNEL_MODULE = "kernels_triton.flash_attn"
+PAGED_MODULE = "kernels_triton.paged_attention"
 
 _INTERPRETER_FALSE = ("0", "false", "no", "off")
 _warned_interpreter = False
@@ -174,12 +175,14 @@ class TritonBackend(FlashKernelBackend):
     name = "triton"
     mask_kind = "sdpa"  # bool masks (or None): the cheapest to translate
     supports_q_positions = True
+    capabilities = Capabilities(paged=True)
 
     def __init__(self) -> None:
         super().__init__()
         self._module: ModuleType | None = None
         self._forward = None
         self._interpreter = False
+        self._paged: Any = None
         self.warmup_calls = 0
 
     def check_available(self) -> None:
@@ -261,6 +264,19 @@ class TritonBackend(FlashKernelBackend):
             kv_len=params.kv_len,
             out=out,
         )
+
+    def paged(
+        self, q: torch.Tensor, layer: int, batch: Any, scale: float, module: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """The paged kernels (``kernels_triton.paged_attention``): every sequence of the batch in one launch,
+        keys read from the pool's blocks through the block tables (no gather)."""
+        if self._paged is None:
+            self.check_available()
+            self._paged = importlib.import_module(PAGED_MODULE).paged_attention
+        pool = batch.pool
+        out = self._paged(q, pool.keys[layer], pool.values[layer], sm_scale=scale, **batch.kernel_args())
+        self.kernel_calls += 1
+        return out.reshape(q.shape[0], -1)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "interpreter": self._interpreter}

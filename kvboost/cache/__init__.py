@@ -12,8 +12,20 @@ from kvboost.cache.store import KVStore, StoreStats
 from kvboost.cache.tier_base import CacheTier, EvictionGuard, ResidentChildren
 
 __all__ = [
-    "SEGMENT_ONLY_PREFIX", "CacheTier", "EvictionGuard", "EvictionPolicy", "KVEntry", "KVStore", "LRUEviction",
-    "MemoryTier", "ResidentChildren", "StoreStats", "parse_bytes", "segment_only_key",
-    "LFUEviction", "S3FIFOEviction",
-    "DiskTier", "RedisTier",
+    "SEGMENT_ONLY_PREFIX",
+    "CacheTier",
+    "DiskTier",
+    "EvictionGuard",
+    "EvictionPolicy",
+    "KVEntry",
+    "KVStore",
+    "LFUEviction",
+    "LRUEviction",
+    "MemoryTier",
+    "RedisTier",
+    "ResidentChildren",
+    "S3FIFOEviction",
+    "StoreStats",
+    "parse_bytes",
+    "segment_only_key",
 ]  # fmt: skip

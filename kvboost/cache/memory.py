@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvboost.cache.entry import KVEntry
+from kvboost.cache.entry import SEGMENT_ONLY_PREFIX, KVEntry
 from kvboost.cache.tier_base import CacheTier, choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
 
-def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
+def parse_bytes(value: float | str, *, allow_zero: bool = False) -> int:
     """``1024``, ``"512MB"``, ``"2GiB"``, ``"1.5G"`` -> bytes (positive, or ``>= 0`` with ``allow_zero``)."""
     if isinstance(value, (int, float)):
         out = int(value)
@@ -35,6 +35,9 @@ def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
     return out
 
 
+_NO_KEY = SEGMENT_ONLY_PREFIX + "<pool pressure>"
+
+
 @CACHE_TIERS.register("memory")
 class MemoryTier(CacheTier):
     """A dict of entries under a byte budget, evicting by the given policy.
@@ -48,6 +51,8 @@ class MemoryTier(CacheTier):
         eviction: eviction policy: a name, a config mapping (``{"name": "lru", "leaves_first": true}``) or
             an ``EvictionPolicy`` instance not shared with another tier (default ``lru``).
     """
+
+    holds_references = True
 
     def __init__(self, capacity: int | str = "2GiB", eviction: Any = "lru") -> None:
         self.capacity_bytes = parse_bytes(capacity)
@@ -76,6 +81,15 @@ class MemoryTier(CacheTier):
             self._pinned.add(entry.key)
         self.eviction.on_insert(entry.key)
         return evicted
+
+    def evict_one(self) -> KVEntry | None:
+        if not self._entries:
+            return None
+        # A stand-in for the incoming entry of a put: it has no parent, so only pins and children protect.
+        incoming = KVEntry(key=_NO_KEY, segment_key=_NO_KEY, parent_key=None, token_ids=(), start=0, payload=None,
+                           exact=False)  # fmt: skip
+        victims = choose_victims(self, self.eviction, self._pinned, incoming, 1, self._entries.get)
+        return self.remove(victims[0]) if victims else None
 
     def get(self, key: str) -> KVEntry | None:
         entry = self._entries.get(key)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
 from kvboost.cache.entry import KVEntry, segment_only_key
+from kvboost.cache.pooled import is_pooled
 from kvboost.cache.tier_base import CacheTier
 
 
@@ -281,6 +283,8 @@ class KVStore:
         """Put a write-through copy of ``entry`` (booked in a faster tier) into tier ``tier_idx``."""
         node = self._nodes[entry.key]
         self._add_copy(node, tier_idx)
+        if is_pooled(entry.payload) and not self.tiers[tier_idx].holds_references:
+            entry = dataclasses.replace(entry, payload=entry.payload.detached())  # a copy of the rows
         overflow = self.tiers[tier_idx].put(entry)
         if any(out.key == entry.key for out in overflow):  # refused (too large, or everything protected)
             self._drop_copy(node, tier_idx)
@@ -295,6 +299,7 @@ class KVStore:
 
         Entries in flight are booked at the tier they are headed for before any of them moves on, so the
         parent of each is protected while the others are put (the tiers only see the store's counts)."""
+        self._settle_payload(entry, tier_idx)
         overflow = self.tiers[tier_idx].put(entry)
         placed = all(out.key != entry.key for out in overflow)
         last = tier_idx + 1 == len(self.tiers)
@@ -316,6 +321,7 @@ class KVStore:
             if node.tier != tier_idx:  # a copy (the entry lives in a faster tier)
                 self._drop_copy(node, tier_idx)
             elif node.copies:
+                self._settle_payload(out, None)  # its copy below is the entry now
                 below = min(node.copies)
                 self._drop_copy(node, below)
                 self._book(out.key, below)
@@ -328,6 +334,7 @@ class KVStore:
             if not last:
                 self.stats.demoted += 1
             if last or self._put_into(tier_idx + 1, out) is None:
+                self._settle_payload(out, None)
                 self.stats.evicted += 1
                 self._unindex(out.key)
 
@@ -350,7 +357,39 @@ class KVStore:
         entry = self.tiers[node.tier].remove(key) if node.tier is not None else None
         self._book(key, None)
         self._unindex(key)  # removes the copies too
+        if entry is not None:
+            self._settle_payload(entry, None)
         return entry
+
+    def _settle_payload(self, entry: KVEntry, tier_idx: int | None) -> None:
+        """Before ``entry`` goes into tier ``tier_idx`` (None: it leaves the store): a payload of pool block
+        references (``kvboost.cache.pooled``) stays as it is in a memory tier, becomes a standalone copy for a
+        tier that serialises it, and gives its references back when it leaves."""
+        payload = entry.payload
+        if not is_pooled(payload) or payload.released:
+            return
+        if tier_idx is not None and self.tiers[tier_idx].holds_references:
+            return
+        if tier_idx is not None:
+            entry.payload = payload.detached()
+        payload.release()
+
+    def free_pool_blocks(self, pool: Any, free_blocks: int) -> int:
+        """Evict entries from the memory tiers, in each tier's eviction order (protected entries stay), until
+        ``pool`` has ``free_blocks`` free blocks or nothing more can go; returns the entries evicted. An evicted
+        entry moves down a tier (as a copy of its rows) or leaves the store; its blocks return to the pool once
+        no running sequence shares them."""
+        evicted = 0
+        for tier_idx, tier in enumerate(self.tiers):
+            if not tier.holds_references:
+                continue
+            while pool.num_free < free_blocks:
+                victim = tier.evict_one()
+                if victim is None:
+                    break
+                evicted += 1
+                self._evicted_from(tier_idx, [victim])
+        return evicted
 
     # ------------------------------------------------------------------ lifecycle (tiers below memory)
     def bind_context(self, *, fingerprint: Any = None, quantizer_settings: dict[str, Any] | None = None) -> None:
@@ -375,7 +414,9 @@ class KVStore:
             for key in list(tier.keys()):  # oldest first in a memory tier
                 node = self._nodes.get(key)
                 if node is not None and node.tier == i and node.copies:  # already written through below
-                    tier.discard(key)
+                    dropped = tier.remove(key)
+                    if dropped is not None:
+                        self._settle_payload(dropped, None)
                     below = min(node.copies)
                     self._drop_copy(node, below)
                     self._book(key, below)
@@ -391,9 +432,28 @@ class KVStore:
         for tier in self.tiers:
             tier.close()
 
+    def drop_references(self) -> None:
+        """Drop the entries of the tiers that hold references to KV pool blocks (memory), giving the references
+        back; tiers below are left as they are (call after ``close`` spilled what should persist)."""
+        for i, tier in enumerate(self.tiers):
+            if not tier.holds_references:
+                continue
+            for key in list(tier.keys()):
+                node = self._nodes.get(key)
+                entry = tier.remove(key)
+                if entry is not None:
+                    self._settle_payload(entry, None)
+                if node is not None and node.tier == i:
+                    self._unindex(key)
+
     def clear(self) -> None:
         """Drop every entry (the stats are kept)."""
         for tier in self.tiers:
+            if tier.holds_references:
+                for key in list(tier.keys()):
+                    entry = tier.remove(key)
+                    if entry is not None:
+                        self._settle_payload(entry, None)
             tier.clear()
         self._nodes.clear()
         self._children.clear()

@@ -44,6 +44,9 @@ class CacheTier(ABC):
     may_lose_entries: bool = False
     #: True when the entries outlive the process (``KVStore.close`` spills the faster tiers into it).
     persistent: bool = False
+    #: True for a tier that keeps entries as Python objects (memory): it may hold payloads that reference KV
+    #: pool blocks (``kvboost.cache.pooled``); the store gives every other tier a standalone copy.
+    holds_references: bool = False
 
     def bind_store(self, resident_children: ResidentChildren | None,
                    is_copy: Callable[[str], bool] | None = None) -> None:  # fmt: skip
@@ -120,6 +123,12 @@ class CacheTier(ABC):
     def clear(self) -> None:
         for key in list(self.keys()):
             self.remove(key)
+
+    def evict_one(self) -> KVEntry | None:
+        """Remove and return the entry the eviction policy would evict next (protected entries stay); None when
+        there is none. Tiers that hold references to KV pool blocks implement it: the store calls it when the
+        pool runs short of free blocks."""
+        return None
 
 
 class EvictionGuard:

@@ -151,7 +151,7 @@ def _projections(layer: Any) -> tuple:
 
 
 def pack_layer(layer: Any) -> tuple:
-    """One decoder layer's weights for :class:`kvboost.models.prefill_step.StepPrefill`'s fused-projection layer:
+    """One decoder layer's weights for the runner's prepacked projections (``kvboost.runtime.projections``):
     ``(ln1, qkv, o, ln2, gate_up, down)``, q/k/v and gate/up each packed as one matrix, every product packed for
     its dtype (oneDNN in bf16, MKL in fp32) and applying its own bias.
 

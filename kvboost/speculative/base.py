@@ -48,15 +48,15 @@ class Draft:
 class DraftRequest:
     """What a strategy may use during one request (given to :meth:`DraftStrategy.begin`).
 
-    ``kv`` is the target's :class:`~kvboost.models.prealloc_cache.PreallocatedKV`: rows ``[0, len(context) - 1)``
-    hold the target's K/V of the context (every token but the last); rows past that are scratch the verification
-    overwrites. ``decode_step`` is the engine's fused decode step (``None`` when it decodes through HF).
+    ``table`` is the target's :class:`~kvboost.kv.block_table.BlockTable`: rows ``[0, len(context) - 1)`` hold the
+    target's K/V of the context (every token but the last); a strategy that writes rows past them (``layer_skip``)
+    must leave ``table.length`` where it found it (the verification overwrites those rows). ``runner`` is the
+    engine's model runner (``runner.run(ForwardBatch)``).
     """
 
     prompt_len: int
-    kv: Any
-    adapter: Any
-    decode_step: Any = None
+    table: Any
+    runner: Any
 
 
 class DraftLength:

@@ -2,8 +2,9 @@
 
 The draft keeps its own KV cache of the request's context. Its rows stay valid exactly as long as the context
 they were computed from is unchanged: each proposal compares the context it is given with the token ids its cache
-holds, keeps the common prefix (``set_length``: the rollback past a rejected token) and runs only the rest, in one
-forward, before drafting token by token.
+holds, keeps the common prefix (``truncate``: the rollback past a rejected token) and runs only the rest, in one
+forward, before drafting token by token. The draft runs on a pool and runner of its own
+(:class:`~kvboost.runtime.standalone.StandaloneRunner`): the same arithmetic as the target's.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ class DraftModel(DraftStrategy):
             )
         self.model_spec, self.dtype = model, dtype
         self.draft: Any = None
-        self._adapter: Any = None
-        self._kv: Any = None
+        self._runtime: Any = None
+        self._table: Any = None
         self._cached: list[int] = []
 
     def bind(self, model: Any, tokenizer: Any) -> None:
-        from kvboost.models.adapter import ModelAdapter
         from kvboost.models.loading import load_model_and_tokenizer
+        from kvboost.runtime.standalone import StandaloneRunner
 
         if isinstance(self.model_spec, torch.nn.Module):
             draft = self.model_spec
@@ -62,36 +63,40 @@ class DraftModel(DraftStrategy):
                 f"({target_vocab}); a draft must share the target's tokenizer"
             )
         self.draft = draft.eval()
-        self._adapter = ModelAdapter(self.draft, "draft")
+        # The draft has a pool and a runner of its own (the target's arithmetic, on the draft's weights).
+        self._runtime = StandaloneRunner(self.draft)
 
     def begin(self, request: DraftRequest) -> None:
-        if self._adapter is None:
+        if self._runtime is None:
             raise RuntimeError("draft_model: the strategy was not bound to an engine")
-        # Enough rows for the whole request plus one draft (the target's buffer is sized the same way).
-        self._kv = self._adapter.allocate(request.kv.capacity + self.max_draft)
-        self._kv.set_length(0)
+        self._table = self._runtime.new_table()
         self._cached = []
 
     def end(self) -> None:
-        self._kv, self._cached = None, []
+        if self._table is not None:
+            self._table.release()
+        self._table, self._cached = None, []
 
     @torch.inference_mode()
     def propose(
         self, context: Sequence[int], k: int, sampling: Sampling, generator: torch.Generator | None = None
     ) -> Draft:
-        if self._kv is None:
+        from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+        table = self._table
+        if table is None:
             raise RuntimeError("draft_model: propose() outside a request (call begin() first)")
         keep = 0
         limit = min(len(self._cached), len(context) - 1)  # the last context token is always run (its logits)
         while keep < limit and self._cached[keep] == context[keep]:
             keep += 1
-        self._kv.set_length(keep)  # rollback: rows past the common prefix were computed for rejected tokens
+        table.truncate(keep)  # rollback: rows past the common prefix were computed for rejected tokens
         self._cached = list(context[:keep])
         feed = list(context[keep:])
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
-        for i in range(k):
-            logits = self._adapter.forward(torch.tensor(feed), self._kv.cache)[-1]
+        for _ in range(k):
+            logits = self._runtime.runner.run(ForwardBatch.build([SeqInput(table, feed)]))[0]
             self._cached.extend(feed)
             token, q = choose_draft_token(logits, sampling, generator)
             tokens.append(token)

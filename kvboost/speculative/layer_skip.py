@@ -1,13 +1,13 @@
 """Layer-skip self-drafting: the target's first ``layers`` decoder layers, then its final norm and LM head.
 
 No second model and no second cache: the hidden state of layer i depends only on layers < i, so the target's
-own K/V rows of layers [0, layers) at the accepted positions are exactly what the draft needs. The draft writes
-its tokens' rows of those layers into the target's buffers past the accepted length (scratch: the verification
-forward overwrites every one of them), and a rejection needs no rollback of its own.
+own K/V rows of layers [0, layers) at the accepted positions are exactly what the draft needs. The draft runs
+the engine's runner with ``ForwardBatch.num_layers = layers`` (the same arithmetic, the head the target has, an
+int8 one included), writing its tokens' rows of those layers into the target's blocks past the accepted length:
+scratch the verification forward overwrites. The table's length is put back after each proposal.
 
-The draft runs the engine's fused one-token step (``kvboost.models.decode_step``) over the first layers only:
-the compiled graphs the engine already built, so nothing more is compiled. Models the fused step does not cover
-are refused at bind time with the reason.
+Models whose runner cannot stop after a layer (the HF-generic runner without layer-wise parts) are refused at
+bind time with the reason.
 """
 
 from __future__ import annotations
@@ -38,13 +38,9 @@ class LayerSkip(DraftStrategy):
         if layers is not None:
             check_positive_int("layer_skip", "layers", layers)
         self.layers = layers
-        self._step: Any = None
-        self._own_step: Any = None
         self._request: DraftRequest | None = None
 
     def bind(self, model: Any, tokenizer: Any) -> None:
-        from kvboost.models.decode_step import unsupported_reason
-
         total = int(model.config.get_text_config(decoder=True).num_hidden_layers)
         if self.layers is None:
             self.layers = max(1, total // 2)
@@ -52,23 +48,14 @@ class LayerSkip(DraftStrategy):
             raise ValueError(
                 f"speculative 'layer_skip': layers must be below the target's {total} decoder layers, got {self.layers}"
             )
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(
-                f"speculative 'layer_skip' runs the fused decode step, which cannot run this model: {reason}"
-            )
-        self._model = model
+        base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+        missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(base, name)]
+        if base is None or missing:
+            raise ValueError(f"speculative 'layer_skip' runs the target's first layers and its head; "
+                             f"{type(model).__name__} does not expose them (missing: {', '.join(missing)})")  # fmt: skip
 
     def begin(self, request: DraftRequest) -> None:
         self._request = request
-        step = request.decode_step
-        if step is None:  # the engine decodes through HF: an eager step of our own (HF's arithmetic)
-            if self._own_step is None:
-                from kvboost.models.decode_step import FusedDecodeStep
-
-                self._own_step = FusedDecodeStep(self._model, compile=False)
-            step = self._own_step
-        self._step = step
 
     def end(self) -> None:
         self._request = None
@@ -77,29 +64,27 @@ class LayerSkip(DraftStrategy):
     def propose(
         self, context: Sequence[int], k: int, sampling: Sampling, generator: torch.Generator | None = None
     ) -> Draft:
+        from kvboost.runtime.batch import ForwardBatch, SeqInput
+
         request = self._request
         if request is None:
             raise RuntimeError("layer_skip: propose() outside a request (call begin() first)")
-        step, kv = self._step, request.kv
-        inner = step.model.model
-        position = len(context) - 1  # the last context token is not in the target's cache yet
-        # Verification writes k + 1 rows (the last context token and the k drafts) from `position`: keep them
-        # inside the cache.
-        k = max(0, min(k, kv.capacity - position - 1))
+        table, runner = request.table, request.runner
+        accepted = table.length  # the last context token is not in the target's cache yet
+        limit = runner.pool.num_blocks * runner.pool.block_size
+        k = max(0, min(k, limit - accepted - 1))
         token = int(context[-1])
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
-        for _ in range(k):
-            t = torch.tensor([token], device=kv.keys.device)
-            x, cos, sin = step._prologue_fn(t, position, inner.embed_tokens.weight, inner.rotary_emb.inv_freq)
-            for i in range(self.layers):
-                x = step._layer_fn(x, cos, sin, position, kv.keys[i], kv.values[i], *step._layer_weights[i])
-            logits = step._epilogue_fn(x, inner.norm.weight, step.model.lm_head.weight)
-            token, q = choose_draft_token(logits, sampling, generator)
-            tokens.append(token)
-            if q is not None:
-                qs.append(q)
-            position += 1
+        try:
+            for _ in range(k):
+                logits = runner.run(ForwardBatch.build([SeqInput(table, [token])], num_layers=self.layers))[0]
+                token, q = choose_draft_token(logits, sampling, generator)
+                tokens.append(token)
+                if q is not None:
+                    qs.append(q)
+        finally:
+            table.truncate(accepted)  # the draft's rows are scratch: the verification writes them again
         return Draft(tokens, torch.stack(qs) if qs else None)
 
     def fingerprint(self) -> str:

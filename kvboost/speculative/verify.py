@@ -2,7 +2,7 @@
 acceptable prefix and rolls its cache back past the first rejected token.
 
 One verification, with ``c`` the last token (not yet in the target's cache, which holds ``L`` rows) and drafts
-``d1..dk``: the target runs ``[c, d1..dk]`` as one forward over its cache (the engine's ``PreallocatedKV``, so a
+``d1..dk``: the target runs ``[c, d1..dk]`` as one forward over its cache (the request's block table, so a
 request served from reused chunks verifies over them), which writes rows ``L..L+k`` and gives logits ``z0..zk``,
 ``zi`` predicting the token after ``di`` (``z0`` after ``c``).
 
@@ -14,16 +14,15 @@ request served from reused chunks verifies over them), which writes rows ``L..L+
   drafts); at the first rejection sample the next token from ``normalize(max(0, p - q))``; with all accepted,
   a bonus token from ``p`` at ``zk``. Each emitted token is distributed exactly as the target's sample.
 
-Then the cache is cut to the accepted context (``kv.set_length(L + 1 + a)``): rows of rejected drafts stay in the
-buffer as scratch the next forward overwrites, so what the engine stores after decoding holds exactly the
-accepted tokens' K/V. With nothing drafted the step is a plain one-token step (the engine's fused step where it
+Then the cache is cut to the accepted context (``table.truncate(L + 1 + a)``: blocks past it go back to the pool),
+so what the engine stores after decoding holds exactly the accepted tokens' K/V. With nothing drafted the step is a plain one-token step (the engine's fused step where it
 has one).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,24 +110,24 @@ def speculative_decode(
     *,
     prompt_ids: Sequence[int],
     first_token: int,
-    kv: Any,
-    adapter: Any,
-    plain_step: Callable[[int], torch.Tensor] | None,
+    table: Any,
+    runner: Any,
     max_new_tokens: int,
     eos_ids: set[int],
     sampling: Sampling,
     generator: torch.Generator | None = None,
     max_total_tokens: int | None = None,
-    decode_step: Any = None,
 ) -> tuple[DecodeOutput, SpeculativeStats]:
     """Generate after ``first_token`` with ``strategy`` drafting and the target verifying; same stopping rules
     as :func:`kvboost.decoding.decode_loop` (EOS, ``max_new_tokens``, the context end).
 
-    ``kv`` holds the prompt's ``len(prompt_ids)`` rows (length set). ``plain_step(token) -> logits`` runs one
-    token after ``kv``'s filled rows and leaves ``kv``'s length one row longer (``None``: HF's forward).
-    ``decode_seconds`` covers drafting, verification and rollback. On return ``kv`` holds exactly the rows of
-    ``prompt_ids + tokens[:-1]``, as after plain decoding.
+    ``table`` (a :class:`~kvboost.kv.block_table.BlockTable`) holds the prompt's ``len(prompt_ids)`` rows; every
+    target forward goes through ``runner.run``: a plain one-token step when nothing was drafted, else the
+    ``k + 1`` rows ``[c, d1..dk]`` with their logits. ``decode_seconds`` covers drafting, verification and
+    rollback. On return the table holds exactly the rows of ``prompt_ids + tokens[:-1]``, as after plain decoding.
     """
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
     n = len(prompt_ids)
     limit = max_new_tokens
     if max_total_tokens is not None:
@@ -138,23 +137,24 @@ def speculative_decode(
     tokens = [first_token]
     context = list(prompt_ids) + tokens
     start = time.perf_counter()
-    strategy.begin(DraftRequest(prompt_len=n, kv=kv, adapter=adapter, decode_step=decode_step))
+    strategy.begin(DraftRequest(prompt_len=n, table=table, runner=runner))
     try:
         while len(tokens) < limit and tokens[-1] not in eos_ids:
             k = min(length.current, limit - len(tokens) - 1)  # all accepted + 1 bonus must fit the limit
             draft = strategy.propose(context, k, sampling, generator) if k > 0 else Draft()
             if len(draft) > k:
                 raise ValueError(f"speculative {strategy.registry_name!r} proposed {len(draft)} tokens, asked for {k}")
+            if table.length != n + len(tokens) - 1:
+                raise RuntimeError(f"speculative {strategy.registry_name!r} left the target's cache at "
+                                   f"{table.length} rows; it must hold {n + len(tokens) - 1}")  # fmt: skip
             stats.target_forwards += 1
             if not draft.tokens:
-                if plain_step is not None:
-                    logits = plain_step(tokens[-1])
-                else:
-                    logits = adapter.forward(torch.tensor([tokens[-1]]), kv.cache)[-1]
+                logits = runner.run(ForwardBatch.build([SeqInput(table, [tokens[-1]])]))[0]
                 new = [pick_token(logits, sampling, generator)]
             else:
-                feed = torch.tensor([tokens[-1], *draft.tokens])
-                logits = adapter.forward(feed, kv.cache, logits_to_keep=len(feed))
+                feed = [tokens[-1], *draft.tokens]
+                batch = ForwardBatch.build([SeqInput(table, feed, logits=list(range(len(feed))))])
+                logits = runner.run(batch)
                 accepted, nxt = verify_draft(logits, draft, sampling, generator)
                 stats.drafted_tokens += len(draft)
                 stats.accepted_tokens += accepted
@@ -168,7 +168,7 @@ def speculative_decode(
             tokens.extend(new)
             context.extend(new)
             # Rollback: rows past the accepted context are rejected drafts' (or, after an EOS, unused) K/V.
-            kv.set_length(n + len(tokens) - 1)
+            table.truncate(n + len(tokens) - 1)
     finally:
         strategy.end()
     stats.generated_after_first = len(tokens) - 1

@@ -29,8 +29,8 @@ from kvboost.streaming.source import HostCopySource, MmapSource, SafetensorsInde
 from kvboost.streaming.streamer import LayerStreamer
 
 DECODE_REASON = (
-    "layer streaming: the fused decode step reads every layer's weights directly, bypassing the streaming hooks; "
-    "decoding through HF's forward"
+    "layer streaming: the streamer swaps weights in forward hooks that only HF's modules fire; every forward runs "
+    "on the HF-generic runner"
 )
 
 

@@ -1,0 +1,260 @@
+"""The KV pool: the K and V of every layer in fixed-size blocks, reference-counted; the only KV memory of an engine.
+
+Layout: ``keys``/``values`` ``[layers, kv_heads, num_blocks * block_size, head_dim]``. Block ``b`` is slots
+``[b * block_size, (b + 1) * block_size)`` of every layer and head. One layer's pool, ``keys[layer]``
+``[kv_heads, slots, head_dim]``, is what the paged attention contract (``kernels_triton.paged_attention_reference``)
+reads. A sequence whose blocks are consecutive ids is a plain strided view of that layer (see
+:meth:`KVPool.run_view`), so the allocator prefers consecutive ids: a sequence that grows asks for the block after
+its last one first.
+
+Books and tensors are apart, in the spirit of vLLM's block pool: this class counts references and hands out ids;
+tensor movement is a few explicit methods (``write``, ``read``, ``copy_rows``), each counting the bytes it moves in
+:attr:`KVPool.stats` (``copied_bytes`` is what a reuse by reference must keep to a partial block).
+
+Invariants (``verify`` checks them): a block is free iff its reference count is 0; ``alloc`` never returns a block
+in use; ``decref`` of a free block is an error (a double free), never silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Default tokens per block (vLLM's default as well).
+DEFAULT_BLOCK_SIZE = 16
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has too few free blocks for a request, even after the cache gave back what it could."""
+
+
+@dataclass
+class PoolStats:
+    """Counters since the pool was made (or ``reset_stats``): blocks handed out and given back, and the bytes
+    moved by each kind of copy."""
+
+    allocated_blocks: int = 0
+    freed_blocks: int = 0
+    written_bytes: int = 0  # rows written from outside (loaded entries, content hits, dequantized payloads)
+    read_bytes: int = 0  # rows copied out (stored to a tier below memory, quantized, inspected)
+    copied_bytes: int = 0  # rows copied inside the pool (copy on write of a partial block)
+    copy_on_write: int = 0  # partial blocks copied
+    pressure_calls: int = 0  # times the pool asked the cache to give blocks back
+
+
+class KVPool:
+    """K/V blocks of every layer, with reference counts.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's KV shape.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        dtype, device: of the tensors.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("num_blocks", num_blocks), ("block_size", block_size)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KV pool: {name} must be a positive integer, got {value!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # torch.empty maps pages lazily: an idle pool costs address space, not memory, until rows are written.
+        self.keys = torch.empty(shape, dtype=dtype, device=self.device)
+        self.values = torch.empty(shape, dtype=dtype, device=self.device)
+        self._refs = [0] * num_blocks
+        self._free = bytearray(b"\x01") * num_blocks  # 1 = free; bytes.find gives C-speed run searches
+        self._num_free = num_blocks
+        self._cursor = 0  # next-fit start for new runs
+        self.stats = PoolStats()
+        #: Called with the number of blocks missing when an allocation cannot be served; the engine's store
+        #: evicts cached entries (their blocks return when no sequence uses them). None: no second chance.
+        self.on_pressure: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, K and V, every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.keys.element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K and V, every layer."""
+        return self.block_bytes // self.block_size
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self._num_free
+
+    def blocks_for(self, rows: int) -> int:
+        """Blocks that hold ``rows`` rows."""
+        return -(-rows // self.block_size)
+
+    @staticmethod
+    def blocks_in(nbytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  dtype: torch.dtype) -> int:  # fmt: skip
+        """How many blocks of this shape fit ``nbytes``."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return nbytes // (2 * num_layers * num_kv_heads * block_size * head_dim * element)
+
+    # ------------------------------------------------------------------ references
+    def alloc(self, count: int, *, after: int | None = None) -> list[int]:
+        """``count`` free blocks, each with one reference. ``after``: a block id the new blocks should follow
+        (a sequence's last block): consecutive ids are tried first, then any run of ``count``, then any blocks.
+
+        Raises:
+            PoolExhausted: fewer than ``count`` blocks are free after asking ``on_pressure`` for the difference.
+        """
+        if count < 0:
+            raise ValueError(f"cannot allocate {count} blocks")
+        if count == 0:
+            return []
+        if self._num_free < count and self.on_pressure is not None:
+            self.stats.pressure_calls += 1
+            self.on_pressure(count - self._num_free)
+        if self._num_free < count:
+            raise PoolExhausted(
+                f"the KV pool has {self._num_free} free blocks of {self.block_size} tokens, {count} are needed "
+                f"({self.num_blocks} blocks in all, {self.num_blocks * self.block_size} tokens, "
+                f"{self.num_blocks * self.block_bytes / 2**20:.0f} MiB); raise kv.pool_bytes, lower "
+                "max_new_tokens or the batch size, or shorten the prompt"
+            )
+        ids = self._find(count, after)
+        for b in ids:
+            self._free[b] = 0
+            self._refs[b] = 1
+        self._num_free -= count
+        self.stats.allocated_blocks += count
+        return ids
+
+    def _find(self, count: int, after: int | None) -> list[int]:
+        run = b"\x01" * count
+        if after is not None and 0 <= after + 1 and after + 1 + count <= self.num_blocks:
+            start = after + 1
+            if self._free[start : start + count] == run:
+                return list(range(start, start + count))
+        start = self._free.find(run, self._cursor)
+        if start < 0:
+            start = self._free.find(run)
+        if start >= 0:
+            self._cursor = start + count
+            return list(range(start, start + count))
+        ids, pos = [], 0  # fragmented: any free blocks, lowest first
+        while len(ids) < count:
+            pos = self._free.find(b"\x01", pos)
+            ids.append(pos)
+            pos += 1
+        return ids
+
+    def incref(self, ids: Iterable[int]) -> None:
+        """One more reference to each block (a sequence or a cache entry that shares it)."""
+        for b in ids:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"KV pool: incref of free block {b}")
+            self._refs[b] += 1
+
+    def decref(self, ids: Iterable[int]) -> None:
+        """One reference fewer to each block; a block whose count reaches 0 is free again."""
+        for b in ids:
+            refs = self._refs[b]
+            if refs <= 0:
+                raise RuntimeError(f"KV pool: block {b} released more often than it was referenced (double free)")
+            self._refs[b] = refs - 1
+            if refs == 1:
+                self._free[b] = 1
+                self._num_free += 1
+                self.stats.freed_blocks += 1
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    # ------------------------------------------------------------------ rows
+    def slots(self, blocks: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Slot indices (int64, on the pool's device) of logical rows ``[start, end)`` of a sequence whose block
+        table is ``blocks``."""
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs if end > start else start // bs
+        if end > start and last >= len(blocks):
+            raise ValueError(f"rows up to {end} need {last + 1} blocks; the table has {len(blocks)}")
+        if end <= start:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        table = torch.tensor(blocks[first : last + 1], dtype=torch.long)
+        rows = torch.arange(start, end) - first * bs
+        return (table[rows // bs] * bs + rows % bs).to(self.device)
+
+    def run_start(self, blocks: Sequence[int], rows: int) -> int | None:
+        """The first slot of the sequence when its first ``ceil(rows / block_size)`` blocks are consecutive ids
+        (its rows are then one strided view of each layer), else None."""
+        n = self.blocks_for(rows)
+        if n == 0:
+            return 0
+        first = blocks[0]
+        if n == 1 or blocks[n - 1] - first == n - 1 and all(blocks[i] == first + i for i in range(1, n)):
+            return first * self.block_size
+        return None
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write stacked rows ``[layers, kv_heads, t, head_dim]`` into ``slots`` (``[t]``) of every layer."""
+        if keys.shape[2] != slots.numel():
+            raise ValueError(f"{keys.shape[2]} rows for {slots.numel()} slots")
+        slots = slots.to(self.device)
+        self.keys.index_copy_(2, slots, keys.to(device=self.device, dtype=self.dtype))
+        self.values.index_copy_(2, slots, values.to(device=self.device, dtype=self.dtype))
+        self.stats.written_bytes += slots.numel() * self.row_bytes
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the rows at ``slots``: ``[layers, kv_heads, t, head_dim]`` each."""
+        slots = slots.to(self.device)
+        self.stats.read_bytes += slots.numel() * self.row_bytes
+        return self.keys.index_select(2, slots), self.values.index_select(2, slots)
+
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first ``rows`` rows of block ``src`` into block ``dst`` (copy on write of a partial block)."""
+        bs = self.block_size
+        s, d = src * bs, dst * bs
+        self.keys[:, :, d : d + rows] = self.keys[:, :, s : s + rows]
+        self.values[:, :, d : d + rows] = self.values[:, :, s : s + rows]
+        self.stats.copied_bytes += rows * self.row_bytes
+        self.stats.copy_on_write += 1
+
+    def reset_stats(self) -> None:
+        self.stats = PoolStats()
+
+    # ------------------------------------------------------------------ checks
+    def verify(self) -> None:
+        """Check the books (AssertionError on a mismatch); for tests."""
+        free = sum(self._free)
+        assert free == self._num_free, f"free count {self._num_free} != {free} free flags"
+        for b, (refs, flag) in enumerate(zip(self._refs, self._free, strict=True)):
+            assert refs >= 0, f"block {b} has {refs} references"
+            assert (refs == 0) == bool(flag), f"block {b}: {refs} references but free flag {flag}"
+
+    def describe(self) -> dict[str, object]:
+        """Size and occupancy, for results."""
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "free_blocks": self._num_free,
+            "pool_bytes": self.num_blocks * self.block_bytes,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            **{k: v for k, v in vars(self.stats).items()},
+        }

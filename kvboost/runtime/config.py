@@ -1,0 +1,173 @@
+"""Path choice: which runner serves a model, how it decodes, what its projections multiply; checked up front.
+
+The engine's options (``decode``, ``prefill``, ``prefill_weights``) are resolved here into a
+:class:`RunnerConfig` with the reason for each choice (reported by ``decode_info`` and in ``summary.json``). An
+option the model or backend cannot honour is a ``ValueError`` naming what would work, raised before the engine
+touches the model.
+
+- runner: ``llama`` (:class:`~kvboost.runtime.llama.LlamaRunner`, one arithmetic for llama / mistral / qwen2)
+  wherever it applies, else ``hf`` (:class:`~kvboost.runtime.hf_generic.HFGenericRunner`, HF's own modules over
+  the pool); ``decode="hf"`` or ``prefill="hf"`` ask for ``hf`` (every forward is then HF's own).
+- decode: ``graphed`` on CUDA (CUDA graphs), ``compiled`` on CPU (inductor) where the backend lets the runner
+  decode with its own attention (``capabilities.runner_decode``) and the projections are plain linears; ``eager``
+  otherwise (AWQ int4 projections: eager with fused int4 calls, measured faster than compiled on CPU;
+  ``attn=batch_invariant``: eager, the backend's tiled arithmetic).
+- weights: ``prepacked`` under ``auto`` for bf16 on a CPU with native bf16 when the copies take <= 5% of memory
+  (:mod:`kvboost.models.prepack`), ``int4`` for AWQ models on CPU (fused q/k/v and gate/up int4 packs), else
+  ``plain``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: ``engine.decode``: ``hf`` selects the HF-generic runner; the others are the Llama runner's execution modes.
+DECODE_MODES = ("hf", "eager", "compiled", "graphed")
+#: ``engine.prefill``: ``fused`` = the Llama runner (its eager forward), ``hf`` = the HF-generic runner,
+#: ``graphed`` = CUDA graphs for short prefills too.
+PREFILL_MODES = ("hf", "fused", "graphed")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The resolved path: ``runner`` (``llama`` | ``hf``), ``decode``, ``weights`` (``plain`` | ``prepacked`` |
+    ``int4``), and why each was chosen."""
+
+    runner: str
+    decode: str
+    weights: str
+    reasons: dict[str, str] = field(default_factory=dict)
+    graph_prefill: bool = False
+
+
+def _device(model: Any) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def choose_runner(
+    model: Any, attention: Any, *, decode: str = "auto", prefill: str = "auto", prefill_weights: str = "auto"
+) -> RunnerConfig:
+    """Resolve the engine's options for ``model`` under the installed-to-be ``attention`` backend."""
+    from kvboost.models.prepack import choose_prefill_weights, plain_projections, projection_bytes
+    from kvboost.runtime.llama import has_int4_projections, inductor_unavailable_reason, unsupported_reason
+
+    if decode == "auto" and os.environ.get("KVBOOST_DECODE"):
+        decode = os.environ["KVBOOST_DECODE"]
+        if decode not in DECODE_MODES:
+            raise ValueError(f"KVBOOST_DECODE={decode!r}: use one of {DECODE_MODES}")
+    if decode not in ("auto", *DECODE_MODES):
+        raise ValueError(f"decode must be 'auto' or one of {DECODE_MODES}, got {decode!r}")
+    if prefill not in ("auto", *PREFILL_MODES):
+        raise ValueError(f"prefill must be 'auto' or one of {PREFILL_MODES}, got {prefill!r}")
+    caps = attention.capabilities
+    device = _device(model)
+    reasons: dict[str, str] = {}
+    unsupported = unsupported_reason(model)
+    if decode == "hf" or prefill == "hf":
+        runner = "hf"
+        reasons["runner"] = "requested (decode=hf or prefill=hf: every forward is HF's own)"
+    elif unsupported is not None:
+        if decode not in ("auto", "hf") or prefill in ("fused", "graphed"):
+            raise ValueError(f"decode={decode!r} / prefill={prefill!r} need the Llama-family runner, which does not "
+                             f"support this model: {unsupported}; use 'auto' or 'hf'")  # fmt: skip
+        runner = "hf"
+        reasons["runner"] = f"HF-generic runner: {unsupported}"
+    else:
+        runner = "llama"
+        reasons["runner"] = "Llama-family runner (llama / mistral / qwen2)"
+    if runner == "hf":
+        if prefill_weights == "prepacked":
+            raise ValueError("prefill_weights='prepacked' needs the Llama-family runner; use 'plain' or 'auto'")
+        return RunnerConfig("hf", "hf", "plain", {**reasons, "decode": reasons["runner"], "weights": "HF's modules"})
+
+    int4 = has_int4_projections(model)
+    plain = plain_projections(model.model.layers)
+    # --- weights
+    if int4:
+        if prefill_weights == "prepacked":
+            raise ValueError("prefill_weights='prepacked' cannot run here: the projections are AWQ int4 (they keep "
+                             "their own kernels); use 'plain' or 'auto'")  # fmt: skip
+        fusable = device.type == "cpu" and not caps.tiled_projections and _int4_fusable(model)
+        weights = "int4" if fusable else "plain"
+        reasons["weights"] = "AWQ int4 projections, fused" if fusable else "AWQ int4 projections through their modules"
+    elif caps.tiled_projections:
+        if prefill_weights == "prepacked":
+            raise ValueError(f"prefill_weights='prepacked' with attn={attention.name!r}: the backend multiplies "
+                             "the projections itself; use 'plain' or 'auto'")  # fmt: skip
+        weights, reasons["weights"] = "plain", f"attention backend {attention.name!r} tiles the projections"
+    else:
+        first = next(model.parameters())
+        weights, reasons["weights"] = choose_prefill_weights(
+            prefill_weights, fused_prefill=True, plain_projections=plain, dtype=first.dtype, device=first.device,
+            weight_bytes=projection_bytes(model.model.layers) if plain else 0,
+        )  # fmt: skip
+    # --- decode
+    own_arithmetic_ok = plain and not caps.tiled_projections and caps.runner_decode
+    if decode == "auto":
+        if prefill == "graphed":
+            decode = "graphed"
+        elif caps.tiled_projections:
+            decode, reasons["decode"] = "eager", f"attention backend {attention.name!r}: the eager runner calls it"
+        elif int4:
+            # Measured on the bundled AWQ model (bf16, 2-core AMX CPU): eager with fused int4 calls 85 tok/s,
+            # compiled 66: dynamo's per-call guards cost more than inductor saves around the int4 kernel.
+            decode, reasons["decode"] = "eager", "AWQ int4 projections (eager int4 calls)"
+        elif not caps.runner_decode:
+            decode, reasons["decode"] = "eager", f"attention backend {attention.name!r} attends every forward"
+        elif device.type == "cuda":
+            decode, reasons["decode"] = "graphed", "auto: CUDA (CUDA graphs over the static pool)"
+        elif (why := inductor_unavailable_reason()) is not None:
+            decode, reasons["decode"] = "eager", f"not compiled: {why}"
+        else:
+            decode, reasons["decode"] = "compiled", "auto: CPU (inductor)"
+    else:
+        reasons["decode"] = "requested"
+    if decode in ("compiled", "graphed") and not own_arithmetic_ok:
+        why = ("AWQ int4 projections" if int4 else f"attention backend {attention.name!r} keeps its own arithmetic"
+               if not caps.runner_decode or caps.tiled_projections else "projections are not plain linears")
+        raise ValueError(f"decode={decode!r} runs the runner's own attention and projections, which cannot apply "
+                         f"here ({why}); use decode='eager', 'hf' or 'auto'")  # fmt: skip
+    if decode == "graphed" and device.type != "cuda":
+        raise ValueError("decode='graphed' replays CUDA graphs; the model is not on a CUDA device (use "
+                         "decode='compiled', 'eager' or 'auto')")  # fmt: skip
+    if decode == "compiled" and (why := inductor_unavailable_reason()) is not None:
+        raise ValueError(f"decode='compiled': {why}; use decode='eager' or 'hf'")
+    graph_prefill = decode == "graphed" and prefill in ("auto", "graphed")
+    if prefill == "graphed" and decode != "graphed":
+        raise ValueError("prefill='graphed' needs decode='graphed' (CUDA graphs); use prefill='fused' or 'auto'")
+    if prefill != "auto":
+        reasons["prefill"] = "requested"
+    else:
+        reasons["prefill"] = ("short prefills replay CUDA graphs" if graph_prefill else
+                              "the runner's eager forward" + (" on prepacked weights" if weights == "prepacked" else ""))
+    return RunnerConfig("llama", decode, weights, reasons, graph_prefill=graph_prefill)
+
+
+def _int4_fusable(model: Any) -> bool:
+    from kvboost.models.awq import fused_int4pack_unsupported
+
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    dtype = layer.input_layernorm.weight.dtype
+    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+    sizes = {m.group_size for g in groups for m in g if hasattr(m, "group_size")}
+    return len(sizes) == 1 and all(fused_int4pack_unsupported(g, dtype) is None for g in groups)
+
+
+def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **graph_options: Any) -> Any:
+    """The runner ``config`` names, over ``pool``."""
+    if config.runner == "hf":
+        from kvboost.runtime.hf_generic import HFGenericRunner
+
+        return HFGenericRunner(model, pool, attention)
+    from kvboost.runtime.llama import LlamaRunner
+
+    options = dict(graph_options)
+    options.setdefault("prefill", config.graph_prefill)
+    return LlamaRunner(model, pool, attention, decode=config.decode, weights=config.weights,
+                       graph_options=options if config.decode == "graphed" else None)  # fmt: skip

@@ -1,0 +1,179 @@
+"""A request's way through the engine: validation, lookup, prefill (one or many), first token, speculative
+decoding, storing and the result. ``InferenceEngine.generate`` / ``generate_batch`` / ``warm`` are thin layers over
+these functions; a scheduler (serving) calls the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvboost.cache.pooled import PooledKV
+from kvboost.cache.sequence_store import store_sequence
+from kvboost.decoding import DecodeOutput, Sampling, pick_token
+from kvboost.generation import PhaseClock, ReuseCounts, build_result
+from kvboost.kv.block_table import BlockTable
+from kvboost.lookup import lookup
+from kvboost.plan import ReusePlan
+from kvboost.prompts import Prompt, PromptError
+from kvboost.quality import continuation_logprob
+from kvboost.reuse.assemble import assemble_exact
+from kvboost.reuse.prefill import ReuseContext, run_prefill
+from kvboost.runtime.batch import ForwardBatch, SeqInput
+from kvboost.runtime.sequences import Request
+from kvboost.types import ChunkSpan, GenerationResult
+
+#: ``generate(mode=...)``: ``reuse`` reads and writes the cache; ``cold`` runs the same engine path (tokenizer,
+#: pool, runner, attention backend) with the cache neither read nor written.
+MODES = ("reuse", "cold")
+
+
+def new_request(engine: Any, prompt: Prompt, max_new_tokens: int, mode: str, sampling: Sampling, salt: str,
+                 store: bool, clock: PhaseClock | None = None) -> Request:  # fmt: skip
+    clock = clock or PhaseClock(engine.adapter.device)
+    if engine._closed:
+        raise RuntimeError("this engine is closed")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    ids, spans = engine.tokenize_with_spans(prompt)
+    n = len(ids)
+    max_new_tokens = min(max_new_tokens, (engine.adapter.max_positions or n + max_new_tokens) - n)
+    check_memory(engine, n + max_new_tokens)
+    clock.mark("tokenized")
+    return Request(ids, spans, BlockTable(engine.pool), sampling, max_new_tokens, mode=mode, salt=salt, store=store,
+                   generator=engine.generator, clock=clock)  # fmt: skip
+
+
+def check_memory(engine: Any, rows: int) -> None:
+    """Refuse a request whose KV cannot fit, with the numbers, before any compute."""
+    need = rows * engine.pool.row_bytes
+    if engine.max_kv_bytes is not None and need > engine.max_kv_bytes:
+        raise PromptError(f"the KV for {rows} tokens (prompt + max_new_tokens) needs {need / 2**20:.1f} MiB, more "
+                          f"than max_kv_bytes ({engine.max_kv_bytes / 2**20:.1f} MiB); lower max_new_tokens or "
+                          "shorten the prompt")  # fmt: skip
+    if engine.pool.blocks_for(rows) + 1 > engine.pool.num_blocks:
+        raise PromptError(f"the KV for {rows} tokens (prompt + max_new_tokens) needs {need / 2**20:.1f} MiB, more "
+                          f"than the KV pool holds ({engine.pool.num_blocks * engine.pool.block_bytes / 2**20:.1f} "
+                          "MiB); raise kv.pool_bytes, lower max_new_tokens or shorten the prompt")  # fmt: skip
+
+
+def plan_for(engine: Any, request: Request) -> ReusePlan:
+    """The request's reuse plan (cold: nothing reused)."""
+    if request.mode == "cold":
+        return ReusePlan.cold(request.ids, request.spans)
+    keys = engine.hasher.chunk_keys(request.ids, request.spans, engine.fingerprint, request.salt)
+    return lookup(request.ids, request.spans, keys, engine.store, engine.quantizer, max_reuse=len(request.ids) - 1,
+                  content=engine.rotator is not None)  # fmt: skip
+
+
+def reuse_context(engine: Any) -> ReuseContext:
+    """What a prefill needs from the engine."""
+    scale = getattr(engine.runner, "scale", None)
+    return ReuseContext(engine.runner, engine.quantizer, engine.recompute, engine.rotator, engine.layers, scale)
+
+
+def prefill(engine: Any, request: Request, *, looked_up: bool = False) -> None:
+    """Lookup, assembly, the schedule's forward, the first token (TTFT stops at its mark)."""
+    if not looked_up:
+        request.plan = plan_for(engine, request)
+        request.clock.mark("looked_up")
+    outcome = run_prefill(reuse_context(engine), request.plan, request.table, request.clock,
+                          check_schedule=request.mode == "reuse")  # fmt: skip
+    first_token(engine, request, outcome.logits, outcome.counts, outcome.approx_from)
+
+
+def prefill_many(engine: Any, requests: list[Request]) -> None:
+    """Prefills of several requests: those whose plan has no content hit as one flat forward (their exact
+    prefixes assembled by reference first), the others one by one."""
+    plain: list[Request] = []
+    for request in requests:
+        request.plan = plan_for(engine, request)
+        request.clock.mark("looked_up")
+        if request.plan.content_tokens:
+            prefill(engine, request, looked_up=True)
+        else:
+            assemble_exact(request.plan, request.table, engine.quantizer)
+            request.clock.mark("assembled")
+            plain.append(request)
+    if plain:
+        batch = ForwardBatch.build([SeqInput(r.table, r.ids[r.plan.exact_prefix :]) for r in plain])
+        logits = engine.runner.run(batch)
+        for row, request in enumerate(plain):
+            plan = request.plan
+            counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
+                                 content_tokens=0, extra={"prefill_tokens": len(plan) - plan.exact_prefix,
+                                                          "layerwise": False, "batched_prefill": len(plain)})  # fmt: skip
+            first_token(engine, request, logits[row], counts, None)
+
+
+def first_token(engine: Any, request: Request, logits: torch.Tensor, counts: Any, approx_from: int | None) -> None:
+    request.first_logits, request.counts, request.approx_from = logits, counts, approx_from
+    first = pick_token(logits, request.sampling, request.generator)
+    request.clock.mark("first")
+    request.start_decoding()
+    request.accept(first, engine.eos_ids, engine.adapter.max_positions)
+
+
+def decode_speculatively(engine: Any, request: Request) -> None:
+    """Decode after the first token with the draft strategy (``kvboost.speculative.verify``)."""
+    from kvboost.speculative.verify import speculative_decode
+
+    decoded, stats = speculative_decode(
+        engine.speculative, prompt_ids=request.ids, first_token=request.tokens[0], table=request.table,
+        runner=engine.runner, max_new_tokens=request.max_new_tokens, eos_ids=engine.eos_ids,
+        sampling=request.sampling, generator=request.generator, max_total_tokens=engine.adapter.max_positions,
+    )  # fmt: skip
+    request.tokens = decoded.token_ids
+    request.extra.update(stats.as_extra(engine.speculative.registry_name))
+    request.finish_decoding()
+
+
+def finish(engine: Any, request: Request, *, keep_logits: bool, score_ids: Sequence[int] | None = None) -> GenerationResult:
+    """Store the sequence's new chunks (references to its blocks, or copies), score a known answer, and
+    build the result."""
+    clock, ids, n = request.clock, request.ids, request.prompt_len
+    clock.mark("decoded")
+    if request.mode == "reuse" and request.store:
+        seq = (ids + (request.tokens[:-1] if engine.store_generated else []))[: request.table.length]
+        store_sequence_of(engine, seq, request.spans, request.table, approx_from=request.approx_from, salt=request.salt)
+    clock.mark("end")
+    extra = dict(request.extra)
+    if score_ids is not None:
+        request.table.truncate(n)
+        extra["answer_logprob"] = continuation_logprob(request.first_logits, list(score_ids), lambda toks: engine.runner.run(
+            ForwardBatch.build([SeqInput(request.table, toks, logits=list(range(len(toks))))])))  # fmt: skip
+    engine._requests += 1
+    engine._prompt_tokens += n
+    engine._cached_tokens += request.counts.cached_tokens
+    extra.update({  # where TTFT went: tokenize | chunk + hash + lookup | assembly + schedule + prefill
+        "tokenize_ms": clock.ms("start", "tokenized"), "lookup_ms": clock.ms("tokenized", "looked_up"),
+        "assemble_ms": clock.ms("looked_up", "assembled"), "prefill_ms": clock.ms("assembled", "first"),
+    })  # fmt: skip
+    return build_result(
+        tokenizer=engine.tokenizer, mode=request.mode, ids=ids, decoded=DecodeOutput(request.tokens,
+        request.decode_seconds), first_logits=request.first_logits, clock=clock, counts=request.counts,
+        num_layers=engine.layers, store_ms=clock.ms("decoded", "end"), keep_logits=keep_logits, extra=extra,
+    )  # fmt: skip
+
+
+
+def store_sequence_of(engine: Any, seq: list[int], spans: list[ChunkSpan], table: BlockTable, *, approx_from: int | None,
+           salt: str = "", pin: bool = False) -> int:  # fmt: skip
+    """Store ``seq``'s new chunks: references to ``table``'s blocks (memory tier, no quantizer) or the
+    quantizer's payload of a copy of the rows."""
+    pool = engine.pool
+
+    def payload_of(start: int, end: int) -> Any:
+        if engine._pooled_entries:
+            first, last = start // pool.block_size, (end - 1) // pool.block_size
+            return PooledKV(pool, table.blocks[first : last + 1], start, end - start)
+        return engine.quantizer.quantize(*pool.read(table.slots(start, end)))
+
+    return store_sequence(engine.store, chunker=engine.chunker, hasher=engine.hasher, fingerprint=engine.fingerprint,
+                          seq=seq, spans=spans, payload_of=payload_of, approx_from=approx_from, salt=salt,
+                          pin=pin)  # fmt: skip
+

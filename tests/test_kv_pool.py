@@ -1,0 +1,430 @@
+"""The paged KV memory (kvboost.kv): the pool's books and rows, block tables, and reuse by reference in the engine.
+
+Pool conformance: reference counts (a block is free iff its count is 0), double frees refused, exhaustion refused
+with the sizes after asking the cache for blocks, the allocator's preference for consecutive ids, slot arithmetic,
+row movement counted in ``stats``. Block tables: reserve, copy on write of a shared partial block (and of nothing
+else), truncate, fork; a seeded random walk over all of it checks the books and every holder's rows against an
+independent model. Engine level: an exact hit shares the cached blocks and copies only the partial block's rows,
+eviction never frees a block a sequence uses, a disk tier below memory gets standalone copies that load back into
+fresh blocks, a pool too small is a clear error, and ``close`` gives every block back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny import make_engine, random_ids
+
+from kvboost.cache.pooled import PooledKV
+from kvboost.kv import BlockTable, KVPool, PoolExhausted
+from kvboost.prompts import PromptError
+from kvboost.quant.none import RawKV
+
+
+def small_pool(num_blocks: int = 8, block_size: int = 4, **shape) -> KVPool:
+    """A small pool filled with finite garbage (torch.empty may hold NaN, which no comparison survives)."""
+    shape = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 3, **shape}
+    pool = KVPool(num_blocks=num_blocks, block_size=block_size, **shape)
+    gen = torch.Generator().manual_seed(99)
+    pool.keys.normal_(generator=gen)
+    pool.values.normal_(generator=gen)
+    return pool
+
+
+def rows(pool: KVPool, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (pool.num_layers, pool.num_kv_heads, n, pool.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- the pool's books
+def test_references_are_counted_and_a_block_is_free_at_zero():
+    pool = small_pool()
+    ids = pool.alloc(3)
+    assert len(set(ids)) == 3 and [pool.refcount(b) for b in ids] == [1, 1, 1]
+    assert pool.num_free == 5 and pool.num_used == 3
+    pool.incref(ids[:2])
+    assert [pool.refcount(b) for b in ids] == [2, 2, 1]
+    pool.decref(ids)
+    assert [pool.refcount(b) for b in ids] == [1, 1, 0] and pool.num_free == 6  # ids[2] is free again
+    assert ids[2] in pool.alloc(6)  # ... and handed out again
+    pool.decref(ids[:2])
+    assert pool.stats.allocated_blocks == 9 and pool.stats.freed_blocks == 3
+    pool.verify()
+
+
+def test_a_double_free_or_a_reference_to_a_free_block_is_an_error():
+    pool = small_pool()
+    a, b = pool.alloc(2)
+    pool.decref([a])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.decref([a])
+    with pytest.raises(RuntimeError, match="incref of free block"):
+        pool.incref([a])
+    assert pool.refcount(a) == 0 and pool.refcount(b) == 1 and pool.num_free == 7
+    pool.verify()  # the refused calls left the books as they were
+
+
+def test_an_exhausted_pool_asks_for_blocks_first_then_refuses_with_the_sizes():
+    pool = small_pool(num_blocks=4, block_size=4)
+    held = pool.alloc(3)
+    asked = []
+
+    def pressure(missing: int) -> None:  # the engine's store evicts entries here
+        asked.append(missing)
+
+    pool.on_pressure = pressure
+    with pytest.raises(PoolExhausted) as refused:
+        pool.alloc(3)
+    assert asked == [2] and pool.stats.pressure_calls == 1
+    message = str(refused.value)
+    assert "1 free blocks of 4 tokens, 3 are needed" in message and "4 blocks in all, 16 tokens" in message
+    assert "kv.pool_bytes" in message
+    assert isinstance(refused.value, RuntimeError) and pool.num_free == 1  # nothing was taken
+    pool.on_pressure = lambda missing: pool.decref(held[:missing])  # a cache that gives blocks back
+    got = pool.alloc(3)
+    assert len(got) == 3 and pool.num_free == 0 and pool.stats.pressure_calls == 2
+    assert pool.alloc(0) == [] and pool.stats.pressure_calls == 2  # nothing to ask for
+    with pytest.raises(ValueError, match="cannot allocate"):
+        pool.alloc(-1)
+    pool.verify()
+
+
+def test_the_allocator_prefers_consecutive_ids():
+    """``after=``: the block after a sequence's last one first; then any run of the size asked; then any free
+    blocks, lowest first (a fragmented pool still serves)."""
+    pool = small_pool(num_blocks=10)
+    a = pool.alloc(2)
+    b = pool.alloc(3)
+    assert a == [0, 1] and b == [2, 3, 4]
+    assert pool.alloc(2, after=4) == [5, 6]  # right after the last block
+    pool.decref([0])
+    assert pool.alloc(1, after=1) == [7]  # block 2 is taken: the next free run instead
+    assert pool.alloc(2, after=9) == [8, 9]  # past the end: any run
+    assert pool.alloc(1) == [0]  # fragmented: whatever is free
+    pool.decref([1, 3, 5])
+    assert pool.num_free == 3 and pool.alloc(3) == [1, 3, 5]  # no run of 3: the free blocks, lowest first
+    pool.verify()
+
+
+def test_slots_and_run_start():
+    pool = small_pool(num_blocks=8, block_size=4)
+    assert pool.slots([3, 1], 0, 6).tolist() == [12, 13, 14, 15, 4, 5]
+    assert pool.slots([3, 1], 5, 7).tolist() == [5, 6]
+    assert pool.slots([3, 1], 2, 2).numel() == 0
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        pool.slots([3, 1], 4, 9)
+    assert pool.run_start([2, 3, 4], 9) == 8  # consecutive: one strided view
+    assert pool.run_start([2, 4], 5) is None
+    assert pool.run_start([2, 4], 4) == 8  # only the first block holds rows
+    assert pool.run_start([], 0) == 0
+    table = BlockTable(pool)
+    table.reserve(9)  # a growing table asks for the block after its last one
+    assert table.blocks == [0, 1, 2] and table.capacity == 12 and table.run_start(9) == 0
+    assert table.slots(3, 6).tolist() == [3, 4, 5]
+
+
+def test_rows_written_are_read_back_and_movements_are_counted():
+    pool = small_pool(num_blocks=8, block_size=4)
+    assert pool.row_bytes == 2 * 2 * 2 * 3 * 4 and pool.block_bytes == 4 * pool.row_bytes
+    slots = pool.slots([5, 2], 1, 7)  # across two non-consecutive blocks
+    keys, values = rows(pool, 6, seed=1)
+    pool.write(slots, keys, values)
+    got_k, got_v = pool.read(slots)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    assert pool.stats.written_bytes == pool.stats.read_bytes == 6 * pool.row_bytes
+    with pytest.raises(ValueError, match="6 rows for 5 slots"):
+        pool.write(slots[:5], keys, values)
+    before = pool.keys[:, :, 3 * 4 + 3].clone()
+    pool.copy_rows(5, 3, 3)  # rows 0..2 of block 5 (logical rows 0..2: row 0 was never written, it is copied too)
+    assert torch.equal(pool.keys[:, :, 12:15], pool.keys[:, :, 20:23])
+    assert torch.equal(pool.values[:, :, 12:15], pool.values[:, :, 20:23])
+    assert torch.equal(pool.keys[:, :, 15], before)  # the fourth row of the destination is untouched
+    assert pool.stats.copied_bytes == 3 * pool.row_bytes and pool.stats.copy_on_write == 1
+    assert pool.describe()["copied_bytes"] == 3 * pool.row_bytes
+    pool.reset_stats()
+    assert pool.stats.copied_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------- block tables
+def test_prepare_write_copies_a_shared_partial_block_and_only_that():
+    pool = small_pool(num_blocks=8, block_size=4)
+    parent = BlockTable(pool)
+    parent.prepare_write(0, 6)  # 6 rows: a full block and a partial one
+    parent.length = 6
+    keys, values = rows(pool, 6, seed=2)
+    pool.write(parent.slots(0, 6), keys, values)
+    child = parent.fork()
+    assert child.blocks == parent.blocks and child.length == 6
+    assert [pool.refcount(b) for b in parent.blocks] == [2, 2]
+    pool.reset_stats()
+    child.prepare_write(6, 9)  # rows 6..8: the rest of the shared partial block, and a new one
+    assert child.blocks[0] == parent.blocks[0] and pool.refcount(parent.blocks[0]) == 2  # the full block stays shared
+    assert child.blocks[1] != parent.blocks[1] and pool.refcount(parent.blocks[1]) == 1
+    assert len(child.blocks) == 3 and pool.refcount(child.blocks[2]) == 1
+    assert pool.stats.copied_bytes == 2 * pool.row_bytes and pool.stats.copy_on_write == 1  # the 2 partial rows
+    got_k, got_v = pool.read(child.slots(0, 6))
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)  # the child's prefix rows are the parent's
+    child.length = 9
+    pool.write(child.slots(6, 9), *rows(pool, 3, seed=3))
+    got_k, _ = pool.read(parent.slots(0, 6))
+    assert torch.equal(got_k, keys)  # the parent never sees the child's writes
+    child.prepare_write(9, 12)  # own blocks: nothing copied
+    assert pool.stats.copy_on_write == 1
+    for table in (child, parent):
+        table.release()
+    assert pool.num_free == pool.num_blocks
+    pool.verify()
+
+
+def test_reserve_share_truncate_release():
+    pool = small_pool(num_blocks=8, block_size=4)
+    table = BlockTable(pool)
+    table.reserve(9)
+    assert len(table.blocks) == 3 and pool.num_free == 5
+    table.reserve(5)  # already holds that many rows: nothing allocated
+    assert len(table.blocks) == 3 and pool.stats.allocated_blocks == 3
+    table.length = 9
+    with pytest.raises(ValueError, match="cannot truncate"):
+        table.truncate(10)
+    kept = table.blocks[:2]
+    table.truncate(5)  # speculative rollback: the third block goes back
+    assert table.blocks == kept and table.length == 5 and pool.num_free == 6
+    other = BlockTable(pool)
+    other.share(table.blocks, 3)  # a holder's first 3 rows: one block, one more reference
+    assert other.blocks == kept[:1] and pool.refcount(kept[0]) == 2
+    with pytest.raises(RuntimeError, match="empty block table"):
+        other.share(table.blocks, 3)
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        BlockTable(pool).share(kept[:1], 5)
+    table.release()
+    table.release()  # idempotent
+    assert pool.refcount(kept[0]) == 1 and pool.refcount(kept[1]) == 0
+    other.release()
+    assert pool.num_free == pool.num_blocks and len(table) == 0
+    pool.verify()
+
+
+def test_random_operations_keep_the_books_and_every_holders_rows():
+    """A seeded random walk over tables (create, grow with writes, fork, truncate, release) and stray blocks:
+    after every step the pool's own check holds, every block's reference count is the number of holders an
+    independent model counts, and every table reads back exactly the rows it wrote (copy on write never lets one
+    holder's write reach another)."""
+    rng = random.Random(0)
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=24, block_size=4)
+    tables: list[tuple[BlockTable, list[float]]] = []  # each with the values of its rows
+    strays: list[int] = []
+    counter = 0.0
+    copies = 0
+    for _ in range(400):
+        op = rng.choice(["new", "grow", "grow", "fork", "truncate", "release", "stray", "unstray"])
+        try:
+            if op == "new" or not tables:
+                tables.append((BlockTable(pool), []))
+            elif op == "grow":
+                table, content = rng.choice(tables)
+                n = rng.randint(1, 7)
+                start = table.length
+                before = pool.stats.copy_on_write
+                table.prepare_write(start, start + n)
+                copies += pool.stats.copy_on_write - before
+                values = [counter + i for i in range(n)]
+                counter += n
+                pool.write(table.slots(start, start + n), torch.tensor(values).view(1, 1, n, 1),
+                           torch.tensor(values).view(1, 1, n, 1))  # fmt: skip
+                table.length = start + n
+                content.extend(values)
+            elif op == "fork":
+                table, content = rng.choice(tables)
+                tables.append((table.fork(), list(content)))
+            elif op == "truncate":
+                table, content = rng.choice(tables)
+                keep = rng.randint(0, table.length)
+                table.truncate(keep)
+                del content[keep:]
+            elif op == "release":
+                table, _ = tables.pop(rng.randrange(len(tables)))
+                table.release()
+            elif op == "stray":
+                strays += pool.alloc(1)
+            elif op == "unstray" and strays:
+                pool.decref([strays.pop(rng.randrange(len(strays)))])
+        except PoolExhausted:
+            while strays:  # make room and go on
+                pool.decref([strays.pop()])
+            if len(tables) > 2:
+                tables.pop(0)[0].release()
+        pool.verify()
+        expected = [0] * pool.num_blocks
+        for table, _ in tables:
+            for b in table.blocks:
+                expected[b] += 1
+        for b in strays:
+            expected[b] += 1
+        assert [pool.refcount(b) for b in range(pool.num_blocks)] == expected
+        for table, content in tables:
+            assert table.length == len(content)
+            if content:
+                keys, values = pool.read(table.slots(0, table.length))
+                assert keys.flatten().tolist() == content and values.flatten().tolist() == content
+    assert copies > 0  # the walk did exercise copy on write
+    for table, _ in tables:
+        table.release()
+    pool.decref(strays)
+    assert pool.num_free == pool.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+#: One 16-token chunk of the tiny fp32 llama's KV: 16 rows x 2 layers x 2 KV heads x 16 dims x (K, V) x 4 bytes.
+CHUNK_BYTES = 16 * 512
+
+
+def _spy_forwards(engine, monkeypatch, watch: tuple[int, ...] = ()) -> list:
+    """Record each forward's tables (block ids and their reference counts at that moment), and the reference
+    counts of the ``watch`` blocks then."""
+    seen = []
+    real = engine.runner.run
+
+    def run(batch):
+        refcount = engine.pool.refcount
+        seen.append([(list(t.blocks), [refcount(b) for b in t.blocks]) for t in batch.tables]
+                    + [[refcount(b) for b in watch]])  # fmt: skip
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    return seen
+
+
+def _pooled_entries(engine) -> dict[int, PooledKV]:
+    """The memory tier's pooled payloads by chunk start."""
+    tier = engine.store.tiers[0]
+    entries = [tier.peek(key) for key in list(tier.keys())]
+    return {e.start: e.payload for e in entries if isinstance(e.payload, PooledKV)}
+
+
+def test_an_exact_hit_shares_the_cached_blocks_and_copies_only_the_partial_rows(monkeypatch):
+    """A warmed 40-token prefix (not a multiple of the 16-token block): the request's table takes the cached
+    entries' blocks for rows 0..31 (more than one reference each), copies the 8 rows of the partial block once,
+    and answers what a cold prefill answers (fp32)."""
+    engine = make_engine("llama", decode="eager")
+    pool, bs = engine.pool, engine.pool.block_size
+    prompt = random_ids(70, seed=21)
+    engine.warm(prompt[:40])
+    entries = _pooled_entries(engine)
+    assert sorted(entries) == [0, 16, 32]
+    partial = entries[32].block_for_row(39)
+    seen = _spy_forwards(engine, monkeypatch, watch=(partial,))
+    copied = pool.stats.copied_bytes
+    hit = engine.generate(prompt, 6)
+    assert hit.cached_tokens == 40
+    assert pool.stats.copied_bytes - copied == (40 % bs) * pool.row_bytes
+    (blocks, refs), watched = seen[0]  # the suffix prefill (rows 40..69), after the copy on write
+    assert blocks[0] == entries[0].blocks[0] and blocks[1] == entries[16].blocks[0]
+    assert refs[0] > 1 and refs[1] > 1
+    assert blocks[2] != partial and refs[2] == 1  # the private copy of the partial block
+    assert watched == [1]  # the entry keeps its block (only the entry: the sequence let go of it)
+    cold = engine.generate(prompt, 6, mode="cold")
+    assert hit.output_ids == cold.output_ids
+    assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
+    pool.verify()
+    engine.close()
+
+
+def test_eviction_never_frees_a_block_a_sequence_uses(monkeypatch):
+    """Every cache entry is evicted while a request holds their blocks: the blocks stay allocated (the request's
+    references), their rows intact, the books right; the answer is still a cold run's."""
+    engine = make_engine("llama", decode="eager", cache={"name": "memory", "capacity": 3 * CHUNK_BYTES})
+    pool = engine.pool
+    assert pool.block_bytes == CHUNK_BYTES
+    prompt = random_ids(60, seed=22)
+    engine.warm(prompt[:48])
+    shared = sorted({b for p in _pooled_entries(engine).values() for b in p.blocks})
+    assert len(shared) == 3
+    before = pool.read(pool.slots(shared, 0, 48))
+    checked = []
+    real = engine.runner.run
+
+    def run(batch):
+        if not checked:  # the suffix prefill: the table shares the entries' blocks; now evict them all
+            assert engine.store.free_pool_blocks(pool, pool.num_blocks) == 3
+            assert len(engine.store) == 0
+            assert [pool.refcount(b) for b in shared] == [1, 1, 1]  # the sequence's references only
+            after = pool.read(pool.slots(shared, 0, 48))
+            assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+            pool.verify()
+            checked.append(True)
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    hit = engine.generate(prompt, 6)
+    assert checked and hit.cached_tokens == 48
+    monkeypatch.setattr(engine.runner, "run", real)
+    assert hit.output_ids == engine.generate(prompt, 6, mode="cold").output_ids
+    pool.verify()
+    engine.close()
+
+
+def test_a_disk_tier_below_memory_gets_standalone_copies_that_load_into_fresh_blocks(tmp_path, monkeypatch):
+    """Entries demoted from memory reach the disk tier as standalone RawKV copies (never pool references) and
+    their blocks return to the pool; a later exact hit served from disk writes the rows, once, into fresh blocks
+    no one else holds, and answers what a cold prefill answers."""
+    engine = make_engine("llama", decode="eager", cache=[
+        {"name": "memory", "capacity": 2 * CHUNK_BYTES}, {"name": "disk", "path": str(tmp_path), "capacity": "64MiB"}])  # fmt: skip
+    pool, disk = engine.pool, engine.store.tiers[1]
+    received = []
+    real_put = disk.put
+    monkeypatch.setattr(disk, "put", lambda entry: received.append(type(entry.payload)) or real_put(entry))
+    a, b = random_ids(32, seed=23), random_ids(32, seed=24)
+    engine.warm(a)
+    engine.warm(b)  # two more chunks: a's are demoted to disk
+    stats = engine.cache_stats()
+    assert stats["demoted"] >= 2 and received and set(received) == {RawKV}
+    memory_blocks = {blk for p in _pooled_entries(engine).values() for blk in p.blocks}
+    assert pool.num_used == len(memory_blocks)  # the demoted entries' blocks went back to the pool
+    seen = _spy_forwards(engine, monkeypatch)
+    written = pool.stats.written_bytes
+    prompt = a + random_ids(20, seed=25)
+    hit = engine.generate(prompt, 6)
+    assert hit.cached_tokens == 32 and engine.cache_stats()["per_tier_hits"].get("disk", 0) >= 1
+    assert pool.stats.written_bytes - written == 32 * pool.row_bytes  # loaded into the pool, once
+    (blocks, refs), _ = seen[0]
+    assert refs[:2] == [1, 1] and not set(blocks[:2]) & memory_blocks  # fresh blocks, nobody else's
+    assert hit.output_ids == engine.generate(prompt, 6, mode="cold").output_ids
+    pool.verify()
+    engine.close()
+
+
+def test_a_pool_too_small_is_a_clear_error():
+    """A request that can never fit is refused before any compute (PromptError, with the sizes); requests that
+    fit alone but not together run out while the running sequences hold every block (PoolExhausted), after the
+    cache gave back what it held; their blocks are given back either way."""
+    engine = make_engine("llama", decode="eager", kv={"pool_bytes": 6 * CHUNK_BYTES})
+    pool = engine.pool
+    assert pool.num_blocks == 6
+    forwards = dict(engine.runner.forwards)
+    with pytest.raises(PromptError, match="more than the KV pool holds"):
+        engine.generate(random_ids(80, seed=26), 8)
+    assert engine.runner.forwards == forwards  # nothing ran
+    engine.warm(random_ids(32, seed=27))  # the cache holds 2 blocks
+    assert pool.num_used == 2
+    calls = pool.stats.pressure_calls
+    with pytest.raises(PoolExhausted, match="free blocks of 16 tokens"):
+        engine.generate_batch([random_ids(40, seed=s) for s in (28, 29, 30)], 8)
+    assert pool.stats.pressure_calls > calls and len(engine.store) == 0  # the cache gave its blocks first
+    assert pool.num_free == pool.num_blocks  # the batch's tables were released
+    pool.verify()
+    assert len(engine.generate(random_ids(40, seed=28), 8).output_ids) == 8  # one at a time fits
+    engine.close()
+
+
+def test_close_gives_every_block_back():
+    """An engine that owned its pool leaves it empty when closed: the cache's references go back."""
+    engine = make_engine("llama", decode="eager")
+    for seed in (31, 32):
+        engine.generate(random_ids(50, seed=seed), 4)
+    assert engine.pool.num_used > 0  # the cache holds references to the stored chunks
+    engine.close()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.verify()
