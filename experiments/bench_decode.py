@@ -1,4 +1,4 @@
-"""Decode speed of the bundled model: HF's forward per token vs the fused decode step (eager and compiled).
+"""Decode speed of the bundled model: every decode path of the runner (hf / eager / compiled / graphed), batch 1 or more.
 
     python experiments/bench_decode.py --dtypes float32 bfloat16 --contexts 256 1024 --tokens 64 --repeats 5
     python experiments/bench_decode.py --model "$(python scripts/quantize_awq.py --print-path)" --dtypes bfloat16 \
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode paths to time (graphed is skipped off CUDA)")
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (one forward per step for all)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model folder (default: the bundled model); an AWQ folder works")

@@ -275,7 +275,8 @@ def pick_passages(
 
 def quantized_draft_folder() -> Path | None:
     """The folder ``scripts/quantize_awq.py`` writes (AWQ first, else RTN), if it holds a model."""
-    from kvboost.models.loading import BUNDLED_MODEL_NAME, kvboost_cache_dir
+    from kvboost.models.loading import BUNDLED_MODEL_NAME
+    from kvboost.paths import kvboost_cache_dir
 
     for method in QUANTIZED_FOLDERS:
         folder = kvboost_cache_dir() / "models" / f"{BUNDLED_MODEL_NAME.lower()}-{method}-g64"
@@ -348,7 +349,7 @@ def strategy_spec(name: str, draft: str | None, dtype: str) -> Any:
 
 
 def build_engines(args: argparse.Namespace, strategies: list[str], draft: str | None) -> tuple[dict[str, Any], Any]:
-    """One engine per strategy on one model object; all share the first engine's fused decode step."""
+    """One engine per strategy on one model object; all share the first engine's runner (one compiled graph)."""
     from kvboost import KVBoost
     from kvboost.models.loading import load_model_and_tokenizer
 
@@ -357,10 +358,7 @@ def build_engines(args: argparse.Namespace, strategies: list[str], draft: str | 
     for name in [BASELINE, *[s for s in strategies if s != BASELINE]]:  # the baseline owns the model
         engine = KVBoost(model, tokenizer, model_identity=path, decode=args.decode, share_model=bool(engines),
                          speculative=strategy_spec(name, draft, args.dtype))  # fmt: skip
-        if engines:
-            # One compiled graph for every engine (see the module docstring); the step keeps no state between
-            # requests (begin() resets it) and the engines run one request at a time.
-            engine._decode_step = engines[BASELINE]._decode_step
+        # engines sharing the model share its KV pool and, with the same path, its runner: one compiled graph
         engines[name] = engine
     engines[BASELINE].warmup()
     return {name: engines[name] for name in strategies}, model
@@ -550,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                   "seconds (first token to last: drafting, verification and rollback included; prefill, TTFT and "
                   "storing excluded); per repeat, sum of tokens after the first / sum of decode seconds over the "
                   "workload's prompts; median [min, max] over repeats.",
-        "shared_decode_step": "all engines share the baseline engine's fused decode step (one compiled graph), "
-                              "compiled by warmup() before any request",
+        "shared_runner": "all engines share the baseline engine's runner (one compiled graph), compiled by "
+                         "warmup() before any request",
         "none_equals_upfront_history": [sum(x is True for x in none_upfront), sum(x is not None for x in none_upfront)],
         "setup_s": setup,
         "workloads": workloads_meta,

@@ -122,7 +122,8 @@ def child(args: argparse.Namespace) -> dict:
 
 def models(args: argparse.Namespace) -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
-    from kvboost.models.loading import bundled_model_dir, kvboost_cache_dir
+    from kvboost.models.loading import bundled_model_dir
+    from kvboost.paths import kvboost_cache_dir
 
     found = {"smollm2_fp32": str(bundled_model_dir())}
     for name in ("smollm2-135m-instruct-awq-g64", "smollm2-135m-instruct-rtn-g64"):

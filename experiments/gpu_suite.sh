@@ -4,12 +4,13 @@
 #   bash experiments/gpu_suite.sh STEPS OUT_DIR
 #
 # STEPS: a comma-separated list of
-#   tests      the GPU tests (CUDA + Triton kernels, graphed decode/prefill); GPU_TESTS=paths narrows them,
+#   tests      the GPU tests (CUDA + Triton kernels, the runner's CUDA graphs); GPU_TESTS=paths narrows them,
 #              GPU_PYTEST_ARGS adds pytest options (e.g. --maxfail=3)
 #   attention  the attention-kernel benchmark (experiments/bench_attention.py --quick)
+#   paged      the paged Triton kernels against SDPA on block tables (experiments/bench_paged_attention.py)
 #   replay     the ShareGPT replay in bf16 (run.py, every mode; CUDA graphs for decode and short prefills)
-#   decode     decode tokens/s of every path (experiments/bench_decode.py: hf / eager / compiled / graphed)
-#   profile    kernels per token of the graphed decode step's variants (experiments/profile_graphed_step.py)
+#   decode     decode tokens/s of every path at batch 1, 8 and 32 (experiments/bench_decode.py: hf / eager /
+#              graphed)
 #   all        every step above
 # MODEL_DIR=folder runs replay, decode and profile on that model instead of the bundled one (e.g. a random-weight copy of
 # its architecture from experiments/random_weights.py, for timing where the weights cannot travel).
@@ -21,7 +22,7 @@ set -uo pipefail
 
 steps="${1:?usage: gpu_suite.sh STEPS OUT_DIR (STEPS: tests,attention,replay,decode or all)}"
 out="${2:?usage: gpu_suite.sh STEPS OUT_DIR}"
-[[ "$steps" == all ]] && steps="tests,attention,replay,decode,profile"
+[[ "$steps" == all ]] && steps="tests,attention,paged,replay,decode"
 wants() { [[ ",$steps," == *",$1,"* ]]; }
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -48,8 +49,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.log, keep going
 } >"$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 
-default_tests="tests/test_graphed_decode.py tests/kernels/test_cuda_kernel.py tests/kernels/test_backend_gpu_model.py
-  tests/kernels/test_flash_attn_triton.py tests/kernels/test_attention_backends.py tests/kernels/test_awq_gemm.py"
+default_tests="tests/test_model_runner.py tests/kernels/test_paged_attention_triton.py tests/kernels/test_cuda_kernel.py
+  tests/kernels/test_backend_gpu_model.py tests/kernels/test_flash_attn_triton.py tests/kernels/test_attention_backends.py
+  tests/kernels/test_awq_gemm.py"
 model_args=() bench_model=()
 if [[ -n "${MODEL_DIR:-}" ]]; then
   model_args=("model.name_or_path=$MODEL_DIR") bench_model=(--model "$MODEL_DIR")
@@ -68,17 +70,18 @@ fi
 if wants attention; then
   step bench_attention 120 python3 experiments/bench_attention.py --quick --out "$out/bench_attention_gpu.json"
 fi
+if wants paged; then
+  step bench_paged_attention 240 python3 experiments/bench_paged_attention.py --out "$out"
+fi
 if wants replay; then
   step replay_bf16 270 python3 run.py logger=none workload.num_conversations=4 workload.max_turns=6 \
     "workload.max_new_tokens=${REPLAY_NEW_TOKENS:-64}" "${model_args[@]}" hydra.run.dir="$out/replay_bf16"
 fi
 if wants decode; then
-  step bench_decode 150 python3 experiments/bench_decode.py --dtypes bfloat16 --contexts 256 1024 \
-    --tokens 64 --repeats 3 "${bench_model[@]}" --out "$out"
-fi
-if wants profile; then
-  step profile_graphed_step 150 python3 experiments/profile_graphed_step.py "${bench_model[@]}" \
-    --out "$out/profile_graphed_step.json"
+  for batch in 1 8 32; do
+    step "bench_decode_batch$batch" 150 python3 experiments/bench_decode.py --dtypes bfloat16 --contexts 256 1024 \
+      --tokens 64 --repeats 3 --batch "$batch" --paths eager graphed "${bench_model[@]}" --out "$out/decode_batch$batch"
+  done
 fi
 echo "gpu_suite: $failed step(s) failed"
 exit "$failed"

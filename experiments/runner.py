@@ -190,8 +190,10 @@ def _run(
     reference_for_history = "baseline" if "baseline" in modes else modes[0]
     progress = tqdm(total=workload.num_requests_upper_bound() * len(modes) * repeats, desc=workload_name, unit="req")
     step = 0
+    if getattr(workload, "batched", False):
+        records = _run_batched(workload, runners, modes, repeats, max_new_tokens, order_rng, logger, progress)
     try:
-        for request in workload.requests():
+        for request in ([] if getattr(workload, "batched", False) else workload.requests()):
             first: dict[str, GenerationResult] = {}
             pending: list[dict[str, Any]] = []
             for repeat in range(repeats):
@@ -235,6 +237,8 @@ def _run(
     summary["cache"] = engine.cache_stats()
     summary["ttft_breakdown"] = _breakdown(records)
     summary["workload"] = {"name": workload_name, **workload.stats()}
+    if getattr(workload, "batched", False):
+        summary["batch"] = _batch_summary(records)
     summary["run"] = {
         "model_load_s": load_s,
         "requests": len({r["request_id"] for r in records}),
@@ -268,10 +272,80 @@ def _run(
         tpf = spec["tokens_per_target_forward"]
         print(f"speculative ({spec['strategy']}) in {mode}: acceptance {spec['acceptance_rate']:.1%} of "
               f"{spec['drafted_tokens']} drafted, {tpf if tpf is None else round(tpf, 2)} tokens per target forward")
+    for mode, by_size in (summary.get("batch") or {}).items():
+        print(f"{mode}: generated tokens/s by batch size: "
+              + ", ".join(f"{size}: {cell['tokens_per_s']:.1f}" for size, cell in by_size.items()))  # fmt: skip
     print(f"attention backend: {summary['attention'].get('backend')}, kernel calls: {summary['attention'].get('kernel_calls')}")
     print(f"results: {out}")
     logger.finish()  # last: an offline W&B run prints its `wandb sync` line here
     return summary
+
+
+def _run_batched(workload: Any, runners: dict[str, Any], modes: list[str], repeats: int, max_new_tokens: int,
+                 order_rng: random.Random, logger: Any, progress: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """``workload=batch``: each request is a batch of prompts every mode serves in one ``generate_batch`` call
+    (modes in a shuffled order per batch and repeat); one record per row, with the batch's wall time and tokens
+    per second; rows compared with the baseline's rows (greedy match) where it ran."""
+    records: list[dict[str, Any]] = []
+    for request in workload.requests():
+        first: dict[str, list[GenerationResult]] = {}
+        for repeat in range(repeats):
+            order = list(modes)
+            order_rng.shuffle(order)
+            for mode in order:
+                with _eos_ignored(runners, workload.ignore_eos):
+                    start = time.perf_counter()
+                    results = runners[mode].generate_batch(request.prompt, max_new_tokens)
+                    batch_ms = (time.perf_counter() - start) * 1e3
+                if repeat == 0:
+                    first[mode] = results
+                tokens = sum(r.generated_tokens for r in results)
+                for i, result in enumerate(results):
+                    row = Request(f"{request.request_id}/{i}", request.conversation_id, request.turn, None,
+                                  info=dict(request.info))  # fmt: skip
+                    record = _record(mode, row, result, repeat)
+                    record.update(batch_ms=batch_ms, batch_tokens_per_s=tokens / batch_ms * 1e3)
+                    if repeat == 0 and mode != "baseline" and "baseline" in first:
+                        record.update(_quality(first["baseline"][i], result))
+                    records.append(record)
+                    logger.log_request(record, len(records))
+                progress.update(1)
+    progress.close()
+    return records
+
+
+def _batch_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per mode and batch size: generated tokens per second of the batch call (median over repeats) and its wall
+    time."""
+    from statistics import median
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    calls: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
+    for r in records:
+        calls.setdefault((r["mode"], int(r["batch_size"])), {})[r["repeat"]] = (r["batch_tokens_per_s"], r["batch_ms"])
+    for (mode, size), by_repeat in sorted(calls.items()):
+        rates, times = zip(*by_repeat.values(), strict=True)
+        out.setdefault(mode, {})[str(size)] = {"tokens_per_s": median(rates), "batch_ms": median(times),
+                                              "repeats": len(rates)}  # fmt: skip
+    return out
+
+
+class _eos_ignored:  # noqa: N801 - a context manager used like a function
+    """While active (``ignore``), the engine and the HF modes stop only at ``max_new_tokens``."""
+
+    def __init__(self, runners: dict[str, Any], ignore: bool) -> None:
+        self.targets = [t for r in runners.values() for t in (getattr(r, "engine", None), getattr(r, "runner", None))
+                        if t is not None and hasattr(t, "eos_ids")] if ignore else []  # fmt: skip
+        self.saved: list[set[int]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [t.eos_ids for t in self.targets]
+        for t in self.targets:
+            t.eos_ids = set()
+
+    def __exit__(self, *exc: object) -> None:
+        for t, ids in zip(self.targets, self.saved, strict=True):
+            t.eos_ids = ids
 
 
 def _record(mode: str, request: Request, result: GenerationResult, repeat: int) -> dict[str, Any]:

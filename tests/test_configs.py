@@ -44,7 +44,7 @@ def test_every_config_group_mirrors_its_registry():
         names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
         assert names, f"configs/{group}/ is missing"
         assert names == set(registry.names()), f"configs/{group}/ and the {group} registry differ"
-    assert set(MODES.names()) == {"baseline", "hf_prefix", "kvboost_cold", "kvboost"}
+    assert set(MODES.names()) == {"baseline", "hf_prefix", "kvboost_cold", "kvboost", "transformers_cb"}
 
 
 def test_engine_options_are_the_engines():

@@ -237,3 +237,21 @@ def test_rag_reorder_warms_documents_after_the_shared_head(tmp_path, smollm_toke
     model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048, num_hidden_layers=4)
     summary = run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer)
     assert summary["modes"]["kvboost"]["overall"]["content_ratio"] > 0.5
+
+
+def test_batch_workload_end_to_end(tmp_path, smollm_tokenizer):
+    """workload=batch: every mode serves each batch in one generate_batch call; one record per row with the
+    batch's tokens/s; kvboost's rows equal the baseline's (HF one by one) greedy tokens in fp32; every row
+    generates max_new_tokens tokens (EOS ignored)."""
+    cfg = compose(["workload=batch", "workload.batch_sizes=[1,3]", "workload.max_new_tokens=3", "logger=none",
+                   "workload.modes=[baseline,kvboost]", "warmup=false"])  # fmt: skip
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+    summary = run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * (1 + 3)  # two modes, one record per row of each batch
+    assert {r["batch_size"] for r in records} == {1, 3}
+    assert all(r["generated_tokens"] == 3 for r in records)
+    kvboost = [r for r in records if r["mode"] == "kvboost"]
+    assert all(r["greedy_match"] for r in kvboost)
+    assert set(summary["batch"]) == {"baseline", "kvboost"}
+    assert all(cell["tokens_per_s"] > 0 for cell in summary["batch"]["kvboost"].values())

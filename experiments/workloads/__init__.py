@@ -1,4 +1,4 @@
-"""Workloads (``WORKLOADS`` registry): ``sharegpt_replay``, ``rag_reorder``, ``accuracy``.
+"""Workloads (``WORKLOADS`` registry): ``sharegpt_replay``, ``rag_reorder``, ``accuracy``, ``batch``.
 
 See ``base.py`` for the interface.
 """
@@ -7,7 +7,8 @@ from kvboost.registry import Registry
 
 WORKLOADS = Registry(
     "workload",
-    ("experiments.workloads.sharegpt_replay", "experiments.workloads.rag_reorder", "experiments.workloads.accuracy"),
+    ("experiments.workloads.sharegpt_replay", "experiments.workloads.rag_reorder", "experiments.workloads.accuracy",
+     "experiments.workloads.batch"),
 )
 
 __all__ = ["WORKLOADS"]

@@ -7,8 +7,14 @@ Python side of the attention contract in :mod:`kernels_triton` for the ``cpu_ker
 
 fp32 and bf16, any head dim, grouped-query attention (``Hq % Hkv == 0``), causal by position (bottom-right by
 default, or per-query ``q_positions``), per-row ``kv_start`` / ``kv_len`` padding, inputs with any strides and a
-contiguous last dimension, ``out`` with any strides. Why it exists and how it works: the comment at the top of
-the C++ file; measured against torch's SDPA in ``experiments/bench_cpu_attention.py``.
+contiguous last dimension, ``out`` with any strides. And its paged entry point, over one layer of a block pool
+(the contract of ``kernels_triton/paged_attention_reference.py``; same dtypes, GQA and strides)::
+
+    out = cpu_paged_attention_forward(q, k_cache, v_cache, block_tables=..., kv_lens=..., query_start=...,
+                                      q_positions=..., block_size=16, sm_scale=None, out=None, tile=32)
+
+Why they exist and how they work: the comments in the C++ file; measured against torch's SDPA in
+``experiments/bench_cpu_attention.py`` and ``experiments/bench_cpu_paged_attention.py``.
 
 Needs an x86 build of torch with MKL (the kernel calls the MKL GEMMs torch carries) and a C++ compiler (g++ and
 ninja). The first use compiles it (~25 s on 2 cores); torch caches the binary under ``TORCH_EXTENSIONS_DIR``
@@ -28,7 +34,14 @@ import torch
 
 from kvboost.attention.cuda_ext import _row_bounds  # the same per-row bounds check as the CUDA kernel's
 
-__all__ = ["CSRC_DIR", "check_tile", "cpu_attention_forward", "cpu_extension_unavailable_reason", "load_cpu_extension"]
+__all__ = [
+    "CSRC_DIR",
+    "check_tile",
+    "cpu_attention_forward",
+    "cpu_extension_unavailable_reason",
+    "cpu_paged_attention_forward",
+    "load_cpu_extension",
+]
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCE = CSRC_DIR / "cpu_attention.cpp"
@@ -150,4 +163,124 @@ def cpu_attention_forward(
     cpu = torch.device("cpu")
     ext.forward(q, k, v, bool(causal), scale, _positions(q_positions, batch, q_len),
                 _row_bounds(kv_start, "kv_start", batch, cpu), _row_bounds(kv_len, "kv_len", batch, cpu), out, tile)  # fmt: skip
+    return out
+
+
+_PAGED = "cpu_paged_attention_forward"
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _index(x: Any, name: str, shape: tuple[int, ...] | None, dims: int) -> torch.Tensor:
+    """An index tensor of the paged contract (int32 on the CPU with ``dims`` dims, and ``shape`` when given),
+    made contiguous; else TypeError / ValueError saying what is wrong. The common case costs a few attribute
+    reads: the paged call runs once per layer per step."""
+    fast = type(x) is torch.Tensor and x.dtype == torch.int32 and x.is_cpu and x.dim() == dims
+    if fast and (shape is None or x.shape == shape):
+        return x.contiguous()
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{_PAGED}: {name} must be an int32 tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{_PAGED}: {name} must be int32, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{_PAGED}: {name} is on {x.device}; this kernel runs on the CPU")
+    if x.dim() != dims or (shape is not None and x.shape != shape):
+        want = list(shape) if shape is not None else f"{dims}-D"
+        raise ValueError(f"{_PAGED}: {name} must have shape {want}, got {list(x.shape)}")
+    return x.contiguous()  # a subclass of Tensor
+
+
+def _check_float(t: Any, arg: str) -> None:
+    """q / k_cache / v_cache / out: a 3-D CPU tensor with a contiguous last dimension (dtype checked apart)."""
+    if type(t) is torch.Tensor and t.dim() == 3 and t.is_cpu and t.stride(2) == 1:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{_PAGED}: {arg} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        want = "[Hkv, S, D]" if arg in ("k_cache", "v_cache") else "[T, Hq, D]"
+        raise ValueError(f"{_PAGED}: {arg} must be 3-D {want}, got shape {list(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{_PAGED}: {arg} is on {t.device}; this kernel runs on the CPU")
+    if arg != "q" and t.stride(2) != 1:  # (q is made contiguous instead)
+        extra = " (the pool is not copied)" if arg != "out" else ""
+        raise ValueError(f"{_PAGED}: {arg} must have a contiguous last dimension{extra}")
+
+
+def cpu_paged_attention_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    q_positions: torch.Tensor,
+    block_size: int,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    tile: int = 32,
+) -> torch.Tensor:
+    """Attention of the queries of ``B`` sequences over their keys in a paged pool, on the CPU; returns ``out``
+    ``[T, Hq, D]`` (written through its strides when given, else allocated).
+
+    The contract (``kernels_triton/paged_attention_reference.py``): ``q`` ``[T, Hq, D]`` holds sequence ``b``'s
+    queries in rows ``query_start[b] .. query_start[b + 1]``; ``k_cache`` / ``v_cache`` ``[Hkv, S, D]`` are one
+    layer of the pool (``S = num_blocks * block_size``), sequence ``b``'s logical key ``j`` in slot
+    ``block_tables[b, j // block_size] * block_size + j % block_size``; query ``t`` sees key ``j`` iff
+    ``j <= q_positions[t]`` and ``j < kv_lens[b]`` (a query that sees no key gets zeros). Index tensors are int32
+    on the CPU: ``block_tables`` ``[B, M]``, ``kv_lens`` ``[B]``, ``query_start`` ``[B + 1]``, ``q_positions``
+    ``[T]``. ``tile``: query rows per work unit (with the G heads of a GQA group, one problem of ``G * tile``
+    rows). Grouped-query attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+
+    Shapes, dtypes, devices and strides are checked here; the index values (``query_start`` running from 0 to T
+    without going back, ``0 <= kv_lens[b] <= M * block_size``, every block id of every sequence's blocks inside
+    the pool) are checked by the extension before it reads anything (a plain loop over the integers, cheap
+    enough for every layer of every decode step), raising ValueError too. The pool is never copied: ``k_cache`` /
+    ``v_cache`` (and ``out``) must have a contiguous last dimension; ``q`` is made so if it is not. The checks
+    here cost ~5 us per call (one call per layer per step).
+
+    Raises:
+        TypeError: a dtype is wrong (q / k_cache / v_cache / out not all float32 or all bfloat16, an index
+            tensor not int32), or an argument is not a tensor.
+        ValueError: a shape, device, stride or index value is wrong.
+        RuntimeError: the extension cannot be built here (see :func:`load_cpu_extension`).
+    """
+    _check_float(q, "q")
+    _check_float(k_cache, "k_cache")
+    _check_float(v_cache, "v_cache")
+    dtype = q.dtype
+    if dtype not in _FLOATS or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise TypeError(
+            f"{_PAGED}: q, k_cache, v_cache must all be float32 or all bfloat16, got {q.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}"
+        )
+    q_shape, kv_shape = q.shape, k_cache.shape
+    total, heads, head_dim = q_shape
+    kv_heads, slots, kv_dim = kv_shape
+    if v_cache.shape != kv_shape or kv_dim != head_dim or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"{_PAGED}: shapes do not match: q {list(q_shape)}, k_cache {list(kv_shape)}, v_cache "
+            f"{list(v_cache.shape)} (q [T, Hq, D], k_cache / v_cache [Hkv, S, D] with Hq a multiple of Hkv)"
+        )
+    if type(block_size) is not int or block_size < 1 or slots % block_size:
+        raise ValueError(f"{_PAGED}: block_size must be a positive integer dividing the pool's {slots} slots, "
+                         f"got {block_size!r}")  # fmt: skip
+    if type(tile) is not int or tile < 1:
+        check_tile(tile, f"{_PAGED}: tile")  # raises, naming the setting
+    tables = _index(block_tables, "block_tables", None, 2)
+    batch = tables.shape[0]
+    lens = _index(kv_lens, "kv_lens", (batch,), 1)
+    starts = _index(query_start, "query_start", (batch + 1,), 1)
+    positions = _index(q_positions, "q_positions", (total,), 1)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q_shape, dtype=dtype)
+    else:
+        _check_float(out, "out")
+        if out.shape != q_shape or out.dtype != dtype:
+            raise ValueError(f"{_PAGED}: out must be a {list(q_shape)} {dtype} tensor, got {list(out.shape)} "
+                             f"{out.dtype}")  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    load_cpu_extension().paged_forward(q, k_cache, v_cache, tables, lens, starts, positions, block_size, scale, out,
+                                       tile)  # fmt: skip
     return out

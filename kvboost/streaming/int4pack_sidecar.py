@@ -66,7 +66,7 @@ def sidecar_key(index: SafetensorsIndex, dtype: torch.dtype, group_size: int) ->
 
 
 def sidecar_path(index: SafetensorsIndex, dtype: torch.dtype, group_size: int) -> Path:
-    from kvboost.models.loading import kvboost_cache_dir
+    from kvboost.paths import kvboost_cache_dir
 
     name = str(dtype).replace("torch.", "")
     return kvboost_cache_dir() / "int4pack" / f"int4pack-{name}-{sidecar_key(index, dtype, group_size)}.safetensors"
