@@ -129,6 +129,49 @@ class SdpaBackend(AttentionBackend):
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
             raise RuntimeError("attention backend 'sdpa' needs torch >= 2.0 (scaled_dot_product_attention)")
 
+    def paged(
+        self, q: torch.Tensor, layer: int, batch: Any, scale: float, module: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """Sequence by sequence, torch's SDPA over the sequence's rows (a view when its blocks are consecutive,
+        else a gather) with ``enable_gqa`` (K/V never repeated), and the masks transformers would build: none for
+        a decode step, ``is_causal`` for a cold prefill, the additive causal-by-position mask (built once per
+        batch) for a suffix; rows at arbitrary positions take :func:`selected_query_attention`. transformers'
+        own call repeats K/V for a masked GQA call on CPU; the result is the same bits (tested against HF's
+        forward), without the copies."""
+        if self.key_tile > 1:
+            return super().paged(q, layer, batch, scale, module)
+        total, heads, dim = q.shape
+        out = q.new_empty(total, heads * dim)
+        gqa = batch.pool.num_kv_heads != heads
+        for b in range(batch.num_seqs):
+            rows = batch.rows_of(b)
+            t, n = rows.stop - rows.start, batch.kv_lens[b]
+            if t == 0:
+                continue
+            keys, values = batch.layer_kv(b, layer)
+            qb = q[rows].transpose(0, 1)[None]
+            if not batch.contiguous[b]:
+                mask, extra = batch.cached(("sdpa_selected", b), lambda rows=rows, n=n: self.selected_query_inputs(
+                    batch.positions[rows], n, q.dtype))  # fmt: skip
+                if SELECTED_Q_POSITIONS in extra:  # sorted positions: query groups over the keys each one sees
+                    result = selected_query_attention(qb, keys, values, extra[SELECTED_Q_POSITIONS], scale)[0]
+                else:  # unsorted: the dense causal-by-position mask
+                    o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                    result = o[0].transpose(0, 1)
+            else:
+                if t == 1:
+                    o = F.scaled_dot_product_attention(qb, keys, values, scale=scale, enable_gqa=gqa)
+                elif t == n:
+                    o = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+                else:
+                    mask = batch.cached(("sdpa_mask", b), lambda rows=rows, n=n: self.causal_mask(
+                        batch.positions[rows], n, q.dtype))  # fmt: skip
+                    o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                result = o[0].transpose(0, 1)
+            out[rows] = result.reshape(t, heads * dim)
+            self.kernel_calls += 1
+        return out
+
     def causal_mask(self, positions: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The causal-by-position mask as the additive 0 / -inf tensor SDPA makes of a bool mask on every call
         (the same bits), built once per forward for every layer: that saves the conversion in each layer (~0.1-0.2
