@@ -256,6 +256,19 @@ class ForwardBatch:
         )
 
 
+def hook_after_layer(hook: LayerHook, layer: int, batch: ForwardBatch) -> tuple[bool, torch.Tensor | None,
+                                                                                 ForwardBatch]:  # fmt: skip
+    """What a runner does after each layer of a hooked forward: ``(stop, kept rows or None, the batch of the next
+    layers)``. The forward stops after the hook's ``stop_after`` layer; else the hook may narrow the rows."""
+    if hook.stop_after is not None and layer >= hook.stop_after:
+        return True, None, batch
+    keep = hook.after_layer(layer, batch)
+    if keep is None or keep.numel() == batch.num_tokens:
+        return False, None, batch
+    keep = keep.to(batch.input_ids.device)
+    return False, keep, batch.select(keep)
+
+
 def _slots_at(pool: Any, blocks: list[int], positions: list[int]) -> torch.Tensor:
     """Slots of arbitrary logical rows of one sequence."""
     bs = pool.block_size

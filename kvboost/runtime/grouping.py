@@ -5,13 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from kvboost.lookup import common_prefix_length
 
 
 def group_by_prefix(prompts: Sequence[Sequence[int]], split: Callable[[Sequence[int]], list]) -> list[tuple[list[int], int]]:
@@ -25,7 +19,7 @@ def group_by_prefix(prompts: Sequence[Sequence[int]], split: Callable[[Sequence[
         for members, _ in groups:
             head = prompts[members[0]]
             spans = split(head)
-            if spans and common_prefix(head, ids) >= spans[0].end:
+            if spans and common_prefix_length(head, ids) >= spans[0].end:
                 members.append(i)
                 placed = True
                 break
@@ -36,7 +30,7 @@ def group_by_prefix(prompts: Sequence[Sequence[int]], split: Callable[[Sequence[
         if len(members) == 1:
             out.append((members, 0))
             continue
-        shared = min(common_prefix(prompts[members[0]], prompts[m]) for m in members[1:])
+        shared = min(common_prefix_length(prompts[members[0]], prompts[m]) for m in members[1:])
         shared = min(shared, min(len(prompts[m]) for m in members) - 1)
         ends = [s.end for s in split(prompts[members[0]]) if s.end <= shared]
         out.append((members, ends[-1] if ends else 0))

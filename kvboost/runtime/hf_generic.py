@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvboost.runtime.batch import ForwardBatch
+from kvboost.runtime.batch import ForwardBatch, hook_after_layer
 
 
 class HFGenericUnsupportedError(RuntimeError):
@@ -197,12 +197,10 @@ class HFGenericRunner:
                     self.attention.query_observer = None
             hidden = out[0] if isinstance(out, tuple) else out
             if hook is not None:
-                if hook.stop_after is not None and layer_idx >= hook.stop_after:
+                stop, keep, current = hook_after_layer(hook, layer_idx, current)
+                if stop:
                     return None
-                keep = hook.after_layer(layer_idx, current)
-                if keep is not None and keep.numel() != current.num_tokens:
-                    keep = keep.to(hidden.device)
-                    current = current.select(keep)
+                if keep is not None:
                     current_ref[0] = current
                     hidden = hidden[:, keep]
                     pos_ids, cos_sin, attn_inputs = inputs_for(current)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from kvboost.models.awq import AWQLinear
 from kvboost.models.int8_head import Int8Linear, int8pack_mm
-from kvboost.runtime.batch import ForwardBatch
+from kvboost.runtime.batch import ForwardBatch, hook_after_layer
 from kvboost.runtime.ops import apply_rope, rms_norm, rms_norm_decomposed, rope_tables
 from kvboost.runtime.projections import (
     Int4Projections,
@@ -336,12 +336,10 @@ class LlamaRunner:
             x = decoder_layer(x, cos, sin, self._layer_projections(i, batch), self._attend_fn(i, batch), rms_norm,
                               self.eps, self.heads, self.kv_heads, self.head_dim)  # fmt: skip
             if hook is not None:
-                if hook.stop_after is not None and i >= hook.stop_after:
+                stop, keep, batch = hook_after_layer(hook, i, batch)
+                if stop:
                     return None
-                keep = hook.after_layer(i, batch)
-                if keep is not None and keep.numel() != batch.num_tokens:
-                    keep = keep.to(x.device)
-                    batch = batch.select(keep)
+                if keep is not None:
                     x, cos, sin = x[keep], cos[keep], sin[keep]
         return self.head(x.index_select(0, batch.logits_rows))
 
