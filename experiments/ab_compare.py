@@ -11,7 +11,8 @@ Order within a pair alternates (before-after, then after-before, ...) so that dr
 Each run writes its own Hydra folder (kept under ``--out/<name>/runs``); the comparison reads their
 ``summary.json``: per mode in ``--modes`` (default kvboost), ``ttft_ms_p50`` and ``decode_tok_s_p50`` (overall),
 ``greedy_match_rate`` and accuracy where the workload has answers. Reported: each pair's after / before ratio,
-the median ratio and its range; for TTFT a ratio below 1 is faster after, for decode above 1. Written:
+the median ratio and its range, and the per-request ratios (the same request in both runs of a pair, every pair
+pooled: median and p10-p90); for TTFT a ratio below 1 is faster after, for decode above 1. Written:
 ``<out>/<name>.json`` and ``<out>/<name>.md``.
 """
 
@@ -54,6 +55,27 @@ def extract(summary: dict[str, Any], mode: str) -> dict[str, Any]:
     }
 
 
+def per_request_ratios(rows: list[dict[str, Any]], mode: str, metric: str) -> list[float]:
+    """after / before of ``metric`` for every request of ``mode`` (first measurement) in every pair."""
+    ratios = []
+    for pair in sorted({r["pair"] for r in rows}):
+        sides = {r["side"]: _records(Path(r["dir"]), mode) for r in rows if r["pair"] == pair}
+        for key, before in sides["before"].items():
+            after = sides["after"].get(key)
+            if after is not None and before.get(metric) and after.get(metric):
+                ratios.append(after[metric] / before[metric])
+    return ratios
+
+
+def _records(run_dir: Path, mode: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for line in (run_dir / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["mode"] == mode and r.get("repeat", 0) == 0:
+            out[r["request_id"]] = r
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -93,6 +115,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for field in ("greedy_match_rate", "accuracy", "reuse_ratio"):
             cell[field] = {side: [r[mode][field] for r in rows if r["side"] == side] for side in ("before", "after")}
         comparison[mode] = cell
+    for mode in args.modes:  # per request: the same request in both runs of a pair (far more pairs than runs)
+        for metric in ("ttft_ms", "prefill_ms", "decode_tok_s"):
+            ratios = sorted(per_request_ratios(rows, mode, metric))
+            if ratios:
+                comparison[mode][f"per_request_{metric}"] = {
+                    "median": statistics.median(ratios), "p10": ratios[len(ratios) // 10],
+                    "p90": ratios[(9 * len(ratios)) // 10], "n": len(ratios)}  # fmt: skip
     command = f"python experiments/ab_compare.py {' '.join(argv)} -- {' '.join(overrides)}"
     result = {"command": command, "before": str(before), "after": str(after), "overrides": overrides,
               "pairs": args.pairs, "rows": rows, "comparison": comparison}  # fmt: skip
@@ -112,6 +141,11 @@ def to_markdown(result: dict[str, Any]) -> str:
             c = cell[metric]
             lines.append(f"| {mode} | {metric} | {', '.join(f'{r:.3f}' for r in c['after_over_before'])} | "
                          f"{c['median']:.3f} [{c['min']:.3f}-{c['max']:.3f}] |")  # fmt: skip
+        for metric in ("ttft_ms", "prefill_ms", "decode_tok_s"):
+            c = cell.get(f"per_request_{metric}")
+            if c:
+                lines.append(f"| {mode} | {metric} per request (all pairs) | n = {c['n']} | "
+                             f"{c['median']:.3f} [p10 {c['p10']:.3f} - p90 {c['p90']:.3f}] |")  # fmt: skip
         for field in ("greedy_match_rate", "accuracy", "reuse_ratio"):
             values = cell[field]
             if any(v is not None for side in values.values() for v in side):

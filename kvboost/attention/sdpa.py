@@ -141,7 +141,8 @@ class SdpaBackend(AttentionBackend):
         if self.key_tile > 1:
             return super().paged(q, layer, batch, scale, module)
         total, heads, dim = q.shape
-        out = q.new_empty(total, heads * dim)
+        single = batch.num_seqs == 1
+        out = None if single else q.new_empty(total, heads * dim)  # one sequence: its result is the output
         gqa = batch.pool.num_kv_heads != heads
         for b in range(batch.num_seqs):
             rows = batch.rows_of(b)
@@ -168,8 +169,10 @@ class SdpaBackend(AttentionBackend):
                         batch.positions[rows], n, q.dtype))  # fmt: skip
                     o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
                 result = o[0].transpose(0, 1)
-            out[rows] = result.reshape(t, heads * dim)
             self.kernel_calls += 1
+            if single:
+                return result.reshape(t, heads * dim)
+            out[rows] = result.reshape(t, heads * dim)
         return out
 
     def causal_mask(self, positions: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
