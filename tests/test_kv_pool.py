@@ -93,17 +93,18 @@ def test_an_exhausted_pool_asks_for_blocks_first_then_refuses_with_the_sizes():
 
 
 def test_the_allocator_prefers_consecutive_ids():
-    """``after=``: the block after a sequence's last one first; then any run of the size asked; then any free
-    blocks, lowest first (a fragmented pool still serves)."""
+    """``after=``: the block after a sequence's last one first; then the lowest run of the size asked (first fit:
+    freed blocks are reused before untouched memory); then any free blocks, lowest first (a fragmented pool still
+    serves)."""
     pool = small_pool(num_blocks=10)
     a = pool.alloc(2)
     b = pool.alloc(3)
     assert a == [0, 1] and b == [2, 3, 4]
     assert pool.alloc(2, after=4) == [5, 6]  # right after the last block
     pool.decref([0])
-    assert pool.alloc(1, after=1) == [7]  # block 2 is taken: the next free run instead
-    assert pool.alloc(2, after=9) == [8, 9]  # past the end: any run
-    assert pool.alloc(1) == [0]  # fragmented: whatever is free
+    assert pool.alloc(1, after=1) == [0]  # block 2 is taken: the lowest free run instead (the freed block 0)
+    assert pool.alloc(2, after=9) == [7, 8]  # past the end: the lowest run of two
+    assert pool.alloc(1) == [9]  # whatever is free
     pool.decref([1, 3, 5])
     assert pool.num_free == 3 and pool.alloc(3) == [1, 3, 5]  # no run of 3: the free blocks, lowest first
     pool.verify()
