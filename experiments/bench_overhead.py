@@ -186,10 +186,7 @@ def main() -> None:
     model, tokenizer, path = load_model_and_tokenizer(args.model, dtype=args.dtype)
     if args.max_positions:
         model.config.max_position_embeddings = args.max_positions
-    options = {"cache": {"name": "memory", "capacity": "8GiB"}}
-    if hasattr(__import__("kvboost.engine", fromlist=["x"]), "KV_OPTIONS"):  # the paged engine: room for 16k rows
-        options["kv"] = {"pool_bytes": 2 * 8 * 2**30}
-    engine = KVBoost(model, tokenizer, model_identity=path, **options)
+    engine = KVBoost(model, tokenizer, model_identity=path, cache={"name": "memory", "capacity": "8GiB"})
     rows = [measure(engine, n, args.new_tokens, args.repeats) for n in args.lengths]
     print(f"kvboost from {KVBOOST_ROOT}")
     print(f"{'prompt':>7} {'reused':>7} | {'hash':>7} {'lookup':>7} {'assemble':>8} {'kvboost':>8} {'copied':>10} | "
