@@ -108,7 +108,7 @@ def build_workload(name: str, fields: dict[str, Any]) -> Any:
         if isinstance(prompt, str):
             return len(tokenizer(prompt)["input_ids"])
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     return WORKLOADS.build({"name": name, **fields}, env=WorkloadEnv(tokenizer=tokenizer, count_tokens=count))
 

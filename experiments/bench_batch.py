@@ -46,7 +46,7 @@ def sharegpt_prompts(tokenizer: Any, count: int, max_tokens: int, seed: int = 0)
     for conv in pool:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": conv.turns[0].user}],
                                             add_generation_prompt=True, tokenize=True)  # fmt: skip
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
         if 8 <= len(ids) <= max_tokens:
             prompts.append(ids)
         if len(prompts) == count:

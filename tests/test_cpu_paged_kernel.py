@@ -312,3 +312,29 @@ def test_benchmark_quick_run(tmp_path):
         for row in rows:
             assert max(row["max_rel_error_vs_fp64"].values()) < 2e-2, row
     assert "| batch | keys |" in (tmp_path / "cpu_paged_attention.md").read_text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decode_custom_op_follows_the_contract(dtype, compiled):
+    """``kvboost::cpu_paged_decode`` (what the compiled CPU decode forward calls): one query per sequence at its
+    last position, lengths that differ, a shared prefix block, NaN in every slot no sequence owns; eager and from
+    inside a ``torch.compile`` graph that first writes a row into the pool (the op must read the written row)."""
+    from kvboost.runtime.cpu_decode_op import cpu_paged_decode  # noqa: F401  (registers the op)
+
+    seqs = [(45, [44]), (83, [82]), (1, [0]), (130, [129])]
+    inputs = make_batch(seqs, heads=8, kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
+    tables = inputs["block_tables"].clamp(min=0)
+    new_key = torch.randn(2, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    slot = int(tables[1, 82 // 16]) * 16 + 82 % 16
+
+    def decode(q, k_cache, v_cache, block_tables, kv_lens):
+        k_cache.index_copy_(1, torch.tensor([slot]), new_key[:, None])
+        return torch.ops.kvboost.cpu_paged_decode(q, k_cache, v_cache, block_tables, kv_lens, 16, 0.125)
+
+    fn = torch.compile(decode, dynamic=True, fullgraph=True) if compiled else decode
+    with torch.inference_mode():
+        got = fn(inputs["q"], inputs["k_cache"], inputs["v_cache"], tables, inputs["kv_lens"])
+    assert inputs["k_cache"][:, slot].equal(new_key)
+    want = reference(inputs, sm_scale=0.125)
+    assert relative_error(got, want) < TOL[dtype]

@@ -10,8 +10,9 @@ backend's paged call, or the runner's own decode attention). :class:`LlamaRunner
   weights and ``attn=sdpa`` a one-sequence forward computes HF's forward to the bit (fp32 and bf16; tested);
 - **compiled** (decode batches, no hook): the same layer traced by ``torch.compile`` (inductor, dynamic shapes;
   one graph serves every layer, the weights being arguments), one-row projections as fused reductions and
-  attention as a fused gather-reduction over the block tables (:func:`gathered_decode_attention`): fewer kernels,
-  not HF's bits (logits within ~1e-5 in fp32);
+  attention by the C++ paged kernel on a CPU where it builds (:mod:`kvboost.runtime.cpu_decode_op`), else as a
+  fused gather-reduction over the block tables (:func:`gathered_decode_attention`): fewer kernels, not HF's bits
+  (logits within ~1e-5 in fp32);
 - **graphed** (CUDA): the compiled or eager forward captured as CUDA graphs per token-count bucket over the static
   pool (:mod:`kvboost.runtime.graphs`).
 
@@ -254,6 +255,9 @@ class LlamaRunner:
         self.fallback_reason: str | None = None
         self.forwards = {"eager": 0, "compiled": 0, "graphed": 0}
         self._compiled: tuple | None = None
+        # Compiled CPU decode: attention by the C++ paged kernel when it builds here, else inductor's own.
+        self._cpu_op = False
+        self.decode_attention = "inductor" if decode in ("compiled", "graphed") else "backend"
         self._compiled_ok = decode in ("compiled", "graphed") and not tiled and all(
             isinstance(p, PlainProjections) for p in self.projections
         )
@@ -357,6 +361,12 @@ class LlamaRunner:
             dynamo_config.recompile_limit = max(getattr(dynamo_config, "recompile_limit", 8), RECOMPILE_LIMIT)
             wrap = (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)) if self.decode in (
                 "compiled", "graphed") else (lambda fn: fn)  # fmt: skip
+            if self.pool.device.type == "cpu" and self.decode == "compiled":
+                from kvboost.runtime.cpu_decode_op import cpu_paged_decode_unavailable_reason
+
+                reason = cpu_paged_decode_unavailable_reason()
+                self._cpu_op = reason is None
+                self.decode_attention = "cpu_kernel" if reason is None else f"inductor ({reason})"
             self._compiled = (wrap(self._static_prologue), wrap(self._static_layer), wrap(self._static_epilogue))
             self._layer_tensors = [p.tensors() for p in self.projections]
             self._head_args = self._head_tensors()
@@ -374,6 +384,9 @@ class LlamaRunner:
         def attend(q, k, v):
             write_rows(keys, slots, k)
             write_rows(values, slots, v)
+            if self._cpu_op:  # the C++ kernel reads the blocks in place (kvboost/runtime/cpu_decode_op.py)
+                out = torch.ops.kvboost.cpu_paged_decode(q, keys, values, block_tables, kv_lens, bs, scale)
+                return out.reshape(q.shape[0], -1)
             return gathered_decode_attention(q, keys, values, block_tables, kv_lens, bs, scale)
 
         return decoder_layer(x, cos, sin, proj, attend, rms_norm_decomposed, self.eps, self.heads, self.kv_heads,
@@ -466,6 +479,7 @@ class LlamaRunner:
             "compile_s": self.compile_seconds,
             "forwards": dict(self.forwards),
             "fallback_reason": self.fallback_reason,
+            "decode_attention": self.decode_attention,
             "packed_weight_bytes": sum(p.nbytes for p in self.packed) if self.packed else 0,
             **(self.graphs.describe() if self.graphs is not None else {}),
         }
