@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,3 +74,12 @@ def eos_token_ids(model, tokenizer) -> set[int]:
             continue
         ids.update(source if isinstance(source, (list, tuple, set)) else [source])
     return {int(i) for i in ids}
+
+
+def per_row(value: Any, rows: int, name: str) -> list[Any]:
+    """A per-row setting of ``generate_batch``: a list of one value per row, or one value for every row."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != rows:
+            raise ValueError(f"{name} gives {len(value)} values for {rows} prompts")
+        return list(value)
+    return [value] * rows

@@ -26,19 +26,15 @@ import torch
 
 from kvboost.cache.build import build_store
 from kvboost.cache.memory import parse_bytes
-from kvboost.decoding import Sampling, eos_token_ids
+from kvboost.decoding import Sampling, eos_token_ids, per_row
 from kvboost.generation import PhaseClock
-from kvboost.kv.block_table import BlockTable
 from kvboost.kv.sizing import make_pool
-from kvboost.lookup import lookup
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
 from kvboost.prompts import Prompt, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
-from kvboost.reuse.assemble import assemble_exact
 from kvboost.runtime import pipeline
-from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.runtime.config import build_runner, choose_runner
 from kvboost.runtime.sequences import Request, decode_step
 from kvboost.types import ChunkSpan, CorrectnessReport, GenerationResult, WarmResult
@@ -301,8 +297,8 @@ class InferenceEngine:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("generate_batch needs at least one prompt")
-        temps = _per_row(temperature, len(prompts), "temperature")
-        samples = _per_row(do_sample, len(prompts), "do_sample")
+        temps = per_row(temperature, len(prompts), "temperature")
+        samples = per_row(do_sample, len(prompts), "do_sample")
         clock = PhaseClock(self.adapter.device)
         requests: list[Request] = []
         try:
@@ -344,33 +340,7 @@ class InferenceEngine:
         become exact hits for prompts that start with it and content hits (by segment key) anywhere else. Reuses
         whatever exact prefix is already cached; ``pin=True`` protects the entries from eviction.
         """
-        clock = PhaseClock(self.adapter.device)
-        what = prompt_text_or_ids(self.tokenizer, text, chat=False)
-        ids, spans = self.chunker.tokenize(self.tokenizer, what) if isinstance(what, str) else (what, None)
-        check_length(len(ids), self.adapter.max_positions, need_answer_room=False)
-        check_token_ids(ids, self.vocab_size)
-        spans = spans if spans is not None else self.chunker.split(ids)
-        n, stored = len(ids), 0
-        with torch.inference_mode():
-            keys = self.hasher.chunk_keys(ids, spans, self.fingerprint, cache_salt)
-            plan = lookup(ids, spans, keys, self.store, self.quantizer, max_reuse=n, content=False)
-            if plan.reused_tokens < n:
-                table = BlockTable(self.pool)
-                try:
-                    assemble_exact(plan, table, self.quantizer)
-                    self.runner.run(ForwardBatch.build([SeqInput(table, ids[plan.exact_prefix :])]))
-                    stored = pipeline.store_sequence_of(self, ids, spans, table, approx_from=None, salt=cache_salt, pin=pin)
-                finally:
-                    table.release()
-            if pin:
-                for key in keys:
-                    entry = self.store.peek(key.prefix_key)
-                    if entry is not None and not entry.pinned:
-                        entry.pinned = True
-                        self.store.put(entry)
-        clock.mark("end")
-        return WarmResult(prompt_tokens=n, chunks_stored=stored, tokens_stored=n - plan.reused_tokens,
-                          already_cached_tokens=plan.reused_tokens, elapsed_ms=clock.ms("start", "end"))  # fmt: skip
+        return pipeline.warm(self, text, pin=pin, cache_salt=cache_salt)
 
     # ------------------------------------------------------------------ stats and checks
     def cache_stats(self) -> dict[str, Any]:
@@ -401,14 +371,6 @@ class InferenceEngine:
         """Check that exact reuse reproduces a cold prefill, prompt by prompt (``kvboost.quality``)."""
         return verify_correctness(self, prompts, max_new_tokens=max_new_tokens, prefix_fraction=prefix_fraction,
                                   kl_tolerance=kl_tolerance)  # fmt: skip
-
-
-def _per_row(value: Any, rows: int, name: str) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != rows:
-            raise ValueError(f"{name} gives {len(value)} values for {rows} prompts")
-        return list(value)
-    return [value] * rows
 
 
 def _free_blocks(ref: weakref.ReferenceType[InferenceEngine], missing: int) -> None:

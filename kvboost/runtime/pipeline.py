@@ -17,13 +17,13 @@ from kvboost.generation import PhaseClock, ReuseCounts, build_result
 from kvboost.kv.block_table import BlockTable
 from kvboost.lookup import lookup
 from kvboost.plan import ReusePlan
-from kvboost.prompts import Prompt, PromptError
+from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import continuation_logprob
 from kvboost.reuse.assemble import assemble_exact
 from kvboost.reuse.prefill import ReuseContext, run_prefill
 from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.runtime.sequences import Request
-from kvboost.types import ChunkSpan, GenerationResult
+from kvboost.types import ChunkSpan, GenerationResult, WarmResult
 
 #: ``generate(mode=...)``: ``reuse`` reads and writes the cache; ``cold`` runs the same engine path (tokenizer,
 #: pool, runner, attention backend) with the cache neither read nor written.
@@ -177,3 +177,34 @@ def store_sequence_of(engine: Any, seq: list[int], spans: list[ChunkSpan], table
                           seq=seq, spans=spans, payload_of=payload_of, approx_from=approx_from, salt=salt,
                           pin=pin)  # fmt: skip
 
+
+def warm(engine: Any, text: Prompt, *, pin: bool = False, cache_salt: str = "") -> WarmResult:
+    """``InferenceEngine.warm``: compute and store the KV of ``text`` from position 0 (no chat template, no
+    generation), reusing what is already cached; ``pin`` protects its entries from eviction."""
+    clock = PhaseClock(engine.adapter.device)
+    what = prompt_text_or_ids(engine.tokenizer, text, chat=False)
+    ids, spans = engine.chunker.tokenize(engine.tokenizer, what) if isinstance(what, str) else (what, None)
+    check_length(len(ids), engine.adapter.max_positions, need_answer_room=False)
+    check_token_ids(ids, engine.vocab_size)
+    spans = spans if spans is not None else engine.chunker.split(ids)
+    n, stored = len(ids), 0
+    with torch.inference_mode():
+        keys = engine.hasher.chunk_keys(ids, spans, engine.fingerprint, cache_salt)
+        plan = lookup(ids, spans, keys, engine.store, engine.quantizer, max_reuse=n, content=False)
+        if plan.reused_tokens < n:
+            table = BlockTable(engine.pool)
+            try:
+                assemble_exact(plan, table, engine.quantizer)
+                engine.runner.run(ForwardBatch.build([SeqInput(table, ids[plan.exact_prefix :])]))
+                stored = store_sequence_of(engine, ids, spans, table, approx_from=None, salt=cache_salt, pin=pin)
+            finally:
+                table.release()
+        if pin:
+            for key in keys:
+                entry = engine.store.peek(key.prefix_key)
+                if entry is not None and not entry.pinned:
+                    entry.pinned = True
+                    engine.store.put(entry)
+    clock.mark("end")
+    return WarmResult(prompt_tokens=n, chunks_stored=stored, tokens_stored=n - plan.reused_tokens,
+                      already_cached_tokens=plan.reused_tokens, elapsed_ms=clock.ms("start", "end"))  # fmt: skip
