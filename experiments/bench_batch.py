@@ -67,20 +67,12 @@ def run_kvboost_singles(engine: Any, prompts: list[list[int]], new_tokens: int) 
 
 
 def run_transformers_cb(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    from transformers import GenerationConfig
+    """The runner's ``transformers_cb`` mode (``experiments.modes``): transformers' continuous batching on the
+    engine's model, kvboost's backend stepped aside for the call; its wall time covers ``model.generate_batch``."""
+    from experiments.modes import MODES
 
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    # transformers' batching runs only its own attention implementations: kvboost's backend steps aside for the
-    # call (as the runner's transformers_cb mode does; kvboost's runner calls its backend directly)
-    engine.attention.uninstall(engine.model)
-    try:
-        start = time.perf_counter()
-        out = engine.model.generate_batch(prompts, generation_config=config, warmup=False)
-        elapsed = time.perf_counter() - start
-    finally:
-        engine.attention.install(engine.model)
-    ordered = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
-    return elapsed, [list(t) for t in ordered]
+    results = MODES.get("transformers_cb")(engine).generate_batch(prompts, new_tokens)
+    return results[0].total_ms / 1e3, [r.output_ids for r in results]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

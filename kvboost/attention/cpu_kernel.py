@@ -10,8 +10,8 @@ against SDPA, same inputs, same run.
 Under the engine it serves both paths: transformers' forward (this backend's ``attention_forward``, the
 ``kernels_triton`` mask contract; masks the contract cannot express run SDPA, counted in ``fallback_calls``) and
 the runners' paged call (:meth:`CpuKernelBackend.paged`: the kernel's paged entry point reads the pool's blocks
-itself). The compiled decode keeps the runner's own attention (it cannot call an extension inside the compiled
-graph without a graph break). fp32 and bf16; numerics are fp32 softmax and accumulation, as SDPA's
+itself). The compiled CPU decode (under `sdpa` or this backend) calls the same paged entry point as a torch custom op
+(:mod:`kvboost.runtime.cpu_decode_op`). fp32 and bf16; numerics are fp32 softmax and accumulation, as SDPA's
 (within 1e-6 of it in fp32 on the tests' shapes, not the same bits).
 
 (Not named ``cpu_flash``: transformers takes any attention implementation whose name holds "flash" for a

@@ -11,11 +11,8 @@ it as an opaque call after the rows' K/V are written.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("kvboost::cpu_paged_decode", mutates_args=())

@@ -255,8 +255,8 @@ class LlamaRunner:
         self.fallback_reason: str | None = None
         self.forwards = {"eager": 0, "compiled": 0, "graphed": 0}
         self._compiled: tuple | None = None
-        # Compiled CPU decode: attention by the C++ paged kernel when it builds here, else inductor's own.
-        self._cpu_op = False
+        # Compiled CPU decode: attention by the C++ paged kernel ("cpu_kernel") when it builds here, else inductor's
+        # own; set when the compiled functions are built.
         self.decode_attention = "inductor" if decode in ("compiled", "graphed") else "backend"
         self._compiled_ok = decode in ("compiled", "graphed") and not tiled and all(
             isinstance(p, PlainProjections) for p in self.projections
@@ -365,7 +365,6 @@ class LlamaRunner:
                 from kvboost.runtime.cpu_decode_op import cpu_paged_decode_unavailable_reason
 
                 reason = cpu_paged_decode_unavailable_reason()
-                self._cpu_op = reason is None
                 self.decode_attention = "cpu_kernel" if reason is None else f"inductor ({reason})"
             self._compiled = (wrap(self._static_prologue), wrap(self._static_layer), wrap(self._static_epilogue))
             self._layer_tensors = [p.tensors() for p in self.projections]
@@ -384,7 +383,7 @@ class LlamaRunner:
         def attend(q, k, v):
             write_rows(keys, slots, k)
             write_rows(values, slots, v)
-            if self._cpu_op:  # the C++ kernel reads the blocks in place (kvboost/runtime/cpu_decode_op.py)
+            if self.decode_attention == "cpu_kernel":  # the C++ kernel reads the blocks in place (kvboost/runtime/cpu_decode_op.py)
                 out = torch.ops.kvboost.cpu_paged_decode(q, keys, values, block_tables, kv_lens, bs, scale)
                 return out.reshape(q.shape[0], -1)
             return gathered_decode_attention(q, keys, values, block_tables, kv_lens, bs, scale)
