@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments.report import spread
+
 METRICS = ("ttft_ms_p50", "decode_tok_s_p50")
 
 
@@ -117,11 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         comparison[mode] = cell
     for mode in args.modes:  # per request: the same request in both runs of a pair (far more pairs than runs)
         for metric in ("ttft_ms", "prefill_ms", "decode_tok_s"):
-            ratios = sorted(per_request_ratios(rows, mode, metric))
+            ratios = per_request_ratios(rows, mode, metric)
             if ratios:
-                comparison[mode][f"per_request_{metric}"] = {
-                    "median": statistics.median(ratios), "p10": ratios[len(ratios) // 10],
-                    "p90": ratios[(9 * len(ratios)) // 10], "n": len(ratios)}  # fmt: skip
+                comparison[mode][f"per_request_{metric}"] = spread(ratios)
     command = f"python experiments/ab_compare.py {' '.join(argv)} -- {' '.join(overrides)}"
     result = {"command": command, "before": str(before), "after": str(after), "overrides": overrides,
               "pairs": args.pairs, "rows": rows, "comparison": comparison}  # fmt: skip

@@ -168,12 +168,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def _quantiles(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"median": statistics.median(v), "p10": v[len(v) // 10], "p90": v[(9 * len(v)) // 10], "n": len(v)}
-
-
 def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    from experiments.report import spread  # here, not at the top: a worker imports this file before its kvboost
+
     out: dict[str, Any] = {}
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
@@ -182,7 +179,7 @@ def summarize(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
             ratios = [r["after"][metric] / r["before"][metric] for r in mine
                       if r["before"].get(metric) and r["after"].get(metric)]  # fmt: skip
             if ratios:
-                cell[metric] = _quantiles(ratios)
+                cell[metric] = spread(ratios)
         for side in ("before", "after"):
             cell[f"{side}_ttft_ms_p50"] = statistics.median(r[side]["ttft_ms"] for r in mine)
             cell[f"{side}_decode_tok_s_p50"] = statistics.median(r[side]["decode_tok_s"] for r in mine)

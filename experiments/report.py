@@ -154,6 +154,13 @@ def serve_prefix_hit(engine: Any, ids: list[int], cached: int, max_new_tokens: i
     return result
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``{"median", "p10", "p90", "n"}`` of ``values`` (percentiles by :func:`percentile`): how the A/B scripts
+    report the per-request ratios of two checkouts."""
+    return {"median": statistics.median(values), "p10": percentile(values, 10), "p90": percentile(values, 90),
+            "n": len(values)}  # fmt: skip
+
+
 def median_range(values: Sequence[float], digits: int = 1) -> str:
     """``"median [min-max]"`` of ``values`` with ``digits`` decimals (the spread the benchmark tables print)."""
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
