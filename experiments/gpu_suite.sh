@@ -10,7 +10,7 @@
 #   paged      the paged Triton kernels against SDPA on block tables (experiments/bench_paged_attention.py)
 #   replay     the ShareGPT replay in bf16 (run.py, every mode; CUDA graphs for decode and short prefills)
 #   decode     decode tokens/s of every path at batch 1, 8 and 32 (experiments/bench_decode.py: hf / eager /
-#              graphed)
+#              graphed); DECODE_BATCHES="1 32" narrows the batch sizes
 #   all        every step above
 # MODEL_DIR=folder runs replay, decode and profile on that model instead of the bundled one (e.g. a random-weight copy of
 # its architecture from experiments/random_weights.py, for timing where the weights cannot travel).
@@ -78,7 +78,7 @@ if wants replay; then
     "workload.max_new_tokens=${REPLAY_NEW_TOKENS:-64}" "${model_args[@]}" hydra.run.dir="$out/replay_bf16"
 fi
 if wants decode; then
-  for batch in 1 8 32; do
+  for batch in ${DECODE_BATCHES:-1 8 32}; do
     step "bench_decode_batch$batch" 150 python3 experiments/bench_decode.py --dtypes bfloat16 --contexts 256 1024 \
       --tokens 64 --repeats 3 --batch "$batch" --paths eager graphed "${bench_model[@]}" --out "$out/decode_batch$batch"
   done

@@ -856,17 +856,18 @@ def test_graph_buckets():
 
 # ---------------------------------------------------------------------------------------------- on a GPU
 @needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("compile", [False, True])
-def test_graph_replay_equals_hf_on_cuda(compile):
+def test_graph_replay_equals_hf_on_cuda(compile, arch):
     """Captured decode and prefill graphs replay HF's numbers on the same GPU (fp32, 1e-3), capture per bucket,
-    and never fall back."""
-    model = tiny_model("llama").cuda()
+    and never fall back (qwen2: the q/k/v biases inside the graph)."""
+    model = tiny_model(arch).cuda()
     backend = serve(model)
     runner = LlamaRunner(model, make_pool(model, 48), backend, decode="graphed",
                          graph_options={"compile": compile, "max_batch": 4})  # fmt: skip
     runner.warmup(max_tokens=64)
     assert runner.graphs.fallback_reason is None, runner.graphs.fallback_reason
-    ref = HF(tiny_model("llama").cuda())
+    ref = HF(tiny_model(arch).cuda())
     prompt = random_ids(37, seed=3)
     fed, ref_logits = ref.greedy(prompt, steps=6)
     table = BlockTable(runner.pool)
@@ -899,6 +900,24 @@ def test_engine_decodes_graphed_on_cuda_with_the_greedy_tokens_of_eager():
     eager = engine("eager")
     assert eager.generate(prompt, max_new_tokens=16).output_ids == first.output_ids
     eager.close()
+
+
+@needs_cuda
+def test_graphed_batched_decode_gives_each_row_its_single_run_on_cuda():
+    """generate_batch on CUDA (graphed decode over several rows of the pool): each row's greedy tokens equal the
+    same prompt generated alone (fp32)."""
+    from kvboost import KVBoost
+
+    engine = KVBoost(tiny_model("qwen2").cuda(), ToyTokenizer(), model_identity="tiny-qwen2",
+                     chunker={"name": "fixed", "chunk_size": 16})  # fmt: skip
+    engine.warmup(max_tokens=128)
+    prompts = [random_ids(n, seed=n) for n in (20, 45, 70, 33, 90)]
+    batched = engine.generate_batch(prompts, max_new_tokens=12)
+    assert engine.decode_info()["forwards"]["graphed"] > 0
+    engine.reset_cache()
+    singles = [engine.generate(p, max_new_tokens=12).output_ids for p in prompts]
+    engine.close()
+    assert [r.output_ids for r in batched] == singles
 
 
 # ---------------------------------------------------------------------------------------------- path choice
