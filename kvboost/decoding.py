@@ -11,11 +11,13 @@ import torch
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy when ``do_sample`` is False; otherwise temperature sampling from ``generator``."""
+    """Greedy when ``do_sample`` is False; otherwise temperature sampling from ``generator``, restricted to the
+    ``top_k`` most likely tokens (0: all) and to the smallest set whose probability reaches ``top_p``."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.do_sample and not self.temperature > 0:
@@ -31,6 +33,11 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
         kth = torch.topk(scores, sampling.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if sampling.top_p < 1.0:
+        # nucleus: keep the most likely tokens until their mass reaches top_p (the token that crosses it included)
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= sampling.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

@@ -331,6 +331,26 @@ class InferenceEngine:
                 results[index] = result
         return results  # type: ignore[return-value]
 
+    # ------------------------------------------------------------------ the request loop
+    @property
+    def core(self) -> Any:
+        """The engine's :class:`~kvboost.serving.core.EngineCore` (scheduler and step loop), built on first use."""
+        if getattr(self, "_core", None) is None:
+            from kvboost.serving.core import EngineCore
+
+            self._core = EngineCore(self)
+        return self._core
+
+    def add_request(self, prompt: Prompt, params: Any = None, **options: Any) -> Any:
+        """Queue a request (``params``: :class:`kvboost.serving.SamplingParams`; options: ``cache_salt``, ``chat``,
+        ``request_id``, ``timeout_s``) and return its :class:`~kvboost.serving.RequestHandle`; :meth:`step` runs
+        it. Single-threaded; ``kvboost.serving.EngineLoop`` runs the steps on a thread of their own."""
+        return self.core.submit(prompt, params, **options)
+
+    def step(self) -> list[Any]:
+        """One scheduler iteration over the queued requests; returns the completions that finished in it."""
+        return self.core.step()
+
     # ------------------------------------------------------------------ warm / store
     def warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "") -> WarmResult:
         """Compute and store the KV of ``text`` (a shared system prompt, a document) without generating.
