@@ -294,25 +294,37 @@ class InferenceEngine:
         finishes leaves the batch. ``temperature`` and ``do_sample`` may be given per row. Each row's TTFT counts
         from this call. Greedy rows give the tokens they give alone (fp32 up to rounding; bit-exact under
         ``attn=batch_invariant``)."""
+        from kvboost.serving.core import EngineCore
+        from kvboost.serving.requests import SamplingParams
+
         prompts = list(prompts)
         if not prompts:
             raise ValueError("generate_batch needs at least one prompt")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         temps = per_row(temperature, len(prompts), "temperature")
         samples = per_row(do_sample, len(prompts), "do_sample")
         clock = PhaseClock(self.adapter.device)
-        requests: list[Request] = []
+        # The scheduler of the server, sized for this batch: every row runs at once, in the prompts' order, and the
+        # prompts' suffixes are prefilled in one flat forward.
+        core = EngineCore(self, max_running=len(prompts), max_waiting=None, cache_aware_limit=0)
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            Sampling(samples[i], temps[i])  # the same checks as generate's
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=float(temps[i]) if samples[i] else 0.0)
+            seq = core.prepare(prompt, params, cache_salt=cache_salt, mode=mode, store=store, clock=clock.fork())
+            seq.keep_logits, seq.detokenize = keep_logits, False
+            seqs.append(seq)
+        core.scheduler.max_batch_tokens = max(2048, sum(len(seq.ids) for seq in seqs))
+        for seq in seqs:
+            core.add(seq)
         try:
-            with torch.inference_mode():
-                for i, prompt in enumerate(prompts):
-                    requests.append(pipeline.new_request(self, prompt, max_new_tokens, mode, Sampling(samples[i], temps[i]),
-                                                      cache_salt, store, clock=clock.fork()))  # fmt: skip
-                pipeline.prefill_many(self, requests)
-                while any(not r.done for r in requests):
-                    decode_step(self.runner, requests, self.eos_ids, self.adapter.max_positions)
-                return [pipeline.finish(self, r, keep_logits=keep_logits) for r in requests]
-        finally:
-            for r in requests:
-                r.table.release()
+            while core.has_work():
+                core.step()
+        except BaseException:
+            core.abort_all("error")
+            raise
+        return [seq.result for seq in seqs]
 
     def generate_many(self, prompts: Sequence[Prompt], max_new_tokens: int = 64, **options: Any) -> list[GenerationResult]:
         """``generate_batch`` for prompts that share prefixes: prompts are grouped by their longest common token

@@ -177,14 +177,13 @@ def test_engine_loop_serves_threads_and_asyncio_with_single_run_tokens():
 
 def test_a_full_queue_refuses_with_retry_after_and_keeps_serving():
     engine = make_engine("llama", decode="eager")
-    loop = EngineLoop(engine, max_waiting=2).start()
-    gate = threading.Event()
-    loop.call(lambda e: gate.wait(30))  # hold the loop thread: submissions wait in the inbox
+    loop = EngineLoop(engine, max_waiting=2)
+    loop._running = True  # accepting, its thread not yet started: submissions stay in the inbox
     held = [loop.submit(random_ids(10, seed=i), SamplingParams(max_tokens=2)) for i in range(2)]
     with pytest.raises(QueueFull) as refused:
         loop.submit(random_ids(10, seed=3), SamplingParams(max_tokens=2))
     assert refused.value.retry_after_s >= 1
-    gate.set()
+    loop.start()
     assert all(h.result(60).finish_reason in ("stop", "length") for h in held)
     assert loop.submit(random_ids(10, seed=4), SamplingParams(max_tokens=2)).result(60).output_ids
     loop.shutdown()
@@ -195,10 +194,8 @@ def test_shutdown_ends_requests_in_flight():
     engine = make_engine("llama", decode="eager")
     engine.eos_ids = set()
     loop = EngineLoop(engine).start()
-    gate = threading.Event()
-    loop.call(lambda e: gate.wait(30))
     handle = loop.submit(random_ids(10, seed=1), SamplingParams(max_tokens=500))
-    threading.Timer(0.2, gate.set).start()
+    next(iter(handle))  # it runs
     loop.shutdown()
     assert handle.result(30).finish_reason == "shutdown"
     engine.close()

@@ -153,9 +153,7 @@ class KVPool:
             raise ValueError(f"cannot allocate {count} blocks")
         if count == 0:
             return []
-        if self._num_free < count and self.on_pressure is not None:
-            self.stats.pressure_calls += 1
-            self.on_pressure(count - self._num_free)
+        self.reclaim(count)
         if self._num_free < count:
             raise PoolExhausted(
                 f"the KV pool has {self._num_free} free blocks of {self.block_size} tokens, {count} are needed "
@@ -170,6 +168,14 @@ class KVPool:
         self._num_free -= count
         self.stats.allocated_blocks += count
         return ids
+
+    def reclaim(self, count: int) -> int:
+        """Ask ``on_pressure`` (the cache) to give back blocks until ``count`` are free; returns the free count. A
+        scheduler calls it before admitting work, ``alloc`` before failing."""
+        if self._num_free < count and self.on_pressure is not None:
+            self.stats.pressure_calls += 1
+            self.on_pressure(count - self._num_free)
+        return self._num_free
 
     def _find(self, count: int, after: int | None) -> list[int]:
         run = b"\x01" * count

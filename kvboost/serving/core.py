@@ -39,7 +39,8 @@ class ServeSeq:
     """One request inside the loop: the runtime :class:`Request`, what is left to prefill, its client handle."""
 
     def __init__(self, engine: Any, handle: RequestHandle, params: SamplingParams, ids: list[int], spans: list,
-                 salt: str, clock: PhaseClock, deadline: float | None) -> None:  # fmt: skip
+                 salt: str, clock: PhaseClock, deadline: float | None, *, mode: str = "reuse",
+                 store: bool = True) -> None:  # fmt: skip
         self.engine, self.handle, self.params, self.salt, self.deadline = engine, handle, params, salt, deadline
         self.ids, self.spans, self.clock = ids, spans, clock
         generator = engine.generator
@@ -48,8 +49,8 @@ class ServeSeq:
         sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
                             top_p=params.top_p)  # fmt: skip
         max_new = min(params.max_tokens, (engine.adapter.max_positions or len(ids) + params.max_tokens) - len(ids))
-        self.request = Request(ids, spans, BlockTable(engine.pool), sampling, max_new, salt=salt, generator=generator,
-                               clock=clock)  # fmt: skip
+        self.request = Request(ids, spans, BlockTable(engine.pool), sampling, max_new, mode=mode, salt=salt,
+                               store=store, generator=generator, clock=clock)  # fmt: skip
         self.fed: list[int] = []
         self.fed_pos = 0
         self.decoding = False
@@ -61,6 +62,10 @@ class ServeSeq:
         self.finish_reason: str | None = None
         self.text = ""
         self.emitted = 0
+        self.detokenize = True
+        self.prefix_offset = self.read_offset = 0
+        self.result: Any = None
+        self.keep_logits = False
         self.token_times: list[float] = []
         self.first_token_at: float | None = None
         self.keys = engine.hasher.chunk_keys(ids, spans, engine.fingerprint, salt)
@@ -97,11 +102,13 @@ class EngineCore:
     """Requests in, tokens out, one :meth:`step` at a time (single-threaded; see :class:`EngineLoop` for threads)."""
 
     def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
-                 max_waiting: int | None = 256, request_timeout_s: float | None = None) -> None:  # fmt: skip
+                 max_waiting: int | None = 256, request_timeout_s: float | None = None,
+                 cache_aware_limit: int = 64) -> None:  # fmt: skip
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s!r}")
         self.engine = engine
-        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=max_batch_tokens, max_waiting=max_waiting)
+        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=max_batch_tokens, max_waiting=max_waiting,
+                                   cache_aware_limit=cache_aware_limit)  # fmt: skip
         self.request_timeout_s = request_timeout_s
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
@@ -110,14 +117,18 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests in
     def prepare(self, prompt: Prompt, params: SamplingParams, *, cache_salt: str = "", chat: bool | None = None,
-                request_id: str | None = None, timeout_s: float | None = None, canceller=None) -> ServeSeq:  # fmt: skip
-        """Tokenize and validate a request (no engine state changes; any thread that holds the tokenizer)."""
+                request_id: str | None = None, timeout_s: float | None = None, canceller=None, mode: str = "reuse",
+                store: bool = True, clock: PhaseClock | None = None) -> ServeSeq:  # fmt: skip
+        """Tokenize and validate a request (no engine state changes; any thread that holds the tokenizer).
+        ``mode``/``store`` as ``engine.generate``'s; ``clock``: where the request's TTFT starts (default: now)."""
         engine = self.engine
         if engine._closed:
             raise RuntimeError("this engine is closed")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        clock = PhaseClock(engine.adapter.device)
+        if mode not in pipeline.MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {pipeline.MODES}")
+        clock = clock or PhaseClock(engine.adapter.device)
         ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
         n = len(ids)
         max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
@@ -126,7 +137,7 @@ class EngineCore:
         timeout = timeout_s if timeout_s is not None else self.request_timeout_s
         handle = RequestHandle(request_id or f"req-{next(_ids)}", n, canceller or self._cancel)
         deadline = time.perf_counter() + timeout if timeout else None
-        seq = ServeSeq(engine, handle, params, ids, spans, cache_salt, clock, deadline)
+        seq = ServeSeq(engine, handle, params, ids, spans, cache_salt, clock, deadline, mode=mode, store=store)
         handle._seq = seq  # type: ignore[attr-defined]
         return seq
 
@@ -163,9 +174,7 @@ class EngineCore:
         return finished
 
     def _make_room(self, blocks: int) -> None:
-        pool = self.engine.pool
-        if pool.num_free < blocks and pool.on_pressure is not None:
-            pool.on_pressure(blocks - pool.num_free)
+        self.engine.pool.reclaim(blocks)
 
     def _end_expired(self, finished: list[Completion]) -> None:
         now = time.perf_counter()
@@ -229,6 +238,9 @@ class EngineCore:
                 inputs.append(SeqInput(seq.request.table, [seq.request.tokens[-1]]))
             else:
                 inputs.append(SeqInput(seq.request.table, seq.fed[seq.fed_pos : seq.fed_pos + n]))
+        first_chunks = [seq for seq, _ in rows if not seq.decoding and seq.fed_pos == 0 and not seq.request.tokens]
+        for seq in first_chunks:
+            seq.request.counts.extra.update(batched_prefill=len(first_chunks), layerwise=False)
         logits = self.engine.runner.run(ForwardBatch.build(inputs))
         engine = self.engine
         for row, (seq, n) in enumerate(rows):
@@ -261,32 +273,44 @@ class EngineCore:
     # ------------------------------------------------------------------ tokens out
     def _emit(self, seq: ServeSeq, finished: list[Completion]) -> None:
         """Events for the tokens not yet sent; stop strings end the request; a done request finishes."""
-        request, tokenizer = seq.request, self.engine.tokenizer
+        request = seq.request
         now = time.perf_counter()
         new = request.tokens[len(seq.token_times) :]
         seq.token_times.extend([now] * len(new))
-        text = tokenizer.decode(request.tokens, skip_special_tokens=True)
-        stop_at = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if seq.detokenize:
+            self._detokenize(seq)
+        stop_at = min((i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
         if stop_at >= 0:
-            text = text[:stop_at]
+            seq.text = seq.text[:stop_at]
             seq.finish_reason = "stop"
-        seq.text = text
         done = request.done or seq.finish_reason is not None
-        # hold back what could still become a stop string or an incomplete character
+        if done and seq.detokenize:
+            self._detokenize(seq, final=True)
+            if stop_at >= 0:
+                seq.text = seq.text[:stop_at]
+        # hold back what could still become a stop string
         hold = 0 if done else max((len(s) - 1 for s in seq.params.stop), default=0)
-        upto = len(text) - hold
-        while upto > seq.emitted and text[upto - 1] == "\ufffd" and not done:
-            upto -= 1
+        upto = max(seq.emitted, len(seq.text) - hold)
         for i, token in enumerate(new):
             last = i == len(new) - 1
-            delta = text[seq.emitted : upto] if last and upto > seq.emitted else ""
-            if last:
-                seq.emitted = max(seq.emitted, upto)
+            delta = seq.text[seq.emitted : upto] if last else ""
             seq.handle._push(TokenEvent(token, delta, len(request.tokens) - len(new) + i))
+        seq.emitted = upto
         if done:
             reason = seq.finish_reason or ("stop" if request.tokens and request.tokens[-1] in self.engine.eos_ids
                                            else "length")  # fmt: skip
             finished.append(self._finish(seq, reason))
+
+    def _detokenize(self, seq: ServeSeq, *, final: bool = False) -> None:
+        """Incremental detokenization (a window of tokens per call, not the whole answer): the text of
+        ``tokens[prefix:]`` minus that of ``tokens[prefix:read]`` is what the new tokens add, once it does not end
+        in an incomplete character."""
+        tokens, decode = seq.request.tokens, self.engine.tokenizer.decode
+        before = decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        after = decode(tokens[seq.prefix_offset :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            seq.text += after[len(before) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
 
     def _finish(self, seq: ServeSeq, reason: str, *, error: str | None = None) -> Completion:
         """Store (a request that ended normally), free the blocks, hand the completion to the client."""
@@ -295,7 +319,7 @@ class EngineCore:
         try:
             if reason in ("stop", "length") and request.tokens:
                 request.finish_decoding()
-                pipeline.finish(self.engine, request, keep_logits=False)
+                seq.result = pipeline.finish(self.engine, request, keep_logits=seq.keep_logits)
         finally:
             request.table.release()
         now = time.perf_counter()
