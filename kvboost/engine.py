@@ -36,7 +36,6 @@ from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.runtime import pipeline
 from kvboost.runtime.config import build_runner, choose_runner
-from kvboost.runtime.sequences import Request, decode_step
 from kvboost.types import ChunkSpan, CorrectnessReport, GenerationResult, WarmResult
 
 log = logging.getLogger(__name__)
@@ -271,18 +270,9 @@ class InferenceEngine:
         log-probability goes into ``result.extra["answer_logprob"]`` (after the request, not timed). ``store``:
         False reads the cache without writing it.
         """
-        request = pipeline.new_request(self, prompt, max_new_tokens, mode, Sampling(do_sample=do_sample, temperature=temperature),
-                                    cache_salt, store)  # fmt: skip
-        with torch.inference_mode():
-            try:
-                pipeline.prefill(self, request)
-                if self.speculative.enabled and not request.done:
-                    pipeline.decode_speculatively(self, request)
-                while not request.done:
-                    decode_step(self.runner, [request], self.eos_ids, self.adapter.max_positions)
-                return pipeline.finish(self, request, keep_logits=keep_logits, score_ids=score_ids)
-            finally:
-                request.table.release()
+        return self._run_on_scheduler([prompt], max_new_tokens, [temperature], [do_sample], mode=mode,
+                                      cache_salt=cache_salt, store=store, keep_logits=keep_logits,
+                                      score_ids=score_ids)[0]  # fmt: skip
 
     def generate_batch(
         self, prompts: Sequence[Prompt], max_new_tokens: int = 64, temperature: float | Sequence[float] = 1.0,
@@ -294,26 +284,32 @@ class InferenceEngine:
         finishes leaves the batch. ``temperature`` and ``do_sample`` may be given per row. Each row's TTFT counts
         from this call. Greedy rows give the tokens they give alone (fp32 up to rounding; bit-exact under
         ``attn=batch_invariant``)."""
-        from kvboost.serving.core import EngineCore
-        from kvboost.serving.requests import SamplingParams
-
         prompts = list(prompts)
         if not prompts:
             raise ValueError("generate_batch needs at least one prompt")
+        return self._run_on_scheduler(prompts, max_new_tokens, per_row(temperature, len(prompts), "temperature"),
+                                      per_row(do_sample, len(prompts), "do_sample"), mode=mode, cache_salt=cache_salt,
+                                      store=store, keep_logits=keep_logits)  # fmt: skip
+
+    def _run_on_scheduler(self, prompts: list[Prompt], max_new_tokens: int, temps: list[float], samples: list[bool], *,
+                          mode: str, cache_salt: str, store: bool, keep_logits: bool,
+                          score_ids: Sequence[int] | None = None) -> list[GenerationResult]:  # fmt: skip
+        """``generate`` / ``generate_batch``: the server's scheduler, sized for these prompts: every row runs at
+        once, in the prompts' order, and their suffixes are prefilled in one flat forward. Each row's TTFT counts
+        from this call."""
+        from kvboost.serving.core import EngineCore
+        from kvboost.serving.requests import SamplingParams
+
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        temps = per_row(temperature, len(prompts), "temperature")
-        samples = per_row(do_sample, len(prompts), "do_sample")
         clock = PhaseClock(self.adapter.device)
-        # The scheduler of the server, sized for this batch: every row runs at once, in the prompts' order, and the
-        # prompts' suffixes are prefilled in one flat forward.
         core = EngineCore(self, max_running=len(prompts), max_waiting=None, cache_aware_limit=0)
         seqs = []
-        for i, prompt in enumerate(prompts):
-            Sampling(samples[i], temps[i])  # the same checks as generate's
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=float(temps[i]) if samples[i] else 0.0)
+        for prompt, temperature, do_sample in zip(prompts, temps, samples, strict=True):
+            Sampling(do_sample, temperature)  # generate's checks (a sampled row needs a temperature > 0)
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=float(temperature) if do_sample else 0.0)
             seq = core.prepare(prompt, params, cache_salt=cache_salt, mode=mode, store=store, clock=clock.fork())
-            seq.keep_logits, seq.detokenize = keep_logits, False
+            seq.keep_logits, seq.detokenize, seq.score_ids = keep_logits, False, score_ids
             seqs.append(seq)
         core.scheduler.max_batch_tokens = max(2048, sum(len(seq.ids) for seq in seqs))
         for seq in seqs:

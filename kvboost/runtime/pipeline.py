@@ -1,6 +1,6 @@
-"""A request's way through the engine: validation, lookup, prefill (one or many), first token, speculative
-decoding, storing and the result. ``InferenceEngine.generate`` / ``generate_batch`` / ``warm`` are thin layers over
-these functions; a scheduler (serving) calls the same ones.
+"""A request's steps through the engine: memory check, lookup, prefill of a plan with content hits, first token,
+speculative decoding, storing and the result. The scheduler (:mod:`kvboost.serving.core`), which serves
+``generate``, ``generate_batch`` and the HTTP server, calls these; ``warm`` is here too.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from kvboost.cache.pooled import PooledKV
 from kvboost.cache.sequence_store import store_sequence
-from kvboost.decoding import DecodeOutput, Sampling, pick_token
-from kvboost.generation import PhaseClock, ReuseCounts, build_result
+from kvboost.decoding import DecodeOutput, pick_token
+from kvboost.generation import PhaseClock, build_result
 from kvboost.kv.block_table import BlockTable
 from kvboost.lookup import lookup
 from kvboost.plan import ReusePlan
@@ -28,24 +28,6 @@ from kvboost.types import ChunkSpan, GenerationResult, WarmResult
 #: ``generate(mode=...)``: ``reuse`` reads and writes the cache; ``cold`` runs the same engine path (tokenizer,
 #: pool, runner, attention backend) with the cache neither read nor written.
 MODES = ("reuse", "cold")
-
-
-def new_request(engine: Any, prompt: Prompt, max_new_tokens: int, mode: str, sampling: Sampling, salt: str,
-                 store: bool, clock: PhaseClock | None = None) -> Request:  # fmt: skip
-    clock = clock or PhaseClock(engine.adapter.device)
-    if engine._closed:
-        raise RuntimeError("this engine is closed")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    ids, spans = engine.tokenize_with_spans(prompt)
-    n = len(ids)
-    max_new_tokens = min(max_new_tokens, (engine.adapter.max_positions or n + max_new_tokens) - n)
-    check_memory(engine, n + max_new_tokens)
-    clock.mark("tokenized")
-    return Request(ids, spans, BlockTable(engine.pool), sampling, max_new_tokens, mode=mode, salt=salt, store=store,
-                   generator=engine.generator, clock=clock)  # fmt: skip
 
 
 def check_memory(engine: Any, rows: int) -> None:
@@ -84,30 +66,6 @@ def prefill(engine: Any, request: Request, *, looked_up: bool = False) -> None:
     outcome = run_prefill(reuse_context(engine), request.plan, request.table, request.clock,
                           check_schedule=request.mode == "reuse")  # fmt: skip
     first_token(engine, request, outcome.logits, outcome.counts, outcome.approx_from)
-
-
-def prefill_many(engine: Any, requests: list[Request]) -> None:
-    """Prefills of several requests: those whose plan has no content hit as one flat forward (their exact
-    prefixes assembled by reference first), the others one by one."""
-    plain: list[Request] = []
-    for request in requests:
-        request.plan = plan_for(engine, request)
-        request.clock.mark("looked_up")
-        if request.plan.content_tokens:
-            prefill(engine, request, looked_up=True)
-        else:
-            assemble_exact(request.plan, request.table, engine.quantizer)
-            request.clock.mark("assembled")
-            plain.append(request)
-    if plain:
-        batch = ForwardBatch.build([SeqInput(r.table, r.ids[r.plan.exact_prefix :]) for r in plain])
-        logits = engine.runner.run(batch)
-        for row, request in enumerate(plain):
-            plan = request.plan
-            counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
-                                 content_tokens=0, extra={"prefill_tokens": len(plan) - plan.exact_prefix,
-                                                          "layerwise": False, "batched_prefill": len(plain)})  # fmt: skip
-            first_token(engine, request, logits[row], counts, None)
 
 
 def first_token(engine: Any, request: Request, logits: torch.Tensor, counts: Any, approx_from: int | None) -> None:

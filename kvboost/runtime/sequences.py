@@ -1,10 +1,9 @@
-"""A request in flight (:class:`Request`) and the batched decode step every generation path shares.
+"""A request in flight (:class:`Request`): its prompt, block table, sampling settings and tokens so far.
 
-``generate`` runs one request, ``generate_batch`` many: their prompts' prefills, then one decode forward per step
-for every running row (:func:`decode_step`); a row that reaches end-of-sequence, its ``max_new_tokens`` or the
-model's context leaves the batch. Each row samples with its own settings and generator, so a row's tokens do not
-depend on which other rows share its forwards (greedy rows: the same tokens as alone, up to the arithmetic of a
-batched GEMM; exactly under ``attn=batch_invariant``).
+The scheduler (:mod:`kvboost.serving.core`) runs requests in flat batches; a request that reaches end-of-sequence,
+its ``max_new_tokens`` or the model's context leaves. Each request samples with its own settings and generator, so
+its tokens do not depend on which others share its forwards (greedy: the same tokens as alone, up to the arithmetic
+of a batched GEMM; exactly under ``attn=batch_invariant``).
 """
 
 from __future__ import annotations
@@ -15,11 +14,10 @@ from typing import Any
 
 import torch
 
-from kvboost.decoding import Sampling, pick_token
+from kvboost.decoding import Sampling
 from kvboost.generation import PhaseClock, ReuseCounts
 from kvboost.kv.block_table import BlockTable
 from kvboost.plan import ReusePlan
-from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.types import ChunkSpan
 
 
@@ -70,15 +68,3 @@ class Request:
             self.done = True
             if self.decode_started:
                 self.decode_seconds = time.perf_counter() - self.decode_started
-
-
-def decode_step(runner: Any, requests: list[Request], eos_ids: set[int], max_positions: int | None) -> None:
-    """One decode forward for every running request: each feeds its last token (not yet in its cache) and gets
-    its next one."""
-    running = [r for r in requests if not r.done]
-    if not running:
-        return
-    batch = ForwardBatch.build([SeqInput(r.table, [r.tokens[-1]]) for r in running])
-    logits = runner.run(batch)
-    for row, request in enumerate(running):
-        request.accept(pick_token(logits[row], request.sampling, request.generator), eos_ids, max_positions)

@@ -68,7 +68,8 @@ class ServeSeq:
         self.keep_logits = False
         self.token_times: list[float] = []
         self.first_token_at: float | None = None
-        self.keys = engine.hasher.chunk_keys(ids, spans, engine.fingerprint, salt)
+        self._keys: list | None = None
+        self.score_ids: Sequence[int] | None = None
 
     # ------------------------------------------------------------------ for the scheduler
     def pending_tokens(self) -> int:
@@ -89,9 +90,12 @@ class ServeSeq:
     @property
     def cached_prefix(self) -> int:
         """Tokens of the prompt's leading chunks in the store now (no access counted), for the queue order."""
-        store = self.engine.store
+        engine = self.engine
+        if self._keys is None:  # hashed once, when the queue is first ordered with this request in it
+            self._keys = engine.hasher.chunk_keys(self.ids, self.spans, engine.fingerprint, self.salt)
         cached = 0
-        for key, span in zip(self.keys, self.spans, strict=False):
+        store = engine.store
+        for key, span in zip(self._keys, self.spans, strict=False):
             if key.prefix_key not in store:
                 break
             cached = span.end
@@ -207,13 +211,15 @@ class EngineCore:
             self._after_first_token(seq, finished)
             seq.decoding = not request.done
             return
-        assemble_exact(plan, request.table, engine.quantizer)
+        assembly = assemble_exact(plan, request.table, engine.quantizer)
         request.clock.mark("assembled")
         seq.fed = request.ids[plan.exact_prefix :] + (list(request.tokens) if resumed else [])
         seq.fed_pos = 0
         if not resumed:
             request.counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
-                                         content_tokens=0, extra={"prefill_tokens": len(plan) - plan.exact_prefix})  # fmt: skip
+                                         content_tokens=0, extra={"prefill_tokens": len(plan) - plan.exact_prefix,
+                                                                  "shared_blocks": assembly.shared_blocks,
+                                                                  "loaded_rows": assembly.loaded_rows})  # fmt: skip
             self._count_reuse(seq)
 
     def _count_reuse(self, seq: ServeSeq) -> None:
@@ -319,7 +325,7 @@ class EngineCore:
         try:
             if reason in ("stop", "length") and request.tokens:
                 request.finish_decoding()
-                seq.result = pipeline.finish(self.engine, request, keep_logits=seq.keep_logits)
+                seq.result = pipeline.finish(self.engine, request, keep_logits=seq.keep_logits, score_ids=seq.score_ids)
         finally:
             request.table.release()
         now = time.perf_counter()
