@@ -28,15 +28,20 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """Next token id from last-position ``logits`` [vocab]."""
     if not sampling.do_sample:
         return int(torch.argmax(logits).item())
+    # A temperature this small is greedy in all but name; dividing by it would overflow to inf and NaN.
+    if sampling.temperature < 1e-5:
+        return int(torch.argmax(logits).item())
     scores = logits.float() / sampling.temperature
-    if sampling.top_k > 0:
+    if 0 < sampling.top_k < scores.numel():
         kth = torch.topk(scores, sampling.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if sampling.top_p < 1.0:
-        # nucleus: keep the most likely tokens until their mass reaches top_p (the token that crosses it included)
+        # nucleus: keep the most likely tokens until their mass reaches top_p (the token that crosses it included;
+        # the most likely one always)
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= sampling.top_p
+        outside[0] = False
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator).item())
 

@@ -238,3 +238,41 @@ def test_waiting_order_is_cache_aware_then_fcfs():
         long_queue.add(q)
     long_queue.order_waiting()
     assert list(long_queue.waiting) == fcfs
+
+
+def test_a_failing_request_ends_alone_and_the_loop_keeps_serving(monkeypatch):
+    """An exception while one request samples (here a planted one) ends that request with finish_reason "error";
+    the requests batched with it finish normally and the loop goes on serving."""
+    import kvboost.serving.core as core_module
+
+    real = core_module.pick_token
+
+    def planted(logits, sampling, generator=None):
+        if sampling.top_k == 7:
+            raise RuntimeError("planted sampling failure")
+        return real(logits, sampling, generator)
+
+    monkeypatch.setattr(core_module, "pick_token", planted)
+    engine = make_engine("llama", decode="eager")
+    loop = EngineLoop(engine).start()
+    bad = loop.submit(random_ids(20, seed=1), SamplingParams(max_tokens=4, temperature=1.0, top_k=7))
+    good = loop.submit(random_ids(30, seed=2), SamplingParams(max_tokens=4))
+    assert bad.result(30).finish_reason == "error" and "planted" in bad.result(30).error
+    assert good.result(30).finish_reason in ("stop", "length")
+    assert loop.submit(random_ids(10, seed=3), SamplingParams(max_tokens=2)).result(30).output_ids
+    assert loop.running and loop.error is None
+    loop.shutdown()
+    monkeypatch.setattr(core_module, "pick_token", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted")))
+    with pytest.raises(RuntimeError, match="planted"):  # generate() lets it reach its caller
+        engine.generate(random_ids(20, seed=1), 4)
+    engine.reset_cache()
+    assert engine.pool.num_used == 0
+    engine.close()
+
+
+def test_extreme_sampling_values_do_not_fail():
+    from kvboost.decoding import Sampling, pick_token
+
+    logits = __import__("torch").randn(50)
+    for sampling in (Sampling(True, 1e-300), Sampling(True, 1.0, top_k=10**6), Sampling(True, 1.0, top_p=5e-324)):
+        assert 0 <= pick_token(logits, sampling) < 50

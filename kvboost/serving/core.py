@@ -107,13 +107,16 @@ class EngineCore:
 
     def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
                  max_waiting: int | None = 256, request_timeout_s: float | None = None,
-                 cache_aware_limit: int = 64) -> None:  # fmt: skip
+                 cache_aware_limit: int = 64, isolate_errors: bool = False) -> None:  # fmt: skip
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s!r}")
         self.engine = engine
         self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=max_batch_tokens, max_waiting=max_waiting,
                                    cache_aware_limit=cache_aware_limit)  # fmt: skip
         self.request_timeout_s = request_timeout_s
+        # A server ends only the request that failed (finish_reason "error") and keeps serving the others;
+        # generate() / generate_batch() let the exception reach their caller.
+        self.isolate_errors = isolate_errors
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
                          "prompt_tokens": 0, "generation_tokens": 0}  # fmt: skip
@@ -168,14 +171,37 @@ class EngineCore:
         pool = self.engine.pool
         free = lambda: pool.num_free
         with torch.inference_mode():
-            self.scheduler.admit(free, self._make_room, lambda seq: self._start(seq, finished))
+            self.scheduler.admit(free, self._make_room, lambda seq: self._guarded(seq, finished, self._start, seq,
+                                                                                  finished))  # fmt: skip
             plan = self.scheduler.plan_step(free, self._make_room)
             for seq in plan.preempted:
                 self._preempt(seq)
             if plan.rows:
-                self._forward(plan.rows, finished)
+                try:
+                    self._forward(plan.rows, finished)
+                except Exception as exc:
+                    if not self.isolate_errors:
+                        raise
+                    for seq, _ in plan.rows:  # the forward itself failed: each of its rows ends with the error
+                        if seq in self.scheduler.running:
+                            self._fail(seq, exc, finished)
         self.counters["steps"] += 1
         return finished
+
+    def _guarded(self, seq: ServeSeq, finished: list[Completion], fn, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            if not self.isolate_errors:
+                raise
+            self._fail(seq, exc, finished)
+
+    def _fail(self, seq: ServeSeq, exc: Exception, finished: list[Completion]) -> None:
+        import logging
+
+        logging.getLogger(__name__).exception("kvboost: request %s failed", seq.handle.request_id, exc_info=exc)
+        if not seq.handle.done:
+            finished.append(self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}"))
 
     def _make_room(self, blocks: int) -> None:
         self.engine.pool.reclaim(blocks)
@@ -248,26 +274,25 @@ class EngineCore:
         for seq in first_chunks:
             seq.request.counts.extra.update(batched_prefill=len(first_chunks), layerwise=False)
         logits = self.engine.runner.run(ForwardBatch.build(inputs))
-        engine = self.engine
         for row, (seq, n) in enumerate(rows):
-            request = seq.request
-            if seq.decoding:
-                request.accept(pick_token(logits[row], request.sampling, request.generator), engine.eos_ids,
-                               engine.adapter.max_positions)  # fmt: skip
-                self._emit(seq, finished)
-                continue
+            self._guarded(seq, finished, self._after_forward, seq, n, logits[row], finished)
+
+    def _after_forward(self, seq: ServeSeq, n: int, logits: torch.Tensor, finished: list[Completion]) -> None:
+        """The row's new token (a decode row, or a prefill whose last chunk ran), or nothing (a prompt chunk)."""
+        engine, request = self.engine, seq.request
+        if not seq.decoding:
             seq.fed_pos += n
             if seq.fed_pos < len(seq.fed):
-                continue  # a prompt chunk: the next one comes next step
-            if request.tokens:  # a resumed request: its prefill's logits give the next token
-                request.accept(pick_token(logits[row], request.sampling, request.generator), engine.eos_ids,
-                               engine.adapter.max_positions)  # fmt: skip
-                seq.decoding = not request.done
-                self._emit(seq, finished)
-                continue
-            pipeline.first_token(engine, request, logits[row], request.counts, None)
-            self._after_first_token(seq, finished)
-            seq.decoding = not request.done and seq.finish_reason is None
+                return  # a prompt chunk: the next one comes next step
+            if not request.tokens:  # the prompt's last chunk: the first token (TTFT)
+                pipeline.first_token(engine, request, logits, request.counts, None)
+                self._after_first_token(seq, finished)
+                seq.decoding = not request.done and seq.finish_reason is None
+                return
+            seq.decoding = True  # a resumed request: its prefill's logits give its next token
+        request.accept(pick_token(logits, request.sampling, request.generator), engine.eos_ids,
+                       engine.adapter.max_positions)  # fmt: skip
+        self._emit(seq, finished)
 
     def _after_first_token(self, seq: ServeSeq, finished: list[Completion]) -> None:
         seq.first_token_at = time.perf_counter()

@@ -33,7 +33,7 @@ class EngineLoop:
                  max_waiting: int | None = 256, request_timeout_s: float | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.core = EngineCore(engine, max_running=max_running, max_batch_tokens=max_batch_tokens,
-                               max_waiting=None, request_timeout_s=request_timeout_s)  # fmt: skip
+                               max_waiting=None, request_timeout_s=request_timeout_s, isolate_errors=True)  # fmt: skip
         self.max_waiting = max_waiting
         self._tok_lock = threading.RLock()
         self._cond = threading.Condition()

@@ -1,0 +1,342 @@
+"""``kvboost-server``: serve one engine over the OpenAI API (``python -m kvboost.serving`` is the same command).
+
+    kvboost-server                                            # the bundled SmolLM2 on 127.0.0.1:8000
+    kvboost-server --port 8001 --api-key k1 --api-key k2      # two tenants, each its own cache salt
+    kvboost-server --disk-cache-dir /data/kv --kv-cache-bits 8 recompute=cacheblend chunker=separator
+    kvboost-server model=tiny_random engine.decode=eager      # a random tiny model: every path in seconds
+
+Trailing ``key=value`` arguments are Hydra overrides of ``configs/config.yaml``, composed exactly as ``run.py``
+composes them; the flags are shorthands for the common ones (``--recompute-strategy X`` = ``recompute=X``,
+``--kv-cache-bits 8`` = ``quant=kivi8``, ``--chunk-size N`` = ``chunker.chunk_size=N``, ``--model P`` =
+``model.name_or_path=P``, ``--dtype D`` = ``model.dtype=D``, ``--disk-cache-dir D`` = a memory tier over a
+write-through disk tier in ``D``). A flag and an override that disagree are an error. ``cache=[memory,disk]`` (a
+list of tier names) builds that stack of tiers, fastest first; ``cache.1.path=...`` then sets a field of the second.
+Everything is validated before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvboost.server")
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+KV_BITS = {16: "none", 8: "kivi8", 4: "kivi4"}
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+#: seconds uvicorn waits for open connections at SIGINT/SIGTERM before cancelling them (streams end at once)
+GRACEFUL_SHUTDOWN_S = 10
+
+
+class UsageError(ValueError):
+    """A command line that no server could run (reported before anything is loaded)."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535; 0 = any free port), got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flags and ``KEY=VALUE`` overrides in any order (``parse_args`` is ``parse_intermixed_args``)."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        return self.parse_intermixed_args(args, namespace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="kvboost-server", description="OpenAI-compatible HTTP server over the kvboost engine loop.",
+        epilog="Trailing KEY=VALUE arguments are Hydra overrides of configs/config.yaml (as for run.py), e.g. "
+               "recompute=cacheblend quant=kivi8 'cache=[memory,redis]' engine.decode=eager model=tiny_random.",
+    )  # fmt: skip
+    p.add_argument("--model", help="HF id or local folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the name clients send as `model` (default: from the model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--dtype", help="model dtype: auto | float32 | bfloat16 | float16 (= model.dtype)")
+    p.add_argument("--recompute-strategy", help="content-reuse repair: none | selective | cacheblend | query_aware | "
+                   "full | oracle (= recompute=NAME)")  # fmt: skip
+    p.add_argument("--kv-cache-bits", type=int, choices=sorted(KV_BITS), help="stored KV precision: 16 (quant=none), "
+                   "8 (quant=kivi8), 4 (quant=kivi4)")  # fmt: skip
+    p.add_argument("--chunk-size", type=_positive_int, help="tokens per cache chunk (= chunker.chunk_size=N)")
+    p.add_argument("--disk-cache-dir", help="add a disk tier below memory in this folder, written through "
+                   "(survives restarts and crashes; cache.1.write_through=false: written back at eviction/shutdown "
+                   "only)")  # fmt: skip
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="accept this key (repeatable; each key is a tenant with its own cache salt); also "
+                        "$KVBOOST_API_KEYS (comma-separated)")  # fmt: skip
+    p.add_argument(
+        "--salt-secret",
+        help="secret the tenants' cache salts are derived from (also "
+        "$KVBOOST_SALT_SECRET; default: a secret kept in $KVBOOST_CACHE_DIR/server_secret, mode 0600)",
+    )
+    p.add_argument("--max-running", type=_positive_int, default=64, help="requests decoding together (default 64)")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=2048,
+                   help="tokens per engine step (prefill chunks + decode rows; default 2048)")  # fmt: skip
+    p.add_argument("--max-waiting", type=_non_negative_int, default=256,
+                   help="queued requests before 429 (default 256; 0 = unbounded)")  # fmt: skip
+    p.add_argument("--request-timeout", type=_positive_float, help="seconds a request may take before 504")
+    p.add_argument("--max-model-len", type=_positive_int, help="context limit below the model's own")
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="accepted for compatibility, no effect: the loop batches whatever is waiting at each step "
+                        "(continuous batching), so no request waits for a window")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of configs/config.yaml")
+    return p
+
+
+# ---------------------------------------------------------------------- config
+def _split(override: str) -> tuple[str, str]:
+    if "=" not in override:
+        raise UsageError(f"override {override!r} is not KEY=VALUE")
+    key, value = override.split("=", 1)
+    return key.lstrip("+~"), value.strip().strip("'\"")
+
+
+def _tier_list(value: str) -> list[str] | None:
+    """``[memory,disk]`` -> ``["memory", "disk"]``; None for anything else (Hydra handles it)."""
+    value = value.strip()
+    if not (value.startswith("[") and value.endswith("]")):
+        return None
+    names = [n.strip().strip("'\"") for n in value[1:-1].split(",") if n.strip()]
+    if not names or any(not n.replace("_", "").isalnum() for n in names):
+        return None
+    return names
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The Hydra overrides the flags stand for (key -> value)."""
+    out: dict[str, str] = {}
+    if args.model:
+        out["model.name_or_path"] = args.model
+    if args.dtype:
+        out["model.dtype"] = args.dtype
+    if args.recompute_strategy:
+        out["recompute"] = args.recompute_strategy
+    if args.kv_cache_bits is not None:
+        out["quant"] = KV_BITS[args.kv_cache_bits]
+    if args.chunk_size is not None:
+        out["chunker.chunk_size"] = str(args.chunk_size)
+    return out
+
+
+def compose_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config of ``configs/config.yaml`` + the flags + the overrides, checked (no model loaded)."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments.config_check import check_config
+
+    if not CONFIG_DIR.is_dir():
+        raise UsageError(f"the config folder {CONFIG_DIR} is missing (kvboost-server runs from a source checkout)")
+    flags = flag_overrides(args)
+    hydra_overrides: list[str] = []
+    tiers: list[str] | None = None
+    tier_fields: list[tuple[str, str]] = []
+    for override in args.overrides:
+        key, value = _split(override)
+        if key in flags and flags[key] != value:
+            raise UsageError(f"{override!r} disagrees with the flag that sets {key}={flags[key]}; give one of them")
+        if key == "model" and args.model:
+            raise UsageError(f"{override!r} and --model both choose the model; give one of them")
+        if args.disk_cache_dir and (key in ("cache", "cache.1.path") or key.startswith("cache.path")):
+            raise UsageError(f"{override!r}: --disk-cache-dir sets the cache tiers and the disk folder; give either "
+                             "the flag or this override")  # fmt: skip
+        if key == "cache" and (names := _tier_list(value)) is not None:
+            tiers = names  # Hydra would merge a list of group options into one tier; the stack is built below
+            continue
+        if key.startswith("cache.") and key.split(".")[1].isdigit():
+            tier_fields.append((key, value))  # a field of one tier of the stack
+            continue
+        hydra_overrides.append(override)
+    hydra_overrides += [f"{k}={v}" for k, v in flags.items() if k not in {_split(o)[0] for o in args.overrides}]
+    if args.disk_cache_dir:
+        tiers = ["memory", "disk"]
+        # write-through: a server killed without a clean shutdown (OOM, SIGKILL) keeps what it computed; write-back
+        # would spill to disk only at eviction or close (`cache.1.write_through=false` chooses it)
+        tier_fields[:0] = [("cache.1.path", str(Path(args.disk_cache_dir).expanduser().resolve())),
+                           ("cache.1.write_through", "true")]  # fmt: skip
+    if tier_fields and tiers is None:
+        raise UsageError(f"{tier_fields[0][0]}: indexed cache fields need a stack of tiers (cache=[memory,disk] or "
+                         "--disk-cache-dir)")  # fmt: skip
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=hydra_overrides)
+            if tiers is not None:
+                stack = [compose(config_name=f"cache/{name}").cache for name in tiers]
+                OmegaConf.set_struct(cfg, False)
+                cfg.cache = OmegaConf.create([OmegaConf.to_container(t) for t in stack])
+                for key, value in tier_fields:
+                    OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, merge=False)
+    except UsageError:
+        raise
+    except Exception as exc:  # Hydra's errors name the bad override; say which command it came from
+        raise UsageError(f"config: {exc}") from exc
+    plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    try:
+        check_config(plain)
+    except Exception as exc:
+        raise UsageError(f"config: {exc}") from exc
+    return plain
+
+
+def served_name(args: argparse.Namespace, cfg: dict[str, Any]) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    model = cfg.get("model") or {}
+    if model.get("name_or_path"):
+        return Path(str(model["name_or_path"]).rstrip("/")).name or str(model["name_or_path"])
+    return "tiny-random" if model.get("random_init") else BUNDLED_NAME
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Fail now, not after the model loaded, if the address cannot be bound (in use, no such interface)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UsageError(f"--host {host}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _describe(cfg: dict[str, Any]) -> str:
+    def name(spec: Any) -> str:
+        return spec.get("name", "?") if isinstance(spec, dict) else str(spec)
+
+    cache = cfg.get("cache")
+    tiers = "+".join(name(t) for t in cache) if isinstance(cache, list) else name(cache or {"name": "memory"})
+    return (f"recompute={name(cfg.get('recompute'))} quant={name(cfg.get('quant'))} chunker={name(cfg.get('chunker'))}"
+            f" cache={tiers}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = compose_config(args)
+        from kvboost.serving.tenancy import SECRET_ENV, Tenancy, keys_from_env
+
+        keys = list(args.api_key or []) + keys_from_env()
+        secret = args.salt_secret or os.environ.get(SECRET_ENV) or None
+        Tenancy(keys, secret)  # the secret file is read (or made) now: a bad one fails before the model loads
+        check_bindable(args.host, args.port)
+    except (UsageError, PermissionError, ValueError) as exc:
+        print(f"kvboost-server: error: {exc}", file=sys.stderr)
+        return 2
+    if keys and not args.salt_secret and not os.environ.get(SECRET_ENV):
+        log.info("tenant salts derive from the secret in the kvboost cache folder (server_secret)")
+    if not _is_loopback(args.host) and not keys:
+        log.warning("binding %s without an API key: anyone who reaches this port can use the model and its cache "
+                    "(pass --api-key or KVBOOST_API_KEYS)", args.host)  # fmt: skip
+    if args.batch_window_ms:
+        log.info("--batch-window-ms has no effect: the loop batches whatever is waiting at each step")
+    return serve(args, cfg, keys, secret)
+
+
+def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret: str | None) -> int:
+    import torch
+    import uvicorn
+
+    from experiments.runner import build_engine
+    from kvboost.serving.loop import EngineLoop
+    from kvboost.serving.server import create_app
+
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(int(cfg.get("seed") or 0))
+    engine = build_engine(cfg)
+    try:
+        if cfg.get("warmup", True):
+            engine.warmup()  # compile the decode step now, not inside the first client's request
+        loop = EngineLoop(
+            engine,
+            max_running=args.max_running,
+            max_batch_tokens=args.max_batch_tokens,
+            max_waiting=args.max_waiting or None,
+            request_timeout_s=args.request_timeout,
+        ).start()
+        name = served_name(args, cfg)
+        app = create_app(loop, model_name=name, api_keys=keys, server_secret=secret, max_model_len=args.max_model_len)
+    except BaseException:
+        engine.close()
+        raise
+    # uvicorn runs the lifespan's shutdown after SIGINT/SIGTERM and the open connections: stop the loop (requests
+    # still in flight end with "shutdown"), then close the engine, which flushes the disk tier.
+    app.state.shutdown_hooks += [loop.shutdown, engine.close]
+    settings = f"{_describe(cfg)} keys={len(keys)} max_running={args.max_running} max_waiting={args.max_waiting}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                port = self.servers[0].sockets[0].getsockname()[1] if self.servers else args.port
+                host = f"[{args.host}]" if ":" in args.host else args.host
+                print(f"kvboost-server ready: http://{host}:{port}/v1 model={name} {settings}", flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")  # fmt: skip
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the graceful shutdown
+        pass
+    finally:
+        # the lifespan ran these already on a clean exit; both are idempotent, and a failed start needs them
+        loop.shutdown()
+        engine.close()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,495 @@
+"""The OpenAI-compatible HTTP server: a thin FastAPI layer over :class:`~kvboost.serving.loop.EngineLoop`.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
+``POST /tokenize``, ``POST /v1/cache/warm``, ``GET /health``, ``GET /metrics``. Every error is OpenAI's envelope
+``{"error": {"message", "type", "param", "code"}}``, never FastAPI's ``{"detail": ...}``:
+
+==========  ===========================================================================================
+status      when (``type`` / ``code``)
+==========  ===========================================================================================
+400         bad JSON, unknown or missing field, bad value, unsupported feature, n != 1, prompt over the
+            context (``invalid_request_error``; ``code`` says which)
+401         API keys configured and the request carries none of them (``authentication_error``)
+404         unknown model (``model_not_found``) or route (``not_found_error``)
+405         method not allowed on a route (``method_not_allowed``; ``Allow`` header)
+413         body over :data:`MAX_BODY_BYTES`
+429         the loop's queue is full (``rate_limit_error`` / ``queue_full``; ``Retry-After`` in seconds)
+500         anything unexpected, or a request the engine failed (``server_error``); the server keeps serving
+503         the loop is stopped or shutting down (``service_unavailable``; ``Retry-After``)
+504         the request ran past its deadline (``--request-timeout``) (``timeout`` / ``request_timeout``)
+==========  ===========================================================================================
+
+A stream that already sent its headers reports a late error (timeout, shutdown, engine failure) as one
+``data: {"error": {...}}`` event, then ``data: [DONE]``. A client that disconnects (streaming or not) cancels its
+request: the loop frees its blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvboost.prompts import PromptError
+from kvboost.serving import protocol as P
+from kvboost.serving.metrics import ServerMetrics
+from kvboost.serving.requests import Completion, LoopStopped, QueueFull, RequestHandle
+from kvboost.serving.tenancy import AuthError, Tenancy, Tenant
+
+log = logging.getLogger(__name__)
+
+#: bodies larger than this are refused (413) before they are parsed
+MAX_BODY_BYTES = 16 * 2**20
+#: Retry-After (seconds) when the loop is stopped: a supervisor restarting the server takes about this long
+STOPPED_RETRY_AFTER_S = 5
+#: paths that need no API key (probes and scrapers); everything else does when keys are configured
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+
+try:  # chat templates raise jinja's errors for messages they refuse (roles out of order...): a client error
+    from jinja2.exceptions import TemplateError as _TemplateError
+except ImportError:  # pragma: no cover - transformers depends on jinja2
+    _TemplateError = ValueError  # type: ignore[assignment,misc]
+
+CLIENT_ERRORS = (PromptError, ValueError, TypeError, _TemplateError)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)  # fmt: skip
+
+    def event(self) -> str:
+        """The error as a stream event (the status travels as ``code`` when the envelope has none)."""
+        return json.dumps(P.error_body(self.message, self.type, self.param, self.code or self.status))
+
+
+# ---------------------------------------------------------------------- errors
+#: pydantic names a union's member in the error location ("str", "list[int]", "constrained-str"...): not a field
+_TYPE_TAGS = ("str", "int", "float", "bool", "none", "constrained-str", "constrained-int")
+_TYPE_TAG_PREFIXES = ("list[", "dict[", "function-", "union[", "tagged-union[", "literal[", "nullable[", "constrained-")
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``messages[0].role`` (union member tags left out)."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part not in _TYPE_TAGS and not str(part).startswith(_TYPE_TAG_PREFIXES) and "[" not in str(part):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = list(exc.errors())
+    if not errors:
+        return APIError(400, "invalid request body", code="invalid_request")
+    # With unions pydantic reports one error per branch; the first one names the field well enough.
+    err = errors[0]
+    kind, loc = err.get("type", ""), tuple(err.get("loc", ()))
+    param = _param(loc)
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the body is not valid JSON{': ' + str(detail) if detail else ''}", code="invalid_json")
+    if kind == "missing" and param is None:
+        return APIError(400, "a JSON object body is required", code="missing_body")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unknown field {param!r}", param=param, code="unknown_field")
+    if kind == "missing":
+        return APIError(400, f"missing required field {param!r}", param=param, code="missing_field")
+    message = str(err.get("msg", "invalid value"))
+    if kind == "value_error":  # our validators: the message names the field already
+        message = str((err.get("ctx") or {}).get("error", message))
+        return APIError(400, message, param=param, code="unsupported_value" if "not supported" in message
+                        else "invalid_value")  # fmt: skip
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        return APIError(404, f"no route {request.url.path}", "not_found_error", code="not_found", headers=headers)
+    if exc.status_code == 405:
+        return APIError(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed",
+                        code="method_not_allowed", headers=headers)  # fmt: skip
+    kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), kind, headers=headers)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """Outermost layer of the app: authenticates (the tenant goes into ``scope["state"]``), bounds the body, and
+    turns any exception that escaped the handlers into a 500 envelope (logged) so one bad request never takes the
+    server down or leaks a traceback."""
+
+    def __init__(self, app: ASGIApp, tenancy: Tenancy, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.tenancy, self.max_body_bytes = app, tenancy, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        async def reply(error: APIError) -> None:
+            if not started:
+                await error.response()(scope, receive, send)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            tenant = self.tenancy.authenticate(headers.get("authorization")) if scope["path"] not in OPEN_PATHS \
+                else None  # fmt: skip
+        except AuthError as exc:
+            await reply(APIError(401, str(exc), "authentication_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"}))  # fmt: skip
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            await reply(self._too_large())
+            return
+        received = 0
+
+        async def receive_bounded() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, receive_bounded, send_tracking)
+        except _BodyTooLarge:
+            await reply(self._too_large())
+        except Exception:
+            log.exception("kvboost-server: unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await reply(APIError(500, "internal server error (logged on the server)", "server_error",
+                                 code="internal_error"))  # fmt: skip
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes", code="body_too_large")
+
+
+# ---------------------------------------------------------------------- the app
+class _Service:
+    """What the routes share: the loop, the tenants, the metrics, the limits."""
+
+    def __init__(self, loop: Any, model_name: str, tenancy: Tenancy, max_model_len: int | None) -> None:
+        self.loop, self.model_name, self.tenancy = loop, model_name, tenancy
+        engine = loop.engine
+        self.context = int(engine.adapter.max_positions)
+        self.max_model_len = min(max_model_len or self.context, self.context)
+        pool = engine.pool
+        rows = (pool.num_blocks - 1) * pool.block_size  # pipeline.check_memory keeps one block spare
+        if getattr(engine, "max_kv_bytes", None):
+            rows = min(rows, int(engine.max_kv_bytes // pool.row_bytes))
+        self.kv_rows = rows
+        self.vocab_size = int(engine.vocab_size)
+        self.metrics = ServerMetrics(loop, model_name=model_name, max_model_len=self.max_model_len,
+                                     tenant_ids=tenancy.tenant_ids)  # fmt: skip
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    async def tokenize(self, prompt: Any, chat: bool, param: str) -> list[int]:
+        try:
+            return await run_in_threadpool(self.loop.tokenize, prompt, chat=chat)
+        except CLIENT_ERRORS as exc:
+            raise _prompt_error(exc, param) from None
+
+    async def max_tokens(self, body: P._GenerationBody, prompt: Any, chat: bool, param: str) -> int:
+        """The request's token budget. The loop clamps it to the context itself; the prompt is tokenized here
+        first only when a tighter limit applies (``max_model_len`` below the model's, a KV pool smaller than the
+        context, or a chat request without ``max_tokens``, which gets the rest of what fits)."""
+        requested = body.requested_max_tokens()
+        limit = min(self.max_model_len, self.kv_rows)
+        if limit >= self.context:
+            return requested if requested is not None else self.context
+        n = len(await self.tokenize(prompt, chat, param))
+        if n >= self.max_model_len:
+            raise APIError(400, f"the prompt has {n} tokens; this server's context is {self.max_model_len} tokens "
+                           "(at least one is needed for the answer)", param=param,
+                           code="context_length_exceeded")  # fmt: skip
+        room = max(1, limit - n)
+        return room if requested is None else min(requested, room)
+
+    def submit(self, prompt: Any, body: P._GenerationBody, max_tokens: int, tenant: Tenant, chat: bool, rid: str,
+               param: str) -> RequestHandle:  # fmt: skip
+        """``loop.submit`` with its exceptions as API errors (runs on a worker thread: tokenizing may wait a step)."""
+        try:
+            params = body.sampling_params(max_tokens, vocab_size=self.vocab_size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        try:
+            return self.loop.submit(prompt, params, cache_salt=tenant.cache_salt(body.cache_salt), chat=chat,
+                                    request_id=rid)  # fmt: skip
+        except QueueFull as exc:
+            self.metrics.reject("queue_full")
+            retry = str(max(1, math.ceil(exc.retry_after_s)))
+            raise APIError(429, str(exc), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": retry}) from None  # fmt: skip
+        except LoopStopped as exc:
+            self.metrics.reject("loop_stopped")
+            raise _stopped(str(exc)) from None
+        except CLIENT_ERRORS as exc:
+            raise _prompt_error(exc, param) from None
+
+    # ------------------------------------------------------------------ completions
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)  # a reference until it ends (the event loop keeps weak ones only)
+        task.add_done_callback(self._background.discard)
+
+    async def observe_later(self, handle: RequestHandle, tenant: Tenant) -> None:
+        """Count a request whose client left once the loop has ended it."""
+        self.metrics.observe(await handle.aresult(), tenant.tenant_id)
+
+    async def wait(self, request: Request, handle: RequestHandle, tenant: Tenant) -> Completion | None:
+        """The completion, or None if the client disconnected first (the request is then cancelled)."""
+        result = asyncio.ensure_future(handle.aresult())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not result.done():
+                result.cancel()
+                handle.cancel()
+                self.spawn(self.observe_later(handle, tenant))
+        if result in done:
+            completion = result.result()
+            self.metrics.observe(completion, tenant.tenant_id)
+            return completion
+        return None
+
+    async def stream(self, handle: RequestHandle, tenant: Tenant, *, rid: str, created: int, chat: bool,
+                     body: P._GenerationBody) -> AsyncIterator[str]:  # fmt: skip
+        """SSE data lines of one request; the ``finally`` cancels it if the client went away first."""
+        ids = bool(body.return_token_ids)
+        usage = body.include_usage
+        observed = False
+
+        def chunk(text: str | None, finish: str | None = None, token_ids: list[int] | None = None,
+                  role: bool = False) -> str:  # fmt: skip
+            return json.dumps(P.stream_chunk(rid, created, self.model_name, chat=chat, text=text, finish_reason=finish,
+                                             token_ids=token_ids if ids else None, include_usage=usage,
+                                             role=role))  # fmt: skip
+
+        try:
+            if chat:
+                yield chunk("", role=True, token_ids=[] if ids else None)
+            sent = ""
+            async for event in handle.stream():
+                if event.text or ids:
+                    sent += event.text
+                    yield chunk(event.text, token_ids=[event.token_id])
+            completion = await handle.aresult()
+            self.metrics.observe(completion, tenant.tenant_id)
+            observed = True
+            error = _finish_error(completion)
+            if error is not None:
+                yield error.event()
+            else:
+                # deltas add up to the final text; should the loop have trimmed less than it held back, send the rest
+                rest = completion.text[len(sent) :] if completion.text.startswith(sent) else ""
+                yield chunk(rest if (rest or not chat) else None, finish=completion.finish_reason,
+                            token_ids=[] if ids else None)  # fmt: skip
+                if usage:
+                    yield json.dumps(P.usage_chunk(rid, created, self.model_name, chat=chat, completion=completion))
+            yield "[DONE]"
+        finally:
+            if not observed:
+                handle.cancel()
+                self.spawn(self.observe_later(handle, tenant))
+
+    async def generate(self, request: Request, body: P._GenerationBody, prompt: Any, *, chat: bool) -> Any:
+        self.check_model(body.model)
+        tenant: Tenant = request.state.tenant
+        param = "messages" if chat else "prompt"
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        created = P.now()
+        max_tokens = await self.max_tokens(body, prompt, chat, param)
+        handle = await run_in_threadpool(self.submit, prompt, body, max_tokens, tenant, chat, rid, param)
+        if body.stream:
+            return EventSourceResponse(self.stream(handle, tenant, rid=rid, created=created, chat=chat, body=body),
+                                       sep="\n")  # fmt: skip
+        try:
+            completion = await self.wait(request, handle, tenant)
+        except asyncio.CancelledError:  # the server is stopping this task: the request goes too
+            handle.cancel()
+            raise
+        if completion is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        error = _finish_error(completion)
+        if error is not None:
+            raise error
+        build = P.chat_body if chat else P.completion_body
+        return build(rid, created, self.model_name, completion, bool(body.return_token_ids))
+
+
+def _finish_error(completion: Completion) -> APIError | None:
+    """The API error of a request the loop ended other than by ``stop`` / ``length``."""
+    reason = completion.finish_reason
+    if reason in ("stop", "length"):
+        return None
+    detail = completion.error or f"the request ended: {reason}"
+    if reason == "timeout":
+        return APIError(504, detail, "timeout", code="request_timeout")
+    if reason in ("shutdown", "cancelled"):
+        return _stopped(detail)
+    return APIError(500, detail, "server_error", code="engine_error")
+
+
+def _stopped(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", code="loop_stopped",
+                    headers={"Retry-After": str(STOPPED_RETRY_AFTER_S)})  # fmt: skip
+
+
+def _prompt_error(exc: BaseException, param: str) -> APIError:
+    message = str(exc) or type(exc).__name__
+    code = "context_length_exceeded" if "does not fit" in message or "more than" in message else "invalid_prompt"
+    return APIError(400, message, param=param, code=code)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(
+    loop: Any, *, model_name: str, api_keys: list[str] | None = None, server_secret: str | bytes | None = None,
+    max_model_len: int | None = None,
+) -> FastAPI:  # fmt: skip
+    """The FastAPI app serving ``loop`` (an :class:`~kvboost.serving.loop.EngineLoop`, started by the caller).
+
+    ``model_name``: the name clients send as ``model``. ``api_keys``: if given, every route except ``/health``,
+    ``/metrics`` and ``/openapi.json`` needs ``Authorization: Bearer <key>``, and each key is a tenant with its own
+    cache salt (``HMAC-SHA256(server_secret, key)``; ``server_secret`` None: the secret stored in the kvboost cache
+    folder, see :mod:`kvboost.serving.tenancy`). ``max_model_len``: a context limit below the model's.
+    Callables appended to ``app.state.shutdown_hooks`` run, in order, when the server shuts down (the CLI stops the
+    loop and closes the engine there).
+    """
+    service = _Service(loop, model_name, Tenancy(api_keys, server_secret), max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for hook in list(app.state.shutdown_hooks):
+            try:
+                await run_in_threadpool(hook)
+            except Exception:
+                log.exception("kvboost-server: a shutdown hook failed")
+
+    app = FastAPI(title="kvboost", summary="OpenAI-compatible server over the kvboost engine loop",
+                  docs_url=None, redoc_url=None, lifespan=lifespan)  # fmt: skip
+    app.state.service = service
+    app.state.shutdown_hooks = []  # list[Callable[[], Any]]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _http_error(request, exc).response()
+
+    app.add_middleware(GuardMiddleware, tenancy=service.tenancy)
+
+    @app.get("/health", summary="200 while the engine loop runs, else 503")
+    async def health() -> dict[str, str]:
+        if not loop.stats().get("running", False):
+            raise _stopped("the engine loop is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics", summary="Prometheus metrics (text exposition)")
+    async def metrics() -> Response:
+        await service.metrics.refresh()
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "kvboost",
+                "max_model_len": service.max_model_len}  # fmt: skip
+
+    @app.get("/v1/models", summary="The served model")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", summary="One model")
+    async def model(model_id: str) -> dict[str, Any]:
+        service.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions", summary="Text completion (SSE when stream=true)")
+    async def completions(body: P.CompletionRequest, request: Request) -> Any:
+        return await service.generate(request, body, body.prompt, chat=False)
+
+    @app.post("/v1/chat/completions", summary="Chat completion (SSE when stream=true)")
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Any:
+        return await service.generate(request, body, body.plain_messages(), chat=True)
+
+    @app.post("/tokenize", summary="Token ids of a prompt or of chat messages, as generation sees them")
+    async def tokenize(body: P.TokenizeRequest, request: Request) -> dict[str, Any]:
+        service.check_model(body.model)
+        chat = body.messages is not None
+        prompt = [m.plain() for m in body.messages] if chat else body.prompt
+        ids = await service.tokenize(prompt, chat, "messages" if chat else "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len}
+
+    @app.post("/v1/cache/warm", summary="Compute and store the KV of a text (optionally pinned)")
+    async def warm(body: P.WarmRequest, request: Request) -> dict[str, Any]:
+        service.check_model(body.model)
+        tenant: Tenant = request.state.tenant
+        salt = tenant.cache_salt(body.cache_salt)
+        text, pin = body.text, body.pin
+        try:
+            result = await asyncio.wrap_future(loop.call(lambda e: e.warm(text, pin=pin, cache_salt=salt)))
+        except LoopStopped as exc:
+            raise _stopped(str(exc)) from None
+        except CLIENT_ERRORS as exc:
+            raise _prompt_error(exc, "text") from None
+        return asdict(result)
+
+    return app
