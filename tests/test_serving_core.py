@@ -276,3 +276,20 @@ def test_extreme_sampling_values_do_not_fail():
     logits = __import__("torch").randn(50)
     for sampling in (Sampling(True, 1e-300), Sampling(True, 1.0, top_k=10**6), Sampling(True, 1.0, top_p=5e-324)):
         assert 0 <= pick_token(logits, sampling) < 50
+
+
+def test_the_loop_looks_for_other_processes_entries_only_with_a_shared_tier(monkeypatch):
+    """A store with a shared tier (one with ``refresh``, as redis) is refreshed every ``refresh_shared_s`` on the
+    loop thread, idle or not; a memory-only store never is."""
+    import time
+
+    engine = make_engine("llama", decode="eager")
+    assert EngineLoop(engine).refresh_shared_s is None  # memory only
+    calls = []
+    monkeypatch.setattr(engine.store.tiers[0], "refresh", list, raising=False)
+    monkeypatch.setattr(engine.store, "refresh", lambda: calls.append(threading.current_thread().name) or 1)
+    loop = EngineLoop(engine, refresh_shared_s=0.05).start()
+    time.sleep(0.4)
+    loop.shutdown()
+    assert len(calls) >= 3 and set(calls) == {"kvboost-engine-loop"} and loop.shared_entries_found == len(calls)
+    engine.close()

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -27,14 +28,20 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     """Serve an engine from one thread; see the module docstring. ``max_waiting`` bounds the queue (``submit``
-    raises :class:`QueueFull` past it), ``request_timeout_s`` is the default per-request deadline."""
+    raises :class:`QueueFull` past it), ``request_timeout_s`` is the default per-request deadline.
+    ``refresh_shared_s``: how often the store looks for entries other processes wrote to its shared tiers (Redis:
+    a tier indexes what it holds at start; without a refresh, replicas sharing one Redis would see only that)."""
 
     def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
-                 max_waiting: int | None = 256, request_timeout_s: float | None = None) -> None:  # fmt: skip
+                 max_waiting: int | None = 256, request_timeout_s: float | None = None,
+                 refresh_shared_s: float | None = 1.0) -> None:  # fmt: skip
         self.engine = engine
         self.core = EngineCore(engine, max_running=max_running, max_batch_tokens=max_batch_tokens,
                                max_waiting=None, request_timeout_s=request_timeout_s, isolate_errors=True)  # fmt: skip
         self.max_waiting = max_waiting
+        shared = any(hasattr(tier, "refresh") for tier in getattr(engine.store, "tiers", ()))
+        self.refresh_shared_s = refresh_shared_s if shared and refresh_shared_s else None
+        self.shared_entries_found = 0
         self._tok_lock = threading.RLock()
         self._cond = threading.Condition()
         self._inbox: deque[Any] = deque()
@@ -122,11 +129,20 @@ class EngineLoop:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         core = self.core
+        last_refresh = time.monotonic()
         try:
             while True:
+                if self.refresh_shared_s and time.monotonic() - last_refresh >= self.refresh_shared_s:
+                    try:
+                        with self._tok_lock:
+                            self.shared_entries_found += self.engine.store.refresh()
+                    except Exception as exc:  # noqa: BLE001 - a Redis hiccup: serve on, look again next time
+                        log.warning("kvboost: refreshing the shared cache tiers failed: %r", exc)
+                    last_refresh = time.monotonic()
                 with self._cond:
                     while not (self._inbox or self._calls or self._stopping or core.has_work()):
-                        self._cond.wait()
+                        if not self._cond.wait(self.refresh_shared_s) and self.refresh_shared_s:
+                            break  # time to look at the shared tiers again
                     if self._stopping:
                         break
                     incoming, self._inbox = list(self._inbox), deque()

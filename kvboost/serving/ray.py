@@ -1,0 +1,472 @@
+"""Scale-out on Ray Serve: N kvboost replicas behind one OpenAI-compatible ingress, routed by prompt prefix.
+
+::
+
+    ingress (FastAPI, @serve.ingress)  --handle + request router-->  KVBoostReplica x N
+      parses /v1/(chat/)completions,                                  InferenceEngine + EngineLoop + the server's
+      computes the prompt's chunk keys                                 create_app(), driven in process (ASGI)
+
+- :class:`KVBoostReplica` builds its engine exactly as ``kvboost-server`` does, from the same command line (flags and
+  Hydra overrides, :func:`kvboost.serving.cli.compose_config`), and answers through the server's own
+  :func:`~kvboost.serving.server.create_app`: the request and error formats, SSE streaming, API keys and tenant
+  salts are the server's. Every replica is on the shared Redis tier (``cache=[memory,redis]`` with write-through,
+  unless the command line sets the cache), so a prefix computed on one replica is found by the others: each replica
+  looks for the entries the others wrote every ``--refresh-s`` seconds (the engine loop's ``refresh_shared_s``).
+- The ingress forwards each HTTP request to a replica through a streaming handle. For the two generation routes it
+  passes the prompt's chunk keys (:func:`kvboost.serving.routing.text_chunk_keys` over the messages or prompt, salted
+  by the API key and ``cache_salt``) as the keyword ``route_keys``.
+- :class:`PrefixAwareRouter` (Ray Serve's ``RequestRouter`` API) ranks the replicas with
+  :func:`kvboost.serving.routing.choose_replica`: longest prefix sent there before, unless that replica's queue is
+  ``max_imbalance`` longer than the shortest; ties and misses go to the least loaded. :class:`RoundRobinRouter` is
+  the baseline. A router lives in the process that holds the handle (the ingress replica): with several ingress
+  replicas each keeps its own index.
+- ``GET /kvboost/routing`` on the ingress: the router name and how many generation requests each replica answered.
+
+Run (one machine: a local Ray; a cluster: ``--address auto`` on its head node, see the README)::
+
+    python -m kvboost.serving.ray --replicas 2 --router prefix --redis-url redis://127.0.0.1:6379/0
+    python -m kvboost.serving.ray --replicas 2 --router round_robin model=tiny_random threads=1
+
+Everything not an option of this entry (``--dtype``, ``--max-running``, ``recompute=...``) goes to every replica's
+``kvboost-server`` command line. Ray is an optional dependency (extra ``cluster``); this module imports without it,
+and :func:`main` / the deployments say how to install it.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the ingress route's real `Request` annotation (Ray Serve
+# rebuilds the class, and string annotations then fail to resolve: every request would be answered 422).
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Hashable, Sequence
+from typing import Any
+
+from kvboost.serving.routing import (
+    DEFAULT_CHUNK_CHARS,
+    DEFAULT_INDEX_CAPACITY,
+    DEFAULT_MAX_IMBALANCE,
+    PrefixRouter,
+    text_chunk_keys,
+)
+
+log = logging.getLogger("kvboost.serving.ray")
+
+try:  # Ray is optional: the pure parts below (the ASGI bridge, the keys, the ranking) work without it
+    import ray
+    from ray import serve
+    from ray.serve.request_router import RequestRouter
+except ImportError:  # pragma: no cover - depends on the environment
+    ray = serve = RequestRouter = None  # type: ignore[assignment]
+
+RAY_HINT = ("Ray Serve is not installed: pip install -e '.[cluster]' (ray[serve]; the custom request router API "
+            "is alpha and was tested with ray 2.60)")
+ROUTE_KEYS = "route_keys"
+DEFAULT_REFRESH_S = 0.5
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTERS = ("prefix", "round_robin")
+# hop-by-hop / length headers: the ingress re-streams the body, so it sets its own framing
+_DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+
+
+def require_ray() -> None:
+    if ray is None:
+        raise ImportError(RAY_HINT)
+
+
+# ====================================================================================== ASGI bridge (no Ray)
+async def call_asgi(app: Any, method: str, path: str, *, query: bytes = b"", headers: Sequence[tuple[str, str]] = (),
+                    body: bytes = b"") -> AsyncIterator[dict[str, Any] | bytes]:  # fmt: skip
+    """Serve one HTTP request with an ASGI ``app`` in this process: yields ``{"status", "headers"}`` first, then
+    the body's pieces as the app sends them (SSE events arrive one by one, not buffered). Closing the generator
+    early (the client left) tells the app ``http.disconnect``, which cancels the request in the engine loop."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method.upper(), "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": query, "root_path": "", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80),
+             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]}  # fmt: skip
+    messages: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    request_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal request_sent
+        if not request_sent:
+            request_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()  # the app asks again only to learn about a disconnect
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        await messages.put(message)
+
+    task = asyncio.ensure_future(app(scope, receive, send))
+    task.add_done_callback(lambda _: messages.put_nowait(None))
+    started = False
+    try:
+        while True:
+            message = await messages.get()
+            if message is None:  # the app returned (or failed) without finishing the body
+                if not started:
+                    exc = task.exception() if not task.cancelled() else None
+                    yield {"status": 500, "headers": [("content-type", "application/json")]}
+                    yield json.dumps({"error": {"message": f"replica failed: {exc!r}", "type": "server_error",
+                                                "param": None, "code": None}}).encode()  # fmt: skip
+                return
+            if message["type"] == "http.response.start":
+                started = True
+                yield {"status": message["status"],
+                       "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+    finally:
+        gone.set()
+        if task.done() and not task.cancelled() and task.exception() is not None:  # retrieved: logged once, here
+            log.debug("the app raised after answering: %r", task.exception())
+        if not task.done():
+            # let the app see the disconnect and clean up (cancel the engine request); do not wait on it forever
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
+
+
+# ================================================================================= keys and ranking (no Ray)
+def request_route_keys(path: str, body: bytes, authorization: str | None,
+                       chunk_chars: int = DEFAULT_CHUNK_CHARS) -> list[str] | None:  # fmt: skip
+    """Chunk keys of a generation request's prompt, salted by its API key and ``cache_salt`` (the server salts its
+    cache the same way, so two tenants never share a route); None when the body is not a generation request the
+    router can read (it then goes to the least-loaded replica and the replica answers the error)."""
+    if path not in GENERATION_PATHS:
+        return None
+    try:
+        data = json.loads(body)
+        prompt = data["messages"] if path.endswith("chat/completions") else data["prompt"]
+        tenant = hashlib.sha256((authorization or "").encode()).hexdigest()[:16]
+        return text_chunk_keys(prompt, chunk_chars, salt=f"{tenant}|{data.get('cache_salt') or ''}")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class RouteBook:
+    """A router's state, Ray-free: the policy (``prefix`` or ``round_robin``), the prefix index per replica and the
+    requests each replica has in flight (sent, not completed) as this router counted them."""
+
+    def __init__(self, policy: str = "prefix", *, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+                 capacity: int = DEFAULT_INDEX_CAPACITY) -> None:  # fmt: skip
+        if policy not in ROUTERS:
+            raise ValueError(f"unknown router {policy!r}; choose one of {list(ROUTERS)}")
+        self.policy = policy
+        self.prefix = PrefixRouter(capacity=capacity, max_imbalance=max_imbalance)
+        self.in_flight: Counter[Hashable] = Counter()
+        self._turn = 0
+
+    def queue_len(self, replica: Hashable, reported: int | None) -> int:
+        """The larger of what Ray's queue-length cache says (``reported``; None = unknown) and our own count."""
+        return max(self.in_flight[replica], reported or 0)
+
+    def rank(self, keys: Sequence[str] | None, replicas: Sequence[Hashable],
+             reported: dict[Hashable, int | None] | None = None) -> list[Hashable]:  # fmt: skip
+        """Replicas best first. ``prefix``: :func:`~kvboost.serving.routing.choose_replica`'s ranking (the keys are
+        recorded on the first, where the request almost always goes); ``round_robin``: the next in turn first."""
+        replicas = sorted(replicas, key=str)  # Ray's candidate order varies; rotation needs a fixed one
+        if not replicas:
+            return []
+        if self.policy == "round_robin":
+            start = self._turn % len(replicas)
+            self._turn += 1
+            return replicas[start:] + replicas[:start]
+        queues = {r: self.queue_len(r, (reported or {}).get(r)) for r in replicas}
+        decision = self.prefix.choose(list(keys or ()), replicas, queues)
+        return list(decision.ranking)
+
+    def sent(self, replica: Hashable) -> None:
+        self.in_flight[replica] += 1
+
+    def completed(self, replica: Hashable) -> None:
+        if self.in_flight[replica] > 0:
+            self.in_flight[replica] -= 1
+
+    def forget(self, replica: Hashable) -> None:
+        self.in_flight.pop(replica, None)
+        self.prefix.forget(replica)
+
+
+# ============================================================================================ entry arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvboost.serving.ray",
+        description="kvboost replicas on Ray Serve behind one OpenAI-compatible ingress with a prefix-aware router. "
+                    "Other arguments (flags and KEY=VALUE overrides) go to every replica's kvboost-server command line.",
+    )  # fmt: skip
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument("--router", choices=ROUTERS, default="prefix")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address of Serve's proxy (0.0.0.0 on a cluster)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="Ray cluster address (auto = the running cluster; default: a "
+                   "local Ray, or the cluster when RAY_ADDRESS is set)")  # fmt: skip
+    p.add_argument("--redis-url", default=os.environ.get("KVBOOST_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="the shared Redis tier every replica uses (also $KVBOOST_REDIS_URL)")  # fmt: skip
+    p.add_argument("--redis-namespace", default="kvboost")
+    p.add_argument("--no-redis", action="store_true", help="memory tier only (each replica its own cache)")
+    p.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S,
+                   help="seconds between a replica's looks for entries other replicas wrote to Redis (0: never)")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs reserved per replica (default 1)")
+    p.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica (1 on a GPU cluster)")
+    p.add_argument("--max-ongoing", type=int, default=64, help="requests in flight per replica (default 64)")
+    p.add_argument("--max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                   help="prefix router: skip a replica whose queue exceeds the shortest by more (default 4)")
+    p.add_argument("--chunk-chars", type=int, default=DEFAULT_CHUNK_CHARS, help="characters per routing chunk")
+    p.add_argument("--app-name", default="kvboost")
+    return p
+
+
+def replica_argv(server_argv: Sequence[str], *, redis_url: str | None, namespace: str = "kvboost",
+                 salt_secret: str | None = None) -> list[str]:  # fmt: skip
+    """Every replica's ``kvboost-server`` command line: the user's, plus the shared Redis tier (unless the cache is
+    set there already) and one salt secret for all (tenant salts must agree for replicas to share entries)."""
+    argv = list(server_argv)
+    sets_cache = any(a.split("=", 1)[0].lstrip("+~").startswith("cache") for a in argv if "=" in a and
+                     not a.startswith("-")) or "--disk-cache-dir" in argv  # fmt: skip
+    if redis_url and not sets_cache:
+        # write-through: every new entry reaches Redis at once, so another replica finds it (without it an entry
+        # goes down only when evicted from this replica's memory, and the replicas share almost nothing)
+        argv += ["cache=[memory,redis]", f"cache.1.url={redis_url}", f"cache.1.namespace={namespace}",
+                 "cache.1.write_through=true"]
+    if salt_secret and "--salt-secret" not in argv:
+        argv += ["--salt-secret", salt_secret]
+    return argv
+
+
+def _has_api_keys(server_argv: Sequence[str]) -> bool:
+    return "--api-key" in server_argv or bool(os.environ.get("KVBOOST_API_KEYS"))
+
+
+# =========================================================================================== Ray deployments
+if ray is not None:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    # on_request_completed is a later addition to the (alpha) RequestRouter API than the class itself
+    _HAS_COMPLETION_HOOK = hasattr(RequestRouter, "on_request_completed")
+
+    class _KVBoostRouter(RequestRouter):
+        """Ray Serve adapter around :class:`RouteBook` (``policy`` set by the subclass)."""
+
+        policy = "prefix"
+
+        def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+                             capacity: int = DEFAULT_INDEX_CAPACITY, **_: Any) -> None:  # fmt: skip
+            self.book = RouteBook(self.policy, max_imbalance=max_imbalance, capacity=capacity)
+
+        def _book(self) -> RouteBook:
+            if not hasattr(self, "book"):  # initialize_state is called only when the config has kwargs
+                self.initialize_state()
+            return self.book
+
+        async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
+            if not candidate_replicas:
+                return []
+            keys = (pending_request.kwargs or {}).get(ROUTE_KEYS) if pending_request is not None else None
+            by_id = {r.replica_id: r for r in candidate_replicas}
+            cache = getattr(self, "replica_queue_len_cache", None)
+            reported = {rid: cache.get(rid) if cache is not None else None for rid in by_id}
+            if pending_request is not None:
+                # every replica full: back off between rounds instead of spinning
+                pending_request.routing_context.should_backoff = True
+            # one replica per rank: Ray tries them in this order (the next only if one is full)
+            return [[by_id[rid]] for rid in self._book().rank(keys, list(by_id), reported)]
+
+        def on_send_request(self, replica_id: Any) -> None:
+            super().on_send_request(replica_id)
+            if _HAS_COMPLETION_HOOK:  # without the hook a count would only grow: use Ray's queue lengths alone
+                self._book().sent(replica_id)
+
+        def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+            self._book().completed(replica_id)
+
+        def on_replica_actor_died(self, replica_id: Any) -> None:
+            super().on_replica_actor_died(replica_id)
+            self._book().forget(replica_id)
+
+    class PrefixAwareRouter(_KVBoostRouter):
+        """Longest prefix sent before, balanced against queue length (:mod:`kvboost.serving.routing`)."""
+
+        policy = "prefix"
+
+    class RoundRobinRouter(_KVBoostRouter):
+        """Each replica in turn (the baseline)."""
+
+        policy = "round_robin"
+
+    ROUTER_CLASSES = {"prefix": PrefixAwareRouter, "round_robin": RoundRobinRouter}
+
+    @serve.deployment
+    class KVBoostReplica:
+        """One engine, its loop and the server's app, built from a ``kvboost-server`` command line."""
+
+        def __init__(self, server_argv: list[str], refresh_s: float = DEFAULT_REFRESH_S) -> None:
+            import torch
+
+            from experiments.runner import build_engine
+            from kvboost.serving.cli import build_parser as server_parser
+            from kvboost.serving.cli import compose_config, served_name
+            from kvboost.serving.loop import EngineLoop
+            from kvboost.serving.server import create_app
+            from kvboost.serving.tenancy import SECRET_ENV, keys_from_env
+
+            args = server_parser().parse_args(server_argv)
+            cfg = compose_config(args)
+            if cfg.get("threads"):
+                torch.set_num_threads(int(cfg["threads"]))
+            torch.manual_seed(int(cfg.get("seed") or 0))
+            self.engine = build_engine(cfg)
+            if cfg.get("warmup", True):
+                self.engine.warmup()
+            self.loop = EngineLoop(self.engine, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
+                                   max_waiting=args.max_waiting or None, request_timeout_s=args.request_timeout,
+                                   refresh_shared_s=refresh_s).start()
+            keys = list(args.api_key or []) + keys_from_env()
+            secret = args.salt_secret or os.environ.get(SECRET_ENV) or None
+            self.app = create_app(self.loop, model_name=served_name(args, cfg), api_keys=keys, server_secret=secret,
+                                  max_model_len=args.max_model_len)  # fmt: skip
+            context = serve.get_replica_context()
+            self.replica = context.replica_id.unique_id if context is not None else "local"
+
+        async def handle(self, request: dict[str, Any], route_keys: list[str] | None = None) -> AsyncIterator[Any]:
+            """Stream one HTTP request through the server's app (``route_keys`` is for the router only)."""
+            first = True
+            async for part in call_asgi(self.app, request["method"], request["path"], query=request["query"],
+                                        headers=request["headers"], body=request["body"]):  # fmt: skip
+                if first:
+                    part = {**part, "replica": self.replica}
+                    first = False
+                yield part
+
+        def stats(self) -> dict[str, Any]:
+            return {**self.loop.stats(), "replica": self.replica}
+
+        def __del__(self) -> None:  # Serve calls it when the replica stops: finish the loop, flush the tiers
+            loop, engine = getattr(self, "loop", None), getattr(self, "engine", None)
+            if getattr(self, "_refresher", None) is not None:
+                self._refresher.stop()
+            if loop is not None:
+                loop.shutdown()
+            if engine is not None:
+                engine.close()
+
+    ingress_app = FastAPI(title="kvboost on Ray Serve", docs_url=None, redoc_url=None)
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress(ingress_app)
+    class OpenAIIngress:
+        """Forwards every HTTP request to a replica; generation requests carry their prompt's chunk keys."""
+
+        def __init__(self, replicas: Any, router: str = "prefix", chunk_chars: int = DEFAULT_CHUNK_CHARS) -> None:
+            self.replicas = replicas.options(stream=True)
+            self.router = router
+            self.chunk_chars = chunk_chars
+            self.served: Counter[str] = Counter()
+
+        @ingress_app.get("/kvboost/routing")
+        def routing(self) -> dict[str, Any]:
+            return {"router": self.router, "served": dict(self.served)}
+
+        @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+        async def forward(self, path: str, request: Request) -> Any:
+            body = await request.body()
+            path = "/" + path
+            keys = request_route_keys(path, body, request.headers.get("authorization"), self.chunk_chars)
+            message = {"method": request.method, "path": path, "query": request.url.query.encode("latin-1"),
+                       "headers": list(request.headers.items()), "body": body}  # fmt: skip
+            stream = self.replicas.handle.remote(message, **{ROUTE_KEYS: keys})
+            try:
+                start = await stream.__anext__()
+            except Exception as exc:  # noqa: BLE001 - a replica that died or failed to start: OpenAI's envelope
+                return JSONResponse({"error": {"message": f"no replica answered: {exc}", "type": "server_error",
+                                               "param": None, "code": "replica_unavailable"}}, status_code=503)
+            if path in GENERATION_PATHS:  # count the work, not /v1/models or /health
+                self.served[start.get("replica", "?")] += 1
+            headers = {k: v for k, v in start["headers"] if k.lower() not in _DROP_HEADERS}
+
+            async def rest() -> AsyncIterator[bytes]:
+                try:
+                    async for part in stream:
+                        yield part
+                finally:
+                    stream.cancel()  # the client left early: the replica's generator stops, the request is cancelled
+
+            return StreamingResponse(rest(), status_code=start["status"], headers=headers)
+
+
+def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "prefix", num_cpus: float = 1.0,
+              num_gpus: float = 0.0, max_ongoing: int = 64, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+              chunk_chars: int = DEFAULT_CHUNK_CHARS, refresh_s: float = DEFAULT_REFRESH_S) -> Any:  # fmt: skip
+    """The Serve application: the ingress over ``replicas`` engine replicas routed by ``router``."""
+    require_ray()
+    from ray.serve.config import RequestRouterConfig
+
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; choose one of {list(ROUTERS)}")
+    router_config = RequestRouterConfig(request_router_class=ROUTER_CLASSES[router],
+                                        request_router_kwargs={"max_imbalance": max_imbalance})  # fmt: skip
+    engines = KVBoostReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing,
+                                     ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                                     request_router_config=router_config).bind(list(server_argv), refresh_s)  # fmt: skip
+    return OpenAIIngress.bind(engines, router, chunk_chars)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, server_argv = build_parser().parse_known_args(argv)
+    if ray is None:
+        print(f"kvboost.serving.ray: {RAY_HINT}", file=sys.stderr)
+        return 2
+    from kvboost.serving.cli import UsageError, compose_config
+    from kvboost.serving.cli import build_parser as server_parser
+
+    # One secret for every replica: with API keys, tenant salts must agree across replicas to share Redis entries.
+    secret = None
+    if _has_api_keys(server_argv) and "--salt-secret" not in server_argv and not os.environ.get("KVBOOST_SALT_SECRET"):
+        secret = secrets.token_hex(32)
+        log.warning("one salt secret generated for this deployment; pass --salt-secret to keep salts across restarts")
+    server_argv = replica_argv(server_argv, redis_url=None if args.no_redis else args.redis_url,
+                               namespace=args.redis_namespace, salt_secret=secret)  # fmt: skip
+    try:
+        compose_config(server_parser().parse_args(server_argv))  # a bad command line fails before Ray starts
+    except (UsageError, ValueError) as exc:
+        print(f"kvboost.serving.ray: error: {exc}", file=sys.stderr)
+        return 2
+    ray.init(address=args.address, ignore_reinit_error=True)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app = build_app(server_argv, replicas=args.replicas, router=args.router, num_cpus=args.num_cpus,
+                    num_gpus=args.num_gpus, max_ongoing=args.max_ongoing, max_imbalance=args.max_imbalance,
+                    chunk_chars=args.chunk_chars, refresh_s=args.refresh_s)  # fmt: skip
+    serve.run(app, name=args.app_name, route_prefix="/")
+    print(f"kvboost on Ray Serve ready: http://{args.host}:{args.port}/v1 ({args.replicas} replicas, router "
+          f"{args.router}; replica command line: {' '.join(server_argv)})", flush=True)
+    # Ctrl-C or SIGTERM (also when started in the background, where SIGINT may be ignored) removes the application
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("kvboost.serving.ray: stopping", flush=True)
+        serve.delete(args.app_name)
+        serve.shutdown()
+    return 0
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

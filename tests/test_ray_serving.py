@@ -1,0 +1,268 @@
+"""Scale-out on Ray Serve (kvboost/serving/ray.py). Most of it is tested without Ray: the in-process ASGI bridge (also
+over the real server app and engine loop), the routing keys of a request, the routers' state, the replicas' command
+line and the shared-tier refresher. One test deploys two replicas on a real (local) Ray; it skips without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import Future
+
+import pytest
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvboost.serving import ray as kray
+from kvboost.serving.routing import text_chunk_keys
+
+
+async def _collect(gen):
+    start, parts, times = None, [], []
+    async for item in gen:
+        if isinstance(item, dict):
+            start = item
+        else:
+            parts.append(item)
+            times.append(time.perf_counter())
+    return start, parts, times
+
+
+# ================================================================================================ ASGI bridge
+def _toy_app(state: dict) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        body = await request.json()
+        return JSONResponse({"got": body, "q": request.query_params.get("x"), "auth": request.headers.get("authorization")},
+                            status_code=201)
+
+    @app.get("/stream")
+    async def stream():
+        async def gen():
+            try:
+                for i in range(3):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.2)
+            finally:
+                state["stream_closed"] = True
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("kaput")
+
+    return app
+
+
+def test_bridge_returns_status_headers_and_body():
+    app = _toy_app({})
+    start, parts, _ = asyncio.run(_collect(kray.call_asgi(app, "POST", "/echo", query=b"x=7", body=b'{"a": 1}',
+                                                          headers=[("Authorization", "Bearer k"),
+                                                                   ("content-type", "application/json")])))
+    assert start["status"] == 201 and ("content-type", "application/json") in start["headers"]
+    assert json.loads(b"".join(parts)) == {"got": {"a": 1}, "q": "7", "auth": "Bearer k"}
+
+
+def test_bridge_streams_pieces_as_they_come_and_a_closed_reader_disconnects():
+    state: dict = {}
+    app = _toy_app(state)
+    t0 = time.perf_counter()
+    start, parts, times = asyncio.run(_collect(kray.call_asgi(app, "GET", "/stream")))
+    assert start["status"] == 200 and parts == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+    assert times[0] - t0 < 0.15 and times[2] - times[0] >= 0.35  # not buffered until the end
+
+    async def read_one_then_leave():
+        gen = kray.call_asgi(app, "GET", "/stream")
+        await gen.__anext__()
+        first = await gen.__anext__()
+        await gen.aclose()
+        await asyncio.sleep(0.5)
+        return first
+
+    state.clear()
+    assert asyncio.run(read_one_then_leave()) == b"data: 0\n\n"
+    assert state.get("stream_closed"), "the app's stream did not end when the reader left"
+
+
+def test_bridge_answers_500_in_openai_shape_when_the_app_fails_before_answering():
+    async def raw_app(scope, receive, send):
+        raise RuntimeError("kaput")
+
+    start, parts, _ = asyncio.run(_collect(kray.call_asgi(raw_app, "GET", "/")))
+    assert start["status"] == 500
+    assert "kaput" in json.loads(b"".join(parts))["error"]["message"]
+    # an app that answered its own 500 first keeps its answer
+    start, parts, _ = asyncio.run(_collect(kray.call_asgi(_toy_app({}), "GET", "/boom")))
+    assert start["status"] == 500 and b"".join(parts) == b"Internal Server Error"
+
+
+def test_bridge_over_the_real_server_app_and_engine_loop():
+    """What a replica does with a request, without Ray: the server's create_app over an EngineLoop."""
+    from tiny import make_engine
+
+    from kvboost.serving.loop import EngineLoop
+    from kvboost.serving.server import create_app
+
+    engine = make_engine("llama", decode="eager")  # eager: no compile of the decode step on the test's clock
+    loop = EngineLoop(engine).start()
+    try:
+        app = create_app(loop, model_name="tiny", server_secret="s")
+        messages = [{"role": "user", "content": "hello there, a prompt long enough for a few chunks " * 3}]
+        body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 5, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+
+        def ask():
+            return asyncio.run(_collect(kray.call_asgi(app, "POST", "/v1/chat/completions", body=body,
+                                                       headers=[("content-type", "application/json")])))
+
+        start, parts, _ = ask()
+        assert start["status"] == 200
+        events = [json.loads(line[6:]) for line in b"".join(parts).decode().splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        usage = events[-1]["usage"]
+        assert usage["completion_tokens"] == 5 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+        again = ask()[1]
+        usage2 = [json.loads(line[6:]) for line in b"".join(again).decode().splitlines()
+                  if line.startswith("data: {")][-1]["usage"]  # fmt: skip
+        assert usage2["prompt_tokens_details"]["cached_tokens"] > 0  # the replica's cache is the engine's
+        bad = asyncio.run(_collect(kray.call_asgi(app, "POST", "/v1/chat/completions", body=b"{nope",
+                                                  headers=[("content-type", "application/json")])))
+        assert bad[0]["status"] == 400 and "error" in json.loads(b"".join(bad[1]))
+    finally:
+        loop.shutdown()
+        engine.close()
+
+
+# ============================================================================================ keys and routers
+def test_route_keys_of_generation_requests_only_salted_by_key_and_cache_salt():
+    turn1 = [{"role": "user", "content": "a question about python packaging " * 6}]
+    turn2 = turn1 + [{"role": "assistant", "content": "an answer " * 10}, {"role": "user", "content": "more " * 20}]
+    chat = lambda m, **kw: json.dumps({"model": "x", "messages": m, **kw}).encode()
+    k1 = kray.request_route_keys("/v1/chat/completions", chat(turn1), "Bearer a")
+    k2 = kray.request_route_keys("/v1/chat/completions", chat(turn2), "Bearer a")
+    assert k1 and k2[: len(k1)] == k1
+    assert kray.request_route_keys("/v1/chat/completions", chat(turn1), "Bearer b")[0] != k1[0]
+    assert kray.request_route_keys("/v1/chat/completions", chat(turn1, cache_salt="s"), "Bearer a")[0] != k1[0]
+    completion = json.dumps({"model": "x", "prompt": "p" * 200}).encode()
+    assert kray.request_route_keys("/v1/completions", completion, None) == text_chunk_keys(
+        "p" * 200, salt=f"{__import__('hashlib').sha256(b'').hexdigest()[:16]}|")
+    assert kray.request_route_keys("/v1/models", b"", None) is None
+    assert kray.request_route_keys("/v1/chat/completions", b"{broken", None) is None
+    assert kray.request_route_keys("/v1/chat/completions", b'{"prompt": "no messages"}', None) is None
+
+
+def test_route_book_prefix_policy_sticks_then_balances_on_in_flight_requests():
+    book = kray.RouteBook("prefix", max_imbalance=1)
+    keys = text_chunk_keys("x" * 640)
+    first = book.rank(keys, ["b", "a"])[0]
+    other = "a" if first == "b" else "b"
+    assert book.rank(keys, ["a", "b"])[0] == first  # recorded: the same prefix goes back there
+    book.sent(first)
+    book.sent(first)  # two in flight there, none on the other: more than max_imbalance apart
+    assert book.rank(keys, ["a", "b"]) == [other, first]
+    book.completed(first)
+    # the overflow request was recorded on the other replica: both hold the prefix now, the shorter queue wins
+    assert book.rank(keys, ["a", "b"])[0] == other
+    assert book.queue_len(first, 7) == 7  # Ray's reported queue length counts when it is larger
+    book.forget(first)
+    assert first not in book.prefix.indexes and book.in_flight[first] == 0
+
+
+def test_route_book_round_robin_rotates_in_a_fixed_order():
+    book = kray.RouteBook("round_robin")
+    firsts = [book.rank(["k"], order)[0] for order in (["b", "a", "c"], ["c", "b", "a"], ["a", "c", "b"], ["a", "b", "c"])]
+    assert firsts == ["a", "b", "c", "a"]
+    assert book.rank(None, []) == []
+    with pytest.raises(ValueError, match="unknown router"):
+        kray.RouteBook("random")
+
+
+def test_replica_command_line_adds_the_shared_redis_tier_unless_the_cache_is_set():
+    argv = kray.replica_argv(["model=tiny_random"], redis_url="redis://h:1/0", namespace="ns", salt_secret="s3")
+    assert argv[:1] == ["model=tiny_random"]
+    assert {"cache=[memory,redis]", "cache.1.url=redis://h:1/0", "cache.1.namespace=ns",
+            "cache.1.write_through=true"} <= set(argv)  # fmt: skip
+    assert argv[argv.index("--salt-secret") + 1] == "s3"
+    assert kray.replica_argv(["cache=memory"], redis_url="redis://h:1/0") == ["cache=memory"]
+    assert kray.replica_argv(["--disk-cache-dir", "/d"], redis_url="redis://h:1/0") == ["--disk-cache-dir", "/d"]
+    assert kray.replica_argv(["model=tiny_random"], redis_url=None) == ["model=tiny_random"]
+    # the replicas' command line is a valid kvboost-server command line (the config composes)
+    from kvboost.serving.cli import build_parser, compose_config
+
+    cfg = compose_config(build_parser().parse_args(kray.replica_argv(["model=tiny_random"], redis_url="redis://h:1/0")))
+    assert [t["name"] for t in cfg["cache"]] == ["memory", "redis"] and cfg["cache"][1]["write_through"] is True
+
+
+class _FakeLoop:
+    running = True
+
+    def __init__(self, tiers):
+        self.engine = type("E", (), {})()
+        self.engine.store = type("S", (), {"tiers": tiers, "refresh": lambda s: 2})()
+        self.calls = 0
+
+    def call(self, fn):
+        self.calls += 1
+        future: Future = Future()
+        future.set_result(fn(self.engine))
+        return future
+
+
+def test_main_without_ray_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(kray, "ray", None)
+    assert kray.main(["--replicas", "2"]) == 2
+    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
+
+
+# ====================================================================================== a real (local) Ray Serve
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_replicas_on_ray_serve_keep_a_conversation_on_one_replica():
+    """A local Ray, two tiny-model replicas, the prefix router: a 3-turn chat streams through the ingress, every
+    turn lands on the same replica and reuses the previous turn's prompt; errors keep OpenAI's envelope."""
+    ray = pytest.importorskip("ray")
+    import httpx
+    import openai
+    from ray import serve
+
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        argv = ["model=tiny_random", "threads=1", "warmup=false", "engine.decode=eager"]
+        serve.run(kray.build_app(argv, replicas=2, router="prefix", num_cpus=1), name="kvboost", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "tell me about the history of the printing press " * 4}]
+        cached = []
+        for turn in range(3):
+            stream = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True})
+            text, usage = "", None
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                usage = chunk.usage or usage
+            assert usage is not None and usage.completion_tokens == 6
+            cached.append(usage.prompt_tokens_details.cached_tokens)
+            messages += [{"role": "assistant", "content": text or "ok"}, {"role": "user", "content": f"and {turn}?"}]
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+        served = httpx.get(f"{base}/kvboost/routing", timeout=30).json()
+        assert served["router"] == "prefix" and sorted(served["served"].values()) == [3], served
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
