@@ -58,7 +58,6 @@ import importlib.util
 import itertools
 import json
 import os
-import platform
 import random
 import shlex
 import socket
@@ -583,18 +582,13 @@ async def resolve_model(client: Any, url: str, model: str | None) -> str:
     return listed.data[0].id
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment() -> dict[str, Any]:
+    """The project's environment record (experiments.environment), with the CPU's model name and the client and
+    peer versions a load test depends on."""
     from importlib import metadata
+
+    from experiments.environment import describe_environment
+    from kvboost.env import cpu_model_name
 
     def version(p: str) -> str | None:
         try:
@@ -602,9 +596,10 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return None
 
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
-            "cpu_count": os.cpu_count(), "versions": {p: version(p) for p in ("openai", "kvboost", "transformers",
-                                                                               "llama-cpp-python", "torch")}}  # fmt: skip
+    env = describe_environment()
+    env["cpu"] = cpu_model_name()
+    env["versions"].update({p: version(p) for p in ("openai", "llama-cpp-python")})
+    return env
 
 
 # ==================================================================================================== reports

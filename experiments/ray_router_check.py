@@ -112,10 +112,11 @@ def run_one(layout: str, router: str, trace: list[lt.TraceRequest], redis_url: s
 
 def format_markdown(payload: dict[str, Any]) -> str:
     """The command, the setting, and one table row per (cache layout, router)."""
+    env = payload["environment"]
     setting = (f"{payload['replicas']} replicas, {payload['users']} users x {payload['turns']} turns of ShareGPT "
                f"(interleaved, history from the dataset), concurrency {payload['concurrency']}, max_tokens "
                f"{payload['max_tokens']}; replica arguments `{payload['server_args']}`; Ray {payload['ray']}; CPU: "
-               f"{payload['cpu']} ({payload['cpu_count']} cores). Each row is a fresh deployment (cold replicas, new "
+               f"{env['cpu']} ({env['cpu_count']} cores). Each row is a fresh deployment (cold replicas, new "
                "Redis namespace). Ideal = the previous turn's whole prompt reused (one replica holding everything).")
     header = ("| cache | router | cached fraction | cached fraction, turns >= 2 (ideal) | TTFT p50 turns >= 2 (ms) | "
               "requests per replica | errors |")
@@ -188,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_proc.wait(10)
     payload = {"name": args.name, "command": command, "replicas": args.replicas, "users": args.users,
                "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-               "server_args": args.server_args, "ray": ray.__version__, "cpu": lt.cpu_model(),
-               "cpu_count": os.cpu_count(), "environment": lt.environment(),
+               "server_args": args.server_args, "ray": ray.__version__, "environment": lt.environment(),
                "sessions": [s.conversation_id for s in sessions], "runs": runs}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
