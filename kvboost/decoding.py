@@ -26,10 +26,8 @@ class Sampling:
 
 def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> int:
     """Next token id from last-position ``logits`` [vocab]."""
-    if not sampling.do_sample:
-        return int(torch.argmax(logits).item())
     # A temperature this small is greedy in all but name; dividing by it would overflow to inf and NaN.
-    if sampling.temperature < 1e-5:
+    if not sampling.do_sample or sampling.temperature < 1e-5:
         return int(torch.argmax(logits).item())
     scores = logits.float() / sampling.temperature
     if 0 < sampling.top_k < scores.numel():

@@ -13,6 +13,7 @@ one sequence.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from kvboost.runtime.sequences import Request
 from kvboost.serving.requests import Completion, RequestHandle, SamplingParams, TokenEvent
 from kvboost.serving.scheduler import Scheduler
 
+log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
@@ -39,7 +41,7 @@ class ServeSeq:
     """One request inside the loop: the runtime :class:`Request`, what is left to prefill, its client handle."""
 
     def __init__(self, engine: Any, handle: RequestHandle, params: SamplingParams, ids: list[int], spans: list,
-                 salt: str, clock: PhaseClock, deadline: float | None, *, mode: str = "reuse",
+                 salt: str, clock: PhaseClock, deadline: float | None, max_new: int, *, mode: str = "reuse",
                  store: bool = True) -> None:  # fmt: skip
         self.engine, self.handle, self.params, self.salt, self.deadline = engine, handle, params, salt, deadline
         self.ids, self.spans, self.clock = ids, spans, clock
@@ -48,7 +50,6 @@ class ServeSeq:
             generator = torch.Generator(device=engine.adapter.device).manual_seed(params.seed)
         sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
                             top_p=params.top_p)  # fmt: skip
-        max_new = min(params.max_tokens, (engine.adapter.max_positions or len(ids) + params.max_tokens) - len(ids))
         self.request = Request(ids, spans, BlockTable(engine.pool), sampling, max_new, mode=mode, salt=salt,
                                store=store, generator=generator, clock=clock)  # fmt: skip
         self.fed: list[int] = []
@@ -120,6 +121,8 @@ class EngineCore:
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
                          "prompt_tokens": 0, "generation_tokens": 0}  # fmt: skip
+        # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
+        # thread reads a whole list while the loop thread finishes requests
         self.recent_latencies: list[float] = []
 
     # ------------------------------------------------------------------ requests in
@@ -144,7 +147,7 @@ class EngineCore:
         timeout = timeout_s if timeout_s is not None else self.request_timeout_s
         handle = RequestHandle(request_id or f"req-{next(_ids)}", n, canceller or self._cancel)
         deadline = time.perf_counter() + timeout if timeout else None
-        seq = ServeSeq(engine, handle, params, ids, spans, cache_salt, clock, deadline, mode=mode, store=store)
+        seq = ServeSeq(engine, handle, params, ids, spans, cache_salt, clock, deadline, max_new, mode=mode, store=store)
         handle._seq = seq  # type: ignore[attr-defined]
         return seq
 
@@ -197,9 +200,7 @@ class EngineCore:
             self._fail(seq, exc, finished)
 
     def _fail(self, seq: ServeSeq, exc: Exception, finished: list[Completion]) -> None:
-        import logging
-
-        logging.getLogger(__name__).exception("kvboost: request %s failed", seq.handle.request_id, exc_info=exc)
+        log.exception("kvboost: request %s failed", seq.handle.request_id, exc_info=exc)
         if not seq.handle.done:
             finished.append(self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}"))
 
@@ -363,7 +364,7 @@ class EngineCore:
         )  # fmt: skip
         self.counters["requests_finished"] += 1
         self.counters["generation_tokens"] += len(request.tokens)
-        self.recent_latencies = (self.recent_latencies + [now - seq.handle.arrival])[-64:]
+        self.recent_latencies = [*self.recent_latencies[-63:], now - seq.handle.arrival]
         seq.handle._push(completion=completion)
         return completion
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -122,8 +123,8 @@ class EngineLoop:
             self._cond.notify_all()
 
     def _retry_after(self, waiting: int) -> float:
-        latencies = sorted(self.core.recent_latencies)
-        typical = latencies[len(latencies) // 2] if latencies else 1.0
+        latencies = self.core.recent_latencies
+        typical = statistics.median(latencies) if latencies else 1.0
         return max(1.0, math.ceil(typical * max(1, waiting) / self.core.scheduler.max_running))
 
     # ------------------------------------------------------------------ the thread
