@@ -265,10 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = compose_config(args)
-        from kvboost.serving.tenancy import SECRET_ENV, Tenancy, keys_from_env
+        from kvboost.serving.tenancy import SECRET_ENV, Tenancy
 
-        keys = list(args.api_key or []) + keys_from_env()
-        secret = args.salt_secret or os.environ.get(SECRET_ENV) or None
+        keys, secret = tenant_keys(args)
         Tenancy(keys, secret)  # the secret file is read (or made) now: a bad one fails before the model loads
         check_bindable(args.host, args.port)
     except (UsageError, PermissionError, ValueError) as exc:
@@ -284,9 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     return serve(args, cfg, keys, secret)
 
 
-def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret: str | None) -> int:
+def tenant_keys(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The API keys (``--api-key`` and ``KVBOOST_API_KEYS``) and the salt secret (``--salt-secret``, its variable,
+    or None: the secret file)."""
+    from kvboost.serving.tenancy import SECRET_ENV, keys_from_env
+
+    return list(args.api_key or []) + keys_from_env(), args.salt_secret or os.environ.get(SECRET_ENV) or None
+
+
+def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret: str | None,
+                 **loop_options: Any) -> tuple[Any, Any, Any]:  # fmt: skip
+    """The engine (warmed up unless ``warmup=false``), its started loop and the server's app, from a composed
+    config; the engine is closed again if a later step fails. ``loop_options`` go to :class:`EngineLoop`."""
     import torch
-    import uvicorn
 
     from experiments.runner import build_engine
     from kvboost.serving.loop import EngineLoop
@@ -299,18 +308,21 @@ def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret
     try:
         if cfg.get("warmup", True):
             engine.warmup()  # compile the decode step now, not inside the first client's request
-        loop = EngineLoop(
-            engine,
-            max_running=args.max_running,
-            max_batch_tokens=args.max_batch_tokens,
-            max_waiting=args.max_waiting or None,
-            request_timeout_s=args.request_timeout,
-        ).start()
-        name = served_name(args, cfg)
-        app = create_app(loop, model_name=name, api_keys=keys, server_secret=secret, max_model_len=args.max_model_len)
+        loop = EngineLoop(engine, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
+                          max_waiting=args.max_waiting or None, request_timeout_s=args.request_timeout,
+                          **loop_options).start()  # fmt: skip
+        app = create_app(loop, model_name=served_name(args, cfg), api_keys=keys, server_secret=secret,
+                         max_model_len=args.max_model_len)  # fmt: skip
     except BaseException:
         engine.close()
         raise
+    return engine, loop, app
+
+
+def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret: str | None) -> int:
+    import uvicorn
+
+    engine, loop, app = build_served(args, cfg, keys, secret)
     # uvicorn runs the lifespan's shutdown after SIGINT/SIGTERM and the open connections: stop the loop (requests
     # still in flight end with "shutdown"), then close the engine, which flushes the disk tier.
     app.state.shutdown_hooks += [loop.shutdown, engine.close]
@@ -322,7 +334,7 @@ def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret
             if self.started:
                 port = self.servers[0].sockets[0].getsockname()[1] if self.servers else args.port
                 host = f"[{args.host}]" if ":" in args.host else args.host
-                print(f"kvboost-server ready: http://{host}:{port}/v1 model={name} {settings}", flush=True)
+                print(f"kvboost-server ready: http://{host}:{port}/v1 model={served_name(args, cfg)} {settings}", flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")  # fmt: skip

@@ -313,30 +313,12 @@ if ray is not None:
         """One engine, its loop and the server's app, built from a ``kvboost-server`` command line."""
 
         def __init__(self, server_argv: list[str], refresh_s: float = DEFAULT_REFRESH_S) -> None:
-            import torch
-
-            from experiments.runner import build_engine
             from kvboost.serving.cli import build_parser as server_parser
-            from kvboost.serving.cli import compose_config, served_name
-            from kvboost.serving.loop import EngineLoop
-            from kvboost.serving.server import create_app
-            from kvboost.serving.tenancy import SECRET_ENV, keys_from_env
+            from kvboost.serving.cli import build_served, compose_config, tenant_keys
 
             args = server_parser().parse_args(server_argv)
-            cfg = compose_config(args)
-            if cfg.get("threads"):
-                torch.set_num_threads(int(cfg["threads"]))
-            torch.manual_seed(int(cfg.get("seed") or 0))
-            self.engine = build_engine(cfg)
-            if cfg.get("warmup", True):
-                self.engine.warmup()
-            self.loop = EngineLoop(self.engine, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-                                   max_waiting=args.max_waiting or None, request_timeout_s=args.request_timeout,
-                                   refresh_shared_s=refresh_s).start()
-            keys = list(args.api_key or []) + keys_from_env()
-            secret = args.salt_secret or os.environ.get(SECRET_ENV) or None
-            self.app = create_app(self.loop, model_name=served_name(args, cfg), api_keys=keys, server_secret=secret,
-                                  max_model_len=args.max_model_len)  # fmt: skip
+            self.engine, self.loop, self.app = build_served(args, compose_config(args), *tenant_keys(args),
+                                                            refresh_shared_s=refresh_s)  # fmt: skip
             context = serve.get_replica_context()
             self.replica = context.replica_id.unique_id if context is not None else "local"
 
@@ -355,8 +337,6 @@ if ray is not None:
 
         def __del__(self) -> None:  # Serve calls it when the replica stops: finish the loop, flush the tiers
             loop, engine = getattr(self, "loop", None), getattr(self, "engine", None)
-            if getattr(self, "_refresher", None) is not None:
-                self._refresher.stop()
             if loop is not None:
                 loop.shutdown()
             if engine is not None:
