@@ -12,6 +12,8 @@
 #   decode     decode tokens/s of every path at batch 1, 8 and 32 (experiments/bench_decode.py: hf / eager /
 #              graphed); DECODE_BATCHES="1 32" narrows the batch sizes
 #   all        every step above
+# REPLAY_CONVERSATIONS, REPLAY_TURNS, REPLAY_MODES (comma-separated) and REPLAY_NEW_TOKENS size the replay;
+# KVBOOST_GRAPH_COMPILE=0 captures the CUDA graphs without inductor (warm-up in seconds instead of minutes).
 # MODEL_DIR=folder runs replay, decode and profile on that model instead of the bundled one (e.g. a random-weight copy of
 # its architecture from experiments/random_weights.py, for timing where the weights cannot travel).
 #
@@ -74,7 +76,8 @@ if wants paged; then
   step bench_paged_attention 240 python3 experiments/bench_paged_attention.py --out "$out"
 fi
 if wants replay; then
-  step replay_bf16 270 python3 run.py logger=none workload.num_conversations=4 workload.max_turns=6 \
+  step replay_bf16 270 python3 run.py logger=none "workload.num_conversations=${REPLAY_CONVERSATIONS:-4}" \
+    "workload.max_turns=${REPLAY_TURNS:-6}" "workload.modes=[${REPLAY_MODES:-baseline,hf_prefix,kvboost_cold,kvboost}]" \
     "workload.max_new_tokens=${REPLAY_NEW_TOKENS:-64}" "${model_args[@]}" hydra.run.dir="$out/replay_bf16"
 fi
 if wants decode; then
