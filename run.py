@@ -4,16 +4,21 @@
     python run.py experiment=rag_blend                        # a named experiment (configs/experiment/)
     python run.py workload.num_conversations=8 workload.max_turns=6 logger=none
     python run.py -m recompute=none,full chunker.chunk_size=32,64
+    python run.py 'cache=[memory,disk]' cache.1.path=/data/kv                # a stack of tiers, fastest first
     python run.py -m experiment=chat_replay workload.interleave=false,true hydra/launcher=local
 
 The job returns the sweep objective (``objective`` in the config, ``experiments/objective.py``), which Hydra's
 Optuna sweeper minimises (``experiment=tune_rag``); other launchers ignore it.
+
+Interrupted (Ctrl-C, SIGTERM), a run writes the summary of the requests that finished (records.jsonl is written
+as they finish) and exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 # The attention backend may need the Triton interpreter on a machine without a GPU; it must be chosen
 # before anything imports triton. kvboost.attention handles that itself when attn=triton.
@@ -22,8 +27,22 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from experiments.cache_stack import CacheOverrideError, CacheStackSpec, apply_cache_stack, split_cache_overrides
 from experiments.objective import sweep_objective
+from experiments.run_control import RunInterrupted, exit_code
 from experiments.runner import run_experiment
+
+#: cache=[memory,disk] / cache=[{name: ...}, ...] / cache.1.path=...: a stack of tiers, which Hydra would merge into
+#: one tier (or reject); taken out of the command line before Hydra reads it, put into the composed config in main()
+CACHE_STACK = CacheStackSpec()
+
+
+def take_cache_overrides(argv: list[str]) -> tuple[list[str], CacheStackSpec]:
+    """``argv`` without its cache-stack overrides, and the stack they describe (exits with a message if bad)."""
+    try:
+        return split_cache_overrides(argv)
+    except CacheOverrideError as exc:
+        sys.exit(f"run.py: {exc}")
 
 
 def hydra_run_info() -> dict[str, object]:
@@ -31,7 +50,7 @@ def hydra_run_info() -> dict[str, object]:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     return {
-        "overrides": list(hc.overrides.task),
+        "overrides": list(hc.overrides.task) + CACHE_STACK.overrides,
         "experiment": hc.runtime.choices.get("experiment"),
         "sweep_dir": hc.sweep.dir if multirun else None,
         "job_num": hc.job.num if multirun else None,
@@ -42,9 +61,18 @@ def hydra_run_info() -> dict[str, object]:
 def main(cfg: DictConfig) -> float | None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    summary = run_experiment(cfg, out_dir=HydraConfig.get().runtime.output_dir, run_info=hydra_run_info())
+    try:
+        apply_cache_stack(cfg, CACHE_STACK)
+    except CacheOverrideError as exc:
+        sys.exit(f"run.py: {exc}")
+    try:
+        summary = run_experiment(cfg, out_dir=HydraConfig.get().runtime.output_dir, run_info=hydra_run_info())
+    except RunInterrupted as exc:  # records.jsonl and summary.json of what finished are written; exit non-zero
+        print(f"interrupted ({exc.signal_name}): the results of what finished are in {exc.out_dir}", file=sys.stderr)
+        sys.exit(exit_code(exc))
     return sweep_objective(summary, cfg.get("objective"))
 
 
 if __name__ == "__main__":
+    sys.argv[1:], CACHE_STACK = take_cache_overrides(sys.argv[1:])
     main()

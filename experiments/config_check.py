@@ -30,7 +30,8 @@ RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
 LOGGERS = ("none", "wandb")
 MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "random_init", "random_seed")
 ENGINE_OPTIONS = (
-    "store_generated", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill", "prefill_weights",
+    "store_generated", "store_canonical", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill",
+    "prefill_weights",
 )  # fmt: skip
 
 

@@ -5,7 +5,7 @@
 #   bash experiments/gpu_sizes.sh OUT_DIR DESC_DIR...
 #
 # Each DESC_DIR is a description folder (config + tokenizer, no weights) made here with
-#   python experiments/random_weights.py --config-only --like <model dir> --out DESC_DIR
+#   python -m experiments.bench.random_weights --config-only --like <model dir> --out DESC_DIR
 # and its config.json edited to the shape wanted. For each, the weights are drawn on the GPU into /tmp/kvboost_random_<name> and
 # `gpu_suite.sh ${SIZE_STEPS:-replay,decode}` runs on them into OUT_DIR/<name> (DECODE_BATCHES, REPLAY_NEW_TOKENS
 # and TIMEOUT_PERCENT pass through). Timings only: greedy-match columns of random weights say nothing.
@@ -18,7 +18,7 @@ for desc in "$@"; do
   name="$(basename "$desc")"
   mkdir -p "$out/$name"
   start=$SECONDS
-  if ! python3 experiments/random_weights.py --like "$desc" --out "/tmp/kvboost_random_$name" --device "${WEIGHTS_DEVICE:-cuda}" >"$out/$name/weights.log" 2>&1; then
+  if ! python3 -m experiments.bench.random_weights --like "$desc" --out "/tmp/kvboost_random_$name" --device "${WEIGHTS_DEVICE:-cuda}" >"$out/$name/weights.log" 2>&1; then
     tail -n 20 "$out/$name/weights.log"
     failed=$((failed + 1))
     continue

@@ -6,16 +6,16 @@
 # STEPS: a comma-separated list of
 #   tests      the GPU tests (CUDA + Triton kernels, the runner's CUDA graphs); GPU_TESTS=paths narrows them,
 #              GPU_PYTEST_ARGS adds pytest options (e.g. --maxfail=3)
-#   attention  the attention-kernel benchmark (experiments/bench_attention.py --quick)
-#   paged      the paged Triton kernels against SDPA on block tables (experiments/bench_paged_attention.py)
+#   attention  the attention-kernel benchmark (experiments/bench/bench_attention.py --quick)
+#   paged      the paged Triton kernels against SDPA on block tables (experiments/bench/bench_paged_attention.py)
 #   replay     the ShareGPT replay in bf16 (run.py, every mode; CUDA graphs for decode and short prefills)
-#   decode     decode tokens/s of every path at batch 1, 8 and 32 (experiments/bench_decode.py: hf / eager /
+#   decode     decode tokens/s of every path at batch 1, 8 and 32 (experiments/bench/bench_decode.py: hf / eager /
 #              graphed); DECODE_BATCHES="1 32" narrows the batch sizes
 #   all        every step above
 # REPLAY_CONVERSATIONS, REPLAY_TURNS, REPLAY_MODES (comma-separated) and REPLAY_NEW_TOKENS size the replay;
 # KVBOOST_GRAPH_COMPILE=0 captures the CUDA graphs without inductor (warm-up in seconds instead of minutes).
 # MODEL_DIR=folder runs replay, decode and profile on that model instead of the bundled one (e.g. a random-weight copy of
-# its architecture from experiments/random_weights.py, for timing where the weights cannot travel).
+# its architecture from experiments/bench/random_weights.py, for timing where the weights cannot travel).
 #
 # Every step is time-boxed (a limit per step, scaled by TIMEOUT_PERCENT, default 100) and logged under OUT_DIR; a failing
 # step does not stop the next one, and the script's exit status is the number of failed steps. CPU-only machines run
@@ -70,10 +70,10 @@ if wants tests; then
   done
 fi
 if wants attention; then
-  step bench_attention 120 python3 experiments/bench_attention.py --quick --out "$out/bench_attention_gpu.json"
+  step bench_attention 120 python3 -m experiments.bench.bench_attention --quick --out "$out/bench_attention_gpu.json"
 fi
 if wants paged; then
-  step bench_paged_attention 240 python3 experiments/bench_paged_attention.py --out "$out"
+  step bench_paged_attention 240 python3 -m experiments.bench.bench_paged_attention --out "$out"
 fi
 if wants replay; then
   step replay_bf16 270 python3 run.py logger=none "workload.num_conversations=${REPLAY_CONVERSATIONS:-4}" \
@@ -82,7 +82,7 @@ if wants replay; then
 fi
 if wants decode; then
   for batch in ${DECODE_BATCHES:-1 8 32}; do
-    step "bench_decode_batch$batch" 150 python3 experiments/bench_decode.py --dtypes bfloat16 --contexts 256 1024 \
+    step "bench_decode_batch$batch" 150 python3 -m experiments.bench.bench_decode --dtypes bfloat16 --contexts 256 1024 \
       --tokens 64 --repeats 3 --batch "$batch" --paths eager graphed "${bench_model[@]}" --out "$out/decode_batch$batch"
   done
 fi

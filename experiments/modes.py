@@ -72,7 +72,7 @@ class _EngineMode:
 
     def warm(self, text: str) -> None:
         if self.engine_mode == "reuse":
-            self.engine.warm(text)
+            self.engine.warm(text, chat=False)  # the workload's shared context is the exact text its prompts hold
 
 
 class _EngineColdMode(_EngineMode):

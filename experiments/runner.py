@@ -32,7 +32,8 @@ from experiments.config_check import check_config, engine_options, split_workloa
 from experiments.environment import describe_environment
 from experiments.loggers import build_logger
 from experiments.modes import MODES
-from experiments.report import format_table, plot_summary, summarize, write_records, write_summary
+from experiments.report import explain_hf_prefix, format_overhead, format_table, plot_summary, summarize, write_summary
+from experiments.run_control import RecordSink, RunEstimate, RunInterrupted, interruptible
 from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, WorkloadEnv
 from kvboost.engine import InferenceEngine
@@ -101,7 +102,8 @@ def _quality(reference: GenerationResult, result: GenerationResult) -> dict[str,
 
 def _breakdown(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean TTFT components per mode, and kvboost's per-request overhead over hf_prefix."""
-    parts = ("tokenize_ms", "lookup_ms", "assemble_ms", "prefill_ms", "store_ms", "prefill_tokens")
+    parts = ("tokenize_ms", "lookup_ms", "assemble_ms", "prefill_ms", "store_ms", "prefill_tokens", "cached_tokens",
+             "content_ratio")
     by_mode: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         for p in parts:
@@ -117,24 +119,46 @@ def _breakdown(records: list[dict[str, Any]]) -> dict[str, Any]:
             "lookup_ms_mean_diff": k.get("lookup_ms_mean", 0.0) + k.get("assemble_ms_mean", 0.0)
             - h.get("lookup_ms_mean", 0.0),
             "extra_prefill_tokens_mean": k.get("prefill_tokens_mean", 0.0) - h.get("prefill_tokens_mean", 0.0),
+            # what each side reused: the difference above is only overhead where these agree
+            "kvboost_cached_tokens_mean": k.get("cached_tokens_mean"),
+            "hf_prefix_cached_tokens_mean": h.get("cached_tokens_mean"),
+            "kvboost_content_ratio_mean": k.get("content_ratio_mean"),
+            "kvboost_lookup_assemble_ms_mean": k.get("lookup_ms_mean", 0.0) + k.get("assemble_ms_mean", 0.0),
+            "prefill_ms_mean_diff": k.get("prefill_ms_mean", 0.0) - h.get("prefill_ms_mean", 0.0),
         }
     return out
 
 
-def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int, max_new_tokens: int = 0) -> None:
-    """Kernels, not the cache: one unrelated request per mode, kernel tuning for the run's lengths, then forget."""
+def _warm_up(engine: InferenceEngine, runners: dict[str, Any], max_len: int, max_new_tokens: int = 0) -> dict[str, float]:
+    """Kernels, not the cache: one unrelated request per mode, kernel tuning for the run's lengths, then forget.
+
+    A progress bar shows the steps (attention kernels, the decode step's compilation, each mode's request):
+    with ``attn=triton`` on a CPU each step runs under Triton's interpreter and takes minutes."""
     cfg = engine.model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    engine.attention.warmup(
-        num_q_heads=cfg.num_attention_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim, dtype=engine.adapter.dtype, device=engine.adapter.device, max_len=max_len,
-    )  # fmt: skip
-    # compiles the decode step, and on CUDA captures the graphs of the run's lengths (summary run.decode_compile_s)
-    engine.warmup(max_tokens=max_len + max_new_tokens)
-    for runner in runners.values():
-        runner.generate(WARMUP_MESSAGES, 4)
+    steps = ["attention kernels", "decode step", *(f"{mode} request" for mode in runners)]
+    seconds: dict[str, float] = {}
+    with tqdm(total=len(steps), desc="warm-up", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        engine.attention.warmup(
+            num_q_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim, dtype=engine.adapter.dtype, device=engine.adapter.device, max_len=max_len,
+        )  # fmt: skip
+        bar.update(1)
+        bar.set_postfix_str(steps[1])
+        # compiles the decode step, and on CUDA captures the graphs of the run's lengths (summary run.decode_compile_s)
+        engine.warmup(max_tokens=max_len + max_new_tokens)
+        bar.update(1)
+        for mode, runner in runners.items():
+            bar.set_postfix_str(f"{mode} request")
+            start = time.perf_counter()
+            runner.generate(WARMUP_MESSAGES, 4)
+            seconds[mode] = time.perf_counter() - start
+            bar.update(1)
     for runner in runners.values():
         runner.reset()
+    return seconds
 
 
 def run_experiment(
@@ -144,9 +168,13 @@ def run_experiment(
 
     ``run_info``: how the run was launched (``run.py`` passes Hydra's overrides, experiment name and sweep
     folder); it goes into ``summary["run"]`` and names the W&B run.
+
+    ``records.jsonl`` grows as requests finish. Interrupted (Ctrl-C, or SIGTERM in the main thread), the run
+    writes ``summary.json`` and prints the table of what finished (``summary["run"]["interrupted"]``), then
+    raises :class:`~experiments.run_control.RunInterrupted` (a KeyboardInterrupt).
     """
     cfg = _plain(cfg)
-    check_config(cfg)  # before any model is loaded: a typo fails now, naming the field
+    check_config(cfg)  # before any model is loaded: a typo or a bad value fails now, naming the field
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed = int(cfg.get("seed", 0))
@@ -154,13 +182,23 @@ def run_experiment(
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
 
-    t_load = time.perf_counter()
-    engine = build_engine(cfg, model, tokenizer)
-    load_s = time.perf_counter() - t_load
-    try:
-        return _run(engine, cfg, out, load_s=load_s, seed=seed, run_info=dict(run_info or {}))
-    finally:  # a failed run still gives the caller's model back as it was (attention uninstalled)
-        engine.close()
+    with interruptible():
+        try:
+            t_load = time.perf_counter()
+            engine = build_engine(cfg, model, tokenizer)
+            load_s = time.perf_counter() - t_load
+        except KeyboardInterrupt as exc:  # nothing measured yet: nothing to summarise
+            raise RunInterrupted(getattr(exc, "signal_name", "SIGINT"), out) from None
+        try:
+            return _run(engine, cfg, out, load_s=load_s, seed=seed, run_info=dict(run_info or {}))
+        finally:  # a failed run still gives the caller's model back as it was (attention uninstalled)
+            engine.close()
+
+
+def _interpreted_triton(cfg: dict[str, Any], engine: InferenceEngine) -> bool:
+    attn = cfg.get("attn") or "sdpa"
+    name = attn if isinstance(attn, str) else dict(attn).get("name")
+    return name == "triton" and engine.adapter.device.type != "cuda"
 
 
 def _run(
@@ -171,64 +209,119 @@ def _run(
     workload = WORKLOADS.build({"name": workload_name, **workload_fields}, env=env)
     runners = {mode: MODES.get(mode)(engine) for mode in modes}
     max_new_tokens = int(workload.max_new_tokens)
-
-    if cfg.get("warmup", True):
-        _warm_up(engine, runners, max_len=int(workload_fields.get("max_prompt_tokens") or 4096),
-                 max_new_tokens=max_new_tokens)
-    engine.attention.reset_stats()
-    engine.reseed()
-    shared = workload.shared_context()
-    t_shared = time.perf_counter()
-    for text in shared:  # declared shared context (invariant 5): stored before timing, never a measured prompt
-        for runner in runners.values():
-            runner.warm(text)
-    shared_s = time.perf_counter() - t_shared
-
-    logger = build_logger(cfg.get("logger"), out_dir=out, config=cfg, run_info=run_info)
-    order_rng = random.Random(seed)
+    sink = RecordSink(out / "records.jsonl")
     records: list[dict[str, Any]] = []
-    reference_for_history = "baseline" if "baseline" in modes else modes[0]
-    progress = tqdm(total=workload.num_requests_upper_bound() * len(modes) * repeats, desc=workload_name, unit="req")
-    step = 0
-    if getattr(workload, "batched", False):
-        records = _run_batched(workload, runners, modes, repeats, max_new_tokens, order_rng, logger, progress)
+    shared: list[str] = []
+    state: dict[str, Any] = {"shared_s": 0.0}
+    batched = getattr(workload, "batched", False)
+    total = workload.num_requests_upper_bound()
+    estimate = RunEstimate(
+        requests=total, modes=modes, repeats=repeats, smaller=workload.smaller_overrides,
+        overrides=run_info.get("overrides"), interpreted_triton=_interpreted_triton(cfg, engine), emit=tqdm.write,
+    )  # fmt: skip
     try:
-        for request in ([] if getattr(workload, "batched", False) else workload.requests()):
-            first: dict[str, GenerationResult] = {}
-            pending: list[dict[str, Any]] = []
+        if cfg.get("warmup", True):
+            estimate.warmup(_warm_up(engine, runners, max_len=int(workload_fields.get("max_prompt_tokens") or 4096),
+                                     max_new_tokens=max_new_tokens))  # fmt: skip
+        engine.attention.reset_stats()
+        engine.reseed()
+        shared = workload.shared_context()
+        t_shared = time.perf_counter()
+        for text in shared:  # declared shared context (invariant 5): stored before timing, never a measured prompt
+            for runner in runners.values():
+                runner.warm(text)
+        state["shared_s"] = time.perf_counter() - t_shared
+        logger = build_logger(cfg.get("logger"), out_dir=out, config=cfg, run_info=run_info)
+        state["logger"] = logger
+        order_rng = random.Random(seed)
+        progress = tqdm(total=total * len(modes) * repeats, desc=workload_name, unit="req")
+        try:
+            if batched:
+                _run_batched(workload, runners, modes, repeats, max_new_tokens, order_rng, logger, progress,
+                             records, sink)  # fmt: skip
+            else:
+                _run_requests(workload, runners, modes, repeats, max_new_tokens, order_rng, logger, progress,
+                              records, sink, estimate)  # fmt: skip
+        finally:
+            progress.close()
+    except KeyboardInterrupt as exc:
+        signal_name = getattr(exc, "signal_name", "SIGINT")
+        interrupted = {"signal": signal_name, "records": len(records),
+                       "requests": len({r["request_id"] for r in records})}  # fmt: skip
+        tqdm.write(f"interrupted ({signal_name}): writing the summary of {interrupted['records']} finished record(s)")
+        _finish(engine, cfg, out, records, workload_name, workload, modes, repeats, shared, load_s=load_s,
+                state=state, run_info=run_info, interrupted=interrupted)  # fmt: skip
+        raise RunInterrupted(signal_name, out) from None
+    return _finish(engine, cfg, out, records, workload_name, workload, modes, repeats, shared, load_s=load_s,
+                   state=state, run_info=run_info)  # fmt: skip
+
+
+def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repeats: int, max_new_tokens: int,
+                  order_rng: random.Random, logger: Any, progress: Any, records: list[dict[str, Any]],
+                  sink: RecordSink, estimate: RunEstimate) -> None:  # fmt: skip
+    """Every request in every mode (shuffled order per request and repeat); each request's records, with quality
+    vs the baseline, go to ``records`` and ``records.jsonl`` when its last mode finishes. Interrupted, the modes
+    of the request in progress that finished are kept too (``partial_request: true``)."""
+    reference_for_history = "baseline" if "baseline" in modes else modes[0]
+    first: dict[str, GenerationResult] = {}
+    pending: list[dict[str, Any]] = []
+    request: Request | None = None
+
+    def finish(partial: bool) -> None:
+        assert request is not None
+        done = []
+        for record in pending:
+            if record["repeat"] == 0:
+                mode = record["mode"]
+                if mode != "baseline" and "baseline" in first:
+                    record.update(_quality(first["baseline"], first[mode]))
+                if mode == "kvboost" and "kvboost_cold" in first:
+                    # Reuse against the engine's own cold prefill: same kernels, only the reuse differs
+                    # (the bf16 exactness question of issue 11, apart from HF-vs-engine arithmetic).
+                    record["greedy_match_vs_cold"] = first["kvboost_cold"].output_ids == first[mode].output_ids
+                correct = workload.is_correct(request, first[mode].output_text)
+                if correct is not None:
+                    record["correct"] = correct
+            if partial:
+                record["partial_request"] = True
+            done.append(record)
+            logger.log_request(record, len(records))
+            records.append(record)
+        sink.write(done)
+        pending.clear()
+
+    try:
+        for request in workload.requests():
+            first.clear()
             for repeat in range(repeats):
                 order = list(modes)
                 order_rng.shuffle(order)
                 for mode in order:
+                    start = time.perf_counter()
                     result = runners[mode].generate(
                         request.prompt, max_new_tokens, score_ids=request.score_ids if repeat == 0 else None,
                         commit=repeat == repeats - 1,
                     )  # fmt: skip
                     if repeat == 0:
                         first[mode] = result
+                        estimate.add(mode, time.perf_counter() - start, getattr(result, "prompt_tokens", None))
                     pending.append(_record(mode, request, result, repeat))
                     progress.update(1)
-            for record in pending:
-                if record["repeat"] == 0:
-                    mode = record["mode"]
-                    if mode != "baseline" and "baseline" in first:
-                        record.update(_quality(first["baseline"], first[mode]))
-                    if mode == "kvboost" and "kvboost_cold" in first:
-                        # Reuse against the engine's own cold prefill: same kernels, only the reuse differs
-                        # (the bf16 exactness question of issue 11, apart from HF-vs-engine arithmetic).
-                        record["greedy_match_vs_cold"] = first["kvboost_cold"].output_ids == first[mode].output_ids
-                    correct = workload.is_correct(request, first[mode].output_text)
-                    if correct is not None:
-                        record["correct"] = correct
-                records.append(record)
-                logger.log_request(record, step)
-                step += 1
+            finish(partial=False)
             progress.set_postfix(req=request.request_id[:16])
             workload.record_answer(request, first[reference_for_history].output_text)
-    finally:
-        progress.close()
+    except KeyboardInterrupt:
+        if pending:
+            finish(partial=True)
+        raise
 
-    write_records(records, out / "records.jsonl")
+
+def _finish(engine: InferenceEngine, cfg: dict[str, Any], out: Path, records: list[dict[str, Any]],
+            workload_name: str, workload: Any, modes: list[str], repeats: int, shared: list[str], *, load_s: float,
+            state: dict[str, Any], run_info: dict[str, Any], interrupted: dict[str, Any] | None = None,
+            ) -> dict[str, Any]:  # fmt: skip
+    """Summary, plots, W&B and the printed table of ``records`` (all of them, or what finished before an
+    interrupt)."""
     reference_modes = (REFERENCE_MODE,) if REFERENCE_MODE in modes else ()
     summary = summarize(records, baseline_mode="baseline", reference_modes=reference_modes)
     summary["config"] = cfg
@@ -247,27 +340,32 @@ def _run(
         "repeats": repeats,
         "mode_order": "shuffled per request and repeat (seeded)",
         "shared_context_items": len(shared),
-        "shared_context_s": shared_s,
+        "shared_context_s": state.get("shared_s", 0.0),
         **describe_compute(engine.adapter.dtype, engine.adapter.device, (cfg.get("model") or {}).get("dtype")),
         **engine.decode_info(),
         "lm_head": getattr(engine.model, "_kvboost_lm_head", None) or "model dtype",
         "device": str(engine.adapter.device),
         "fingerprint": engine.fingerprint,
         **run_info,
+        **({"interrupted": interrupted} if interrupted else {}),
     }
     accuracy_table = add_accuracy_by_reuse(summary, records)  # only when something was scored
     write_summary(summary, out / "summary.json")
-    plots = plot_summary(summary, out)
-    logger.log_summary(summary, plots)
+    logger = state.get("logger")
+    plots = plot_summary(summary, out) if records else []
+    if logger is not None:
+        logger.log_summary(summary, plots)
+    if interrupted:
+        print(f"INTERRUPTED ({interrupted['signal']}): the table covers the {interrupted['requests']} request(s) "
+              "that finished, in part or whole")  # fmt: skip
     print(format_table(summary))
     if accuracy_table:
         print(format_accuracy_table(accuracy_table))
+    if hf_prefix_note := explain_hf_prefix(summary):
+        print(hf_prefix_note)
     overhead = summary["ttft_breakdown"].get("kvboost_overhead_vs_hf_prefix")
     if overhead:
-        print(
-            f"kvboost lookup+assembly overhead vs hf_prefix crop: {overhead['lookup_ms_mean_diff']:+.2f} ms/request; "
-            f"extra prefill tokens: {overhead['extra_prefill_tokens_mean']:+.1f}/request"
-        )
+        print(format_overhead(overhead))
     for mode, spec in (summary.get("speculative") or {}).items():
         tpf = spec["tokens_per_target_forward"]
         print(f"speculative ({spec['strategy']}) in {mode}: acceptance {spec['acceptance_rate']:.1%} of "
@@ -277,16 +375,18 @@ def _run(
               + ", ".join(f"{size}: {cell['tokens_per_s']:.1f}" for size, cell in by_size.items()))  # fmt: skip
     print(f"attention backend: {summary['attention'].get('backend')}, kernel calls: {summary['attention'].get('kernel_calls')}")
     print(f"results: {out}")
-    logger.finish()  # last: an offline W&B run prints its `wandb sync` line here
+    if logger is not None:
+        logger.finish()  # last: an offline W&B run prints its `wandb sync` line here
     return summary
 
 
 def _run_batched(workload: Any, runners: dict[str, Any], modes: list[str], repeats: int, max_new_tokens: int,
-                 order_rng: random.Random, logger: Any, progress: Any) -> list[dict[str, Any]]:  # fmt: skip
+                 order_rng: random.Random, logger: Any, progress: Any, records: list[dict[str, Any]],
+                 sink: RecordSink) -> list[dict[str, Any]]:  # fmt: skip
     """``workload=batch``: each request is a batch of prompts every mode serves in one ``generate_batch`` call
     (modes in a shuffled order per batch and repeat); one record per row, with the batch's wall time and tokens
-    per second; rows compared with the baseline's rows (greedy match) where it ran."""
-    records: list[dict[str, Any]] = []
+    per second; rows compared with the baseline's rows (greedy match) where it ran. Rows go to ``records`` and
+    ``records.jsonl`` as each batch call finishes."""
     for request in workload.requests():
         first: dict[str, list[GenerationResult]] = {}
         for repeat in range(repeats):
@@ -309,8 +409,8 @@ def _run_batched(workload: Any, runners: dict[str, Any], modes: list[str], repea
                         record.update(_quality(first["baseline"][i], result))
                     records.append(record)
                     logger.log_request(record, len(records))
+                sink.write(records[-len(results):] if results else [])
                 progress.update(1)
-    progress.close()
     return records
 
 

@@ -31,6 +31,7 @@ from kvboost.generation import PhaseClock
 from kvboost.kv.sizing import make_pool
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
+from kvboost.original_api import GenerationMode, RecomputeStrategy, engine_mode, translate_options  # noqa: F401
 from kvboost.prompts import Prompt, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
@@ -60,7 +61,14 @@ class InferenceEngine:
             **kwargs}``) or instances; see ``kvboost.registry`` for the families. ``cache``: one tier spec, or a list
             fastest first; ``eviction``: the policy every tier that takes one gets.
         store_generated: also store the KV of generated tokens (a next turn that continues the answer reuses it).
-        chat: wrap plain-string prompts in the chat template as one user message.
+        store_canonical: with ``store_generated``, after a chat request finished, also store the KV of its answer as
+            the next turn's prompt will tokenize it (the answer text re-tokenized inside the chat template, through
+            the end-of-turn markup): where those ids differ from the generated ones, the differing rows are
+            prefilled on top of the shared prefix (``kvboost.reuse.canonical``), so a next turn reuses the whole
+            history instead of stopping where re-tokenization split a word otherwise.
+        chat: plain-string prompts: ``None`` (auto) renders them as one user message in the chat template when the
+            tokenizer has one (and the text holds none of its markup already); ``True`` always; ``False`` keeps
+            them raw (``kvboost.prompts.wants_chat``). Chat messages are always rendered, token ids never.
         seed: seed of the sampling generator.
         share_model: serve a model another live engine already serves (same attention backend: the engines then
             share its KV pool), instead of refusing it.
@@ -77,9 +85,11 @@ class InferenceEngine:
     def __init__(
         self, model: Any, tokenizer: Any, *, model_identity: str | None = None, chunker: Any = "fixed",
         hasher: Any = "sha256", cache: Any = None, eviction: Any = None, recompute: Any = "none", quant: Any = "none",
-        attn: Any = "sdpa", store_generated: bool = True, chat: bool = False, seed: int = 0, share_model: bool = False,
+        attn: Any = "sdpa", store_generated: bool = True, chat: bool | None = None, seed: int = 0,
+        share_model: bool = False,
         max_kv_bytes: int | str | None = None, keep_buffer_bytes: int | str | None = None, decode: str = "auto",
         speculative: Any = "none", prefill: str = "auto", prefill_weights: str = "auto", kv: dict | None = None,
+        store_canonical: bool = True,
     ) -> None:  # fmt: skip
         from kvboost.rope import RopeRotator, check_rope_reusable
 
@@ -124,6 +134,7 @@ class InferenceEngine:
         self.model, self.tokenizer = model, tokenizer
         self.chunker, self.hasher, self.recompute, self.quantizer = chunker, hasher, recompute, quantizer
         self.store, self.store_generated, self.chat, self.speculative = store, store_generated, chat, speculative
+        self.store_canonical = bool(store_canonical)
         self.adapter = ModelAdapter(model, model_identity or getattr(model.config, "_name_or_path", "") or "unnamed")
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_kv_bytes = parse_bytes(max_kv_bytes) if max_kv_bytes is not None else None
@@ -167,13 +178,17 @@ class InferenceEngine:
         Loading options (``kvboost.models.options``): ``streaming={"resident_layers": K, ...}`` streams decoder
         layers' weights from the safetensors files; ``lm_head="int8"`` a weight-only int8 output projection;
         ``awq_prefill="dense"`` (AWQ int4, CPU) prefills from dequantized copies. The rest go to the constructor.
+        The original KVBoost keywords (``recompute_strategy``, ``chunk_size``, ``kv_cache_bits``, ``disk_cache_dir``,
+        ``max_chunks``, ...) are translated into plugin configs (``kvboost.original_api``). Every keyword is checked
+        before any weight is read; an unknown one is refused with the list of accepted ones.
         """
         from kvboost.models.options import LOADING_OPTIONS, LoadOptions, load_for_engine
 
+        model_name_or_path, options, after_load = translate_options(cls, model_name_or_path, options)
         loading = LoadOptions(**{k: options.pop(k) for k in LOADING_OPTIONS if k in options})
         model, tokenizer, identity, implied = load_for_engine(model_name_or_path, dtype=dtype, device=device,
                                                               options=loading, decode=options.get("decode"))  # fmt: skip
-        engine = cls(model, tokenizer, model_identity=identity, **{**options, **implied})
+        engine = cls(model, tokenizer, model_identity=identity, **{**after_load(model), **implied})
         engine.streamer = getattr(model, "_kvboost_streamer", None)
         return engine
 
@@ -257,15 +272,17 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ generate
     def generate(
-        self, prompt: Prompt, max_new_tokens: int = 64, mode: str = "reuse", temperature: float = 1.0,
+        self, prompt: Prompt, max_new_tokens: int = 64, mode: str | GenerationMode = "reuse", temperature: float = 1.0,
         do_sample: bool = False, keep_logits: bool = True, *, cache_salt: str = "",
         score_ids: Sequence[int] | None = None, store: bool = True,
     ) -> GenerationResult:  # fmt: skip
         """Generate an answer to ``prompt``.
 
-        ``mode="reuse"`` serves what it can from the cache and stores the new chunks; ``mode="cold"`` runs the
-        same path with the cache neither read nor written. TTFT runs from this call to the first token id
-        (DESIGN.md invariant 4); storing is timed apart (``store_ms``) and counted in ``total_ms``.
+        ``mode="reuse"`` (``GenerationMode.CHUNK_KV_REUSE``) serves what it can from the cache (exact and content
+        hits) and stores the new chunks; ``mode="prefix"`` (``PREFIX_CACHE``) serves exact hits only;
+        ``mode="cold"`` (``BASELINE``) runs the same path with the cache neither read nor written. TTFT runs from
+        this call to the first token id (DESIGN.md invariant 4); storing is timed apart (``store_ms``) and counted
+        in ``total_ms``.
         ``cache_salt``: a per-tenant salt in every key. ``score_ids``: a known answer whose teacher-forced
         log-probability goes into ``result.extra["answer_logprob"]`` (after the request, not timed). ``store``:
         False reads the cache without writing it.
@@ -302,6 +319,7 @@ class InferenceEngine:
 
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        mode = engine_mode(mode)  # a GenerationMode of the original API, or reuse | prefix | cold
         clock = PhaseClock(self.adapter.device)
         core = EngineCore(self, max_running=len(prompts), max_waiting=None, cache_aware_limit=0)
         seqs = []
@@ -332,7 +350,7 @@ class InferenceEngine:
         ids = [self.tokenize(p) for p in prompts]
         results: list[GenerationResult | None] = [None] * len(prompts)
         for group, prefix in group_by_prefix(ids, self.chunker.split):
-            if len(group) > 1 and prefix and options.get("mode", "reuse") == "reuse":
+            if len(group) > 1 and prefix and engine_mode(options.get("mode", "reuse")) != "cold":
                 self.warm(ids[group[0]][:prefix], cache_salt=options.get("cache_salt", ""))
             for index, result in zip(group, self.generate_batch([ids[i] for i in group], max_new_tokens, **options),
                                      strict=True):  # fmt: skip
@@ -360,15 +378,20 @@ class InferenceEngine:
         return self.core.step()
 
     # ------------------------------------------------------------------ warm / store
-    def warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "") -> WarmResult:
+    def warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "", chat: bool | None = None) -> WarmResult:
         """Compute and store the KV of ``text`` (a shared system prompt, a document) without generating.
 
-        The text is tokenized as is (no chat template; through the chunker, so a document gets the ids it has
-        inside prompts cut by the ``separator`` chunker) and computed from position 0 with no history: its chunks
-        become exact hits for prompts that start with it and content hits (by segment key) anywhere else. Reuses
-        whatever exact prefix is already cached; ``pin=True`` protects the entries from eviction.
+        ``text`` is stored as the start of the prompts that will extend it: where ``generate`` renders a plain
+        string in the chat template (``chat``, default the engine's: see ``kvboost.prompts``), the warmed tokens
+        are that rendering up to the end of ``text`` (default system prompt and user header included), so
+        ``warm(system); generate(system + question)`` reuses them. ``chat=False`` tokenizes the text as is
+        (through the chunker, so a document gets the ids it has inside prompts cut by the ``separator`` chunker:
+        warm documents that appear mid-prompt this way). Token ids and chat messages are stored as given
+        (messages rendered with the generation prompt). Computed from position 0 with no history: the chunks
+        become exact hits for prompts that start with them and content hits (by segment key) anywhere else.
+        Reuses whatever exact prefix is already cached; ``pin=True`` protects the entries from eviction.
         """
-        return pipeline.warm(self, text, pin=pin, cache_salt=cache_salt)
+        return pipeline.warm(self, text, pin=pin, cache_salt=cache_salt, chat=chat)
 
     # ------------------------------------------------------------------ stats and checks
     def cache_stats(self) -> dict[str, Any]:
@@ -395,8 +418,10 @@ class InferenceEngine:
         self.generator.manual_seed(self._seed if seed is None else seed)
 
     def verify_correctness(self, prompts: Sequence[Prompt] | None = None, *, max_new_tokens: int = 16,
-                           prefix_fraction: float = 0.6, kl_tolerance: float = 1e-4) -> CorrectnessReport:  # fmt: skip
-        """Check that exact reuse reproduces a cold prefill, prompt by prompt (``kvboost.quality``)."""
+                           prefix_fraction: float = 0.6, kl_tolerance: float | None = None) -> CorrectnessReport:  # fmt: skip
+        """Check that exact reuse reproduces a cold prefill, prompt by prompt, within what the configured dtype and
+        attention can promise (``kvboost.quality.exactness_promise``: KL 1e-4 in fp32 or under a batch-invariant
+        backend, a bf16 tolerance otherwise); the report's ``criterion`` says which, ``print(report)`` shows it."""
         return verify_correctness(self, prompts, max_new_tokens=max_new_tokens, prefix_fraction=prefix_fraction,
                                   kl_tolerance=kl_tolerance)  # fmt: skip
 

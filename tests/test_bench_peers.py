@@ -1,4 +1,4 @@
-"""experiments/bench_peers.py: the pure functions on fake records, a torch system on a tiny model, and (where
+"""experiments/bench/bench_peers.py: the pure functions on fake records, a torch system on a tiny model, and (where
 llama-cpp-python is installed) the two llama.cpp systems on the bundled GGUF."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from experiments import bench_peers as bp
+from experiments.bench import bench_peers as bp
 
 EOS = 2
 
@@ -116,7 +116,7 @@ def test_markdown_report_has_every_table():
     arch = bp.Arch(1000, 3, 8, 4, 16, 50)
     bp.add_floor(recs, arch, 1e6)
     result = {
-        "title": "fake", "command": "python experiments/bench_peers.py --fake", "notes": ["a note"],
+        "title": "fake", "command": "python -m experiments.bench.bench_peers --fake", "notes": ["a note"],
         "orders": ["sequential", "interleaved"], "by_turn": bp.aggregate_by_turn(recs),
         "overall": bp.aggregate_overall(recs), "ratio_by_turn": bp.ratio_by_turn(recs),
         "floor_by_turn": bp.floor_by_turn(recs), "greedy_match": bp.greedy_match(recs, {EOS}),

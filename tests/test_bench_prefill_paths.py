@@ -1,4 +1,4 @@
-"""experiments/bench_prefill_paths.py on the bundled model: a tiny run, and its shape parser."""
+"""experiments/bench/bench_prefill_paths.py on the bundled model: a tiny run, and its shape parser."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.bench_prefill_paths import main
+from experiments.bench.bench_prefill_paths import main
 from experiments.report import cached_new_shape
 
 pytestmark = pytest.mark.integration

@@ -1,10 +1,10 @@
-"""experiments/bench_speculative.py: its pure helpers on toy records (no model is loaded)."""
+"""experiments/bench/bench_speculative.py: its pure helpers on toy records (no model is loaded)."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments import bench_speculative as bs
+from experiments.bench import bench_speculative as bs
 
 KNOWN = ("none", "prompt_lookup", "layer_skip", "draft_model")
 

@@ -1,4 +1,4 @@
-"""experiments/cache_sim.py on small synthetic traces with known answers (no model, no dataset, a few seconds).
+"""experiments/sims/cache_sim.py on small synthetic traces with known answers (no model, no dataset, a few seconds).
 
 - Unbounded store: the exact token hit ratio is the trace's shared-prefix fraction (per request, the longest
   common token prefix with any earlier request, capped at n - 1 as the engine always computes the last token).
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import cache_sim
-from experiments.cache_sim import KVShape, Simulator, default_capacities, parse_policy, sweep
-from experiments.token_trace import TraceRequest
+from experiments.sims import cache_sim
+from experiments.sims.cache_sim import KVShape, Simulator, default_capacities, parse_policy, sweep
+from experiments.sims.token_trace import TraceRequest
 
 SHAPE = KVShape(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
 BPT = SHAPE.bytes_per_token
@@ -161,7 +161,7 @@ def _fake_trace(**kwargs):
 
 
 def test_cli_writes_json_and_png(tmp_path, monkeypatch):
-    monkeypatch.setattr("experiments.token_trace.build_trace", _fake_trace)
+    monkeypatch.setattr("experiments.sims.token_trace.build_trace", _fake_trace)
     monkeypatch.setattr(cache_sim, "bundled_kv_shape", lambda: (SHAPE, "config.json"))
     out = tmp_path / "sim"
     cache_sim.main(["--conversations", "6", "--users", "3", "--out", str(out), "--capacities", "20MiB", "60MiB",
@@ -178,7 +178,7 @@ def test_cli_writes_json_and_png(tmp_path, monkeypatch):
 
 
 def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("experiments.token_trace.build_trace", _fake_trace)
+    monkeypatch.setattr("experiments.sims.token_trace.build_trace", _fake_trace)
     monkeypatch.setattr(cache_sim, "bundled_kv_shape", lambda: (SHAPE, "config.json"))
     with pytest.raises(SystemExit):
         cache_sim.main(["--conversations", "2", "--users", "1", "--out", str(tmp_path), "--policies", "lruu"])
@@ -187,7 +187,7 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cache_sim.main(["--conversations", "2", "--users", "1", "--out", str(tmp_path), "--capacities", "lots"])
     assert "lots" in capsys.readouterr().err
-    monkeypatch.setattr("experiments.token_trace.build_trace", lambda **kw: [])
+    monkeypatch.setattr("experiments.sims.token_trace.build_trace", lambda **kw: [])
     with pytest.raises(SystemExit):
         cache_sim.main(["--conversations", "2", "--users", "1", "--out", str(tmp_path), "--no-progress"])
     assert "empty" in capsys.readouterr().err

@@ -15,6 +15,18 @@ from kvboost.hashing.sha256 import Sha256Hasher
 from kvboost.types import ChunkSpan
 
 
+class PairTokenizer(ToyTokenizer):
+    """A toy tokenizer whose ids depend on context, like BPE: it merges characters in pairs from the start of the
+    text it is given ("abc" -> "ab", "c"), so text tokenized on its own gets other ids than the same text inside a
+    longer string that puts it at an odd offset. Ids stay below the tiny models' vocabulary."""
+
+    def __call__(self, text, add_special_tokens: bool = False):
+        if isinstance(text, list):
+            return {"input_ids": [self(t)["input_ids"] for t in text]}
+        pairs = [text[i : i + 2] for i in range(0, len(text), 2)]
+        return {"input_ids": [3 + (sum(ord(c) * 131**j for j, c in enumerate(p)) % 125) for p in pairs]}
+
+
 def test_fixed_chunker_spans():
     spans = FixedChunker(4).split(list(range(10)))
     assert [(s.start, s.end, s.segment_start) for s in spans] == [(0, 4, 0), (4, 8, 0), (8, 10, 0)]
@@ -38,6 +50,19 @@ def test_separator_chunker_tokenizes_each_segment_on_its_own():
         (0, 4, 0), (4, 6, 0), (6, 8, 6), (8, 10, 8), (10, 12, 10), (12, 14, 12), (14, 15, 14),
     ]
     assert chunker.tokenize(tok, "\n\n") == (tok("\n\n")["input_ids"], [ChunkSpan(0, 2, 0)])
+    # The per-character tokenizer cannot tell a whole-text tokenization from a per-segment one: a merging one can.
+    pair = PairTokenizer()
+    text = "abc\n\nxyz\n\nq"
+    ids, spans = chunker.tokenize(pair, text)
+    pieces = ["abc", "\n\n", "xyz", "\n\n", "q"]
+    want = [t for piece in pieces for t in pair(piece)["input_ids"]]
+    assert want != pair(text)["input_ids"]  # the tokenizer merges across the boundaries of this text
+    assert ids == want
+    lengths = [len(pair(piece)["input_ids"]) for piece in pieces]  # 2, 1, 2, 1, 1
+    starts = [sum(lengths[:i]) for i in range(len(pieces))]
+    assert [(s.start, s.end, s.segment_start) for s in spans] == [
+        (a, a + n, a) for a, n in zip(starts, lengths, strict=True)
+    ]
 
 
 def test_separator_chunker_extends_the_last_segment_for_generated_tokens():

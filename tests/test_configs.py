@@ -6,24 +6,15 @@ or whose fields the plugin does not take fails here, not half-way through somebo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from compose import CONFIG_DIR, compose
 from omegaconf import OmegaConf
 
 from experiments.config_check import ENGINE_OPTIONS, check_config, engine_signature_options
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment"))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
 
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
 
 
 @pytest.mark.parametrize("group, option", OPTIONS)

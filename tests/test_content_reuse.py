@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_chunking_hashing import PairTokenizer
 from tiny import ToyTokenizer, make_engine, tiny_model
 
 from kvboost import KVBoost
@@ -25,10 +26,11 @@ def rag_prompt(order: list[int], question: str = QUESTION) -> str:
     return SEP.join(["System: answer from the documents."] + [DOCS[i] for i in order] + [question])
 
 
-def blend_engine(arch: str = "llama", recompute="none", attn="sdpa", chunk_size: int = 16, **options) -> KVBoost:
+def blend_engine(arch: str = "llama", recompute="none", attn="sdpa", chunk_size: int = 16, tokenizer=None,
+                 **options) -> KVBoost:  # fmt: skip
     model = tiny_model(arch, max_position_embeddings=1024, num_hidden_layers=4)
     return KVBoost(
-        model, ToyTokenizer(), model_identity=f"tiny-{arch}",
+        model, tokenizer or ToyTokenizer(), model_identity=f"tiny-{arch}",
         chunker={"name": "separator", "separator": SEP, "chunk_size": chunk_size},
         recompute=recompute, attn=attn, **options,
     )  # fmt: skip
@@ -39,13 +41,18 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_a_document_has_the_same_ids_anywhere():
-    engine = blend_engine()
+    # A tokenizer that merges across boundaries (like BPE): with the per-character one, tokenizing the whole
+    # prompt at once would give a document the same ids anywhere too, and the test could not tell.
+    engine = blend_engine(tokenizer=PairTokenizer())
     doc_ids, doc_spans = engine.chunker.tokenize(engine.tokenizer, DOCS[2])
-    for order in ([2, 0, 1], [0, 1, 2], [1, 2]):
-        ids, spans = engine.tokenize_with_spans(rag_prompt(order))
+    odd = SEP.join(["System: answer briefly.", DOCS[0], DOCS[2], QUESTION])  # the document at an odd offset
+    whole = engine.tokenizer(odd)["input_ids"]
+    assert not any(whole[p : p + len(doc_ids)] == doc_ids for p in range(len(whole)))  # so other ids in one piece
+    for prompt in [rag_prompt(order) for order in ([2, 0, 1], [0, 1, 2], [1, 2])] + [odd]:
+        ids, spans = engine.tokenize_with_spans(prompt)
         starts = {s.segment_start for s in spans}
         found = [p for p in starts if ids[p : p + len(doc_ids)] == doc_ids]
-        assert found, order
+        assert found, prompt[:40]
         # the document's chunks are exactly its standalone chunks, shifted
         p = found[0]
         inside = [(s.start - p, s.end - p) for s in spans if s.segment_start == p]

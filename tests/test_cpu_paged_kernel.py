@@ -304,8 +304,8 @@ def test_dense_forward_still_matches_its_reference(dtype):
 
 
 def test_benchmark_quick_run(tmp_path):
-    """experiments/bench_cpu_paged_attention.py --quick: every row runs, the outputs agree, the report is written."""
-    from experiments.bench_cpu_paged_attention import main
+    """experiments/bench/bench_cpu_paged_attention.py --quick: every row runs, the outputs agree, the report is written."""
+    from experiments.bench.bench_cpu_paged_attention import main
 
     result = main(["--quick", "--threads", str(torch.get_num_threads()), "--out", str(tmp_path)])
     for rows in result["dtypes"].values():

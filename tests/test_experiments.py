@@ -7,9 +7,9 @@ a tiny random model (lightning-hydra-template's tests/test_sweeps.py habit); eve
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
+from compose import CONFIG_DIR, compose
 from omegaconf import OmegaConf
 from tiny import tiny_model
 
@@ -17,7 +17,6 @@ from experiments.config_check import check_config
 from experiments.objective import BROKEN_CONSTRAINT, ObjectiveError, sweep_objective
 from experiments.runner import run_experiment
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 LAUNCHERS = sorted(p.stem for p in (CONFIG_DIR / "hydra" / "launcher").glob("*.yaml"))
 
@@ -33,21 +32,6 @@ SHRINK = {
 }  # fmt: skip
 
 
-def compose(overrides: list[str], *, hydra: bool = False):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
-
-
-@pytest.fixture(scope="module")
-def smollm_tokenizer():
-    from transformers import AutoTokenizer
-
-    from kvboost.models.loading import bundled_model_dir
-
-    return AutoTokenizer.from_pretrained(bundled_model_dir())
 
 
 def test_the_experiments_the_docs_name_exist():

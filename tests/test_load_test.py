@@ -1,4 +1,4 @@
-"""The load generator (experiments/load_test.py): the trace, the statistics, and whole runs against an in-test
+"""The load generator (experiments/bench/load_test.py): the trace, the statistics, and whole runs against an in-test
 OpenAI-compatible stub (exact, known timings) and against a real kvboost-server on a tiny random model."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from experiments import load_test as lt
+from experiments.bench import load_test as lt
 from experiments.sharegpt_data import Conversation, Turn
 
 

@@ -1,4 +1,4 @@
-"""experiments/random_weights.py: a model folder with another's architecture and small files, random weights."""
+"""experiments/bench/random_weights.py: a model folder with another's architecture and small files, random weights."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from experiments.random_weights import copy_description, main, write_random_model
+from experiments.bench.random_weights import copy_description, main, write_random_model
 
 
 def test_random_copy_has_the_architecture_and_files_but_not_the_weights(tmp_path):

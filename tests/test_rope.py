@@ -8,6 +8,7 @@ from tiny import VOCAB, random_ids, tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvboost.models.compat import UnsupportedArchitectureError
+from kvboost.runtime.hf_generic import output_cache
 from kvboost.rope import (
     LengthDependentRopeError,
     RopeLayoutError,
@@ -53,7 +54,7 @@ def segment_kv(model, ids: list[int], start, **kwargs) -> tuple[torch.Tensor, to
     """The segment's stacked KV [layers, kv_heads, n, head_dim], computed alone at positions start.. (or given)."""
     pos = torch.as_tensor(start)[None] if not isinstance(start, int) else torch.arange(start, start + len(ids))[None]
     out = model(input_ids=torch.tensor([ids]), position_ids=pos, use_cache=True, **kwargs)
-    layers = out.past_key_values.layers
+    layers = output_cache(out).layers
     return torch.stack([layer.keys[0] for layer in layers]), torch.stack([layer.values[0] for layer in layers])
 
 

@@ -1,4 +1,4 @@
-"""experiments/simulate_peers.py: each peer's policy on hand-made traces, the output files, bad arguments, and the
+"""experiments/sims/simulate_peers.py: each peer's policy on hand-made traces, the output files, bad arguments, and the
 kvboost simulator against the real engine request by request."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from experiments.simulate_peers import (
+from experiments.sims.simulate_peers import (
     SYSTEMS,
     KVBoostStore,
     LlamaCppSlot,
@@ -21,7 +21,7 @@ from experiments.simulate_peers import (
     simulate_trace,
     summarize,
 )
-from experiments.token_trace import TraceRequest
+from experiments.sims.token_trace import TraceRequest
 from kvboost.cache.memory import MemoryTier
 from kvboost.cache.store import KVStore
 from kvboost.engine import InferenceEngine
@@ -163,7 +163,7 @@ def test_kvboost_simulator_runs_the_real_store_and_engine_code():
     kv = KVBoostStore(1000)
     assert isinstance(kv.store, KVStore) and isinstance(kv.store.tiers[0], MemoryTier)
     assert kv.store.tiers[0].eviction.registry_name == "lru" and kv.store.tiers[0].eviction.leaves_first
-    import experiments.simulate_peers as sim
+    import experiments.sims.simulate_peers as sim
     from kvboost.cache import sequence_store
 
     assert sim.store_sequence is sequence_store.store_sequence  # the engine's own store path
@@ -255,7 +255,7 @@ def test_cli_bad_arguments(tmp_path, capsys, args, message):
 # ------------------------------------------------------------------------------------------------ the key check
 @pytest.fixture(scope="module")
 def small_trace():
-    from experiments.token_trace import build_trace, bundled_tokenizer
+    from experiments.sims.token_trace import build_trace, bundled_tokenizer
 
     tokenizer = bundled_tokenizer()
     trace = build_trace(num_conversations=4, max_turns=3, min_turns=3, interleave=True, users=4, seed=0,

@@ -78,14 +78,23 @@ def test_streamed_logits_equal_resident_exactly(folder, resident, resident_layer
 
 def test_engine_greedy_generation_identical(folder, resident):
     prompts = [random_ids(40, seed=s) for s in range(3)]
-    streamed = KVBoost(build_streamed_model(folder, {"resident_layers": 1}), ToyTokenizer(), decode="hf",
-                       chunker={"name": "fixed", "chunk_size": 16})  # fmt: skip
+    model = build_streamed_model(folder, {"resident_layers": 1})
+    streamed = KVBoost(model, ToyTokenizer(), decode="hf", chunker={"name": "fixed", "chunk_size": 16})
     plain = KVBoost(copy.deepcopy(resident), ToyTokenizer(), decode="hf", chunker={"name": "fixed", "chunk_size": 16})
+    # the engine really streams: layers 1..3 are not resident, and their weights are placeholders between forwards
+    streamer = model._kvboost_streamer
+    assert streamer is not None and tuple(streamer.streamed) == tuple(range(1, LAYERS))
+    layers = model.model.layers
     for ids in prompts:
+        loads = streamer.stats["loads"]
         a = streamed.generate(ids, max_new_tokens=12, mode="cold")
         b = plain.generate(ids, max_new_tokens=12, mode="cold")
         assert a.output_ids == b.output_ids
         assert torch.equal(a.first_token_logits, b.first_token_logits)
+        # 3 streamed layers through 2 slots: every forward (a prefill, then one per decoded token) loads weights
+        assert streamer.stats["loads"] - loads >= len(a.output_ids)
+        assert all(p.device.type == "meta" for i in streamer.streamed for p in layers[i].parameters())
+        assert all(p.device.type != "meta" for p in layers[0].parameters())
 
 
 def test_exact_prefix_reuse_with_streaming(folder, resident):

@@ -71,3 +71,8 @@ class Workload(ABC):
     def stats(self) -> dict[str, Any]:
         """Facts about the workload for summary.json (sizes, skipped items...)."""
         return {}
+
+    def smaller_overrides(self, fraction: float) -> dict[str, Any]:
+        """``workload.*`` overrides that keep about ``fraction`` (0-1) of the requests, for the runner's "how to
+        shrink this run" hint; {} where the workload has no such knob."""
+        return {}

@@ -89,6 +89,10 @@ class RagReorder(Workload):
     def num_requests_upper_bound(self) -> int:
         return len(self.queries)
 
+    def smaller_overrides(self, fraction: float) -> dict[str, int]:
+        """Fewer queries, for about ``fraction`` of the requests."""
+        return {"num_queries": max(1, int(fraction * len(self.queries)))}
+
     def shared_context(self) -> list[str]:
         """What is warmed before timing: each document alone (``warm_context: document``, computed from position
         0), or each document after the text every prompt has before its question (``head``: system prompt and

@@ -91,6 +91,16 @@ class SharegptReplay(Workload):
     def num_requests_upper_bound(self) -> int:
         return sum(len(c.turns) for c in self.conversations)
 
+    def smaller_overrides(self, fraction: float) -> dict[str, int]:
+        """Fewer conversations first, then fewer turns (at least 2, where reuse starts), for about ``fraction``
+        of the requests."""
+        turns = max(1, max((len(c.turns) for c in self.conversations), default=self.cfg.max_turns))
+        wanted = max(1.0, fraction * self.num_requests_upper_bound())
+        conversations = max(1, min(len(self.conversations), int(wanted // turns)))
+        if conversations * turns > wanted:  # one conversation is still too many turns
+            turns = max(min(2, turns), int(wanted))
+        return {"num_conversations": conversations, "max_turns": turns}
+
     def record_answer(self, request: Request, text: str) -> None:
         """The reference answer to a turn (the history of the next turn with history_source=model)."""
         self._answers[(request.conversation_id, request.turn)] = text

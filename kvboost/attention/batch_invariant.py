@@ -24,6 +24,20 @@ How, with stock torch kernels:
   query's position contribute exact zeros (and are skipped when no query of the tile sees them), so the result
   depends only on the keys the query may see.
 
+The fixed shapes are what the guarantee needs on a CPU whose kernels pick their reduction order by row count
+(oneDNN's bf16 GEMM on AMX). Where a kernel does not, the padding is waste: ``rows="auto"`` (the default)
+checks, once per GEMM shape, dtype and thread count, on this CPU, whether calls of other row counts give every
+row the fixed shapes' bits (:func:`linear_rows_are_free`, :func:`probe_attention_rows`; a GEMM's reduction order
+depends on its shape, threads and ISA, not on the data, so random rows settle it), and uses them where they do:
+projections in unpadded calls of up to ``chunk`` rows (a decode step multiplies its one row instead of a
+64-row tile), an attention call of one query tile on its own rows (at least the few the probe asks for), and
+several query tiles per GEMM in the key-block-major schedule. The bits are the fixed shapes', so exactness and
+the fingerprint are unchanged. On an AMD Zen 4 (AVX-512 BF16, no AMX, torch 2.13) every bf16 projection shape
+of the bundled model is free for every row count, and the fp32 attention GEMMs for 4 rows or more (1-3 rows
+take another path). On AMX, where bf16 rows differ by call length (``experiments/results/bf16_exactness/``),
+the probe should keep the projections' tiles (not yet run there). ``rows="tiles"`` keeps the fixed shapes
+everywhere.
+
 The LM head is left alone: the engine and the HF baselines both compute only the last row's logits.
 
 Content reuse (layer-wise execution of selected rows) runs through the same code, correct but not aligned
@@ -71,6 +85,120 @@ def tiled_linear(
     return out[front : front + n].reshape(*x.shape[:-1], out.shape[-1])
 
 
+def chunked_linear(
+    module: torch.nn.Linear, x: torch.Tensor, chunk: int, multiply: Callable | None = None
+) -> torch.Tensor:
+    """``F.linear(x, module.weight, module.bias)`` in calls of at most ``chunk`` rows, unpadded and unaligned: for
+    a kernel whose rows were found independent of the call's row count (:func:`linear_rows_are_free`), the bits
+    of :func:`tiled_linear`'s at a fraction of its cost (a decode step multiplies one row, not a tile)."""
+    rows = x.reshape(-1, x.shape[-1])
+    fn = (lambda t: F.linear(t, module.weight, module.bias)) if multiply is None else multiply
+    parts = [fn(t) for t in rows.split(chunk)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+#: Probe results, per GEMM shape, kernel and thread count (kernel choice, hence reduction order, depends on them).
+_ROW_PROBES: dict[tuple, Any] = {}
+
+
+def linear_rows_are_free(fn: Callable, in_features: int, dtype: torch.dtype, tile: int, chunk: int) -> bool:
+    """Whether ``fn`` (a linear: ``[M, in] -> [M, out]``) gives every row the bits it gets in a ``tile``-row call,
+    for every M in ``1..chunk`` (each at a few row offsets): checked on this CPU with random rows. A GEMM's
+    reduction order is a function of its shape, thread count and ISA, never of the data, so one set of rows
+    per M settles it for these. Where it holds (AVX-512 BF16 without AMX: every M of the bundled model's
+    shapes), :func:`chunked_linear` gives :func:`tiled_linear`'s bits; where it does not (AMX: some M give
+    other bits), the backend tiles."""
+    gen = torch.Generator().manual_seed(0)
+    total = -(-(chunk + tile) // tile) * tile
+    x = torch.randn(total, in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        ref = torch.cat([fn(t) for t in x.split(tile)])
+        for m in range(1, chunk + 1):
+            start = (m * 7) % tile
+            if not torch.equal(fn(x[start : start + m]), ref[start : start + m]):
+                return False
+    return True
+
+
+def _qk_tiles(q: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:
+    """Scores of query tiles ``[B, Hkv, n, rows, D]`` against one key block ``[B, Hkv, D, kb]`` (transposed
+    view): the old schedule's batch of ``n`` GEMMs of ``rows`` rows."""
+    return torch.matmul(q, k_t[:, :, None])
+
+
+def _qk_merged(q: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:
+    """The same scores as :func:`_qk_tiles` in one GEMM of ``n * rows`` rows (``q`` contiguous)."""
+    b, h, n, rows, d = q.shape
+    return torch.matmul(q.reshape(b, h, n * rows, d), k_t).view(b, h, n, rows, k_t.shape[-1])
+
+
+def _pv_tiles(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(p, v[:, :, None])
+
+
+def _pv_merged(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    b, h, n, rows, kb = p.shape
+    return torch.matmul(p.reshape(b, h, n * rows, kb), v).view(b, h, n, rows, v.shape[-1])
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """What the probe found for one attention geometry (:func:`probe_attention_rows`): ``short``: the fewest
+    query rows per head a call of one tile may compute instead of the whole tile (None: the whole tile);
+    ``merge``: how many query tiles the key-block-major schedule may multiply in one GEMM (1: one GEMM per tile,
+    batched, as before)."""
+
+    short: int | None
+    merge: int
+
+
+def probe_attention_rows(
+    batch: int, kv_heads: int, groups: int, dim: int, tile: int, key_block: int, max_merge: int = 16
+) -> AttentionRows:
+    """Finds, on this CPU, which fp32 GEMM shapes of :func:`invariant_attention` give each query row the bits it
+    gets in the fixed ``groups * tile``-row GEMMs: calls of one tile computing ``r`` rows per head (for the
+    smallest ``r`` such that every ``r..tile`` does), and tiles merged ``n`` at a time into one GEMM (every
+    ``n`` up to ``max_merge``). Both products (scores, then probabilities times values) are checked, in the
+    layouts the kernel uses, with random rows (a GEMM's reduction order depends on its shape, not the data).
+    Measured on AVX-512 CPUs: 1-3-row fp32 GEMMs take another path, 4 or more agree."""
+    gen = torch.Generator().manual_seed(0)
+    rows, spans = groups * tile, (1, 3)
+    n_max = max_merge
+    q = torch.randn(batch, kv_heads, n_max, rows, dim, generator=gen)
+    keys = torch.randn(batch, kv_heads, 3 * key_block, dim, generator=gen)
+    k_t = keys.view(batch, kv_heads, 3, key_block, dim).transpose(-1, -2)
+    p = torch.rand(batch, kv_heads, n_max, rows, key_block, generator=gen)
+    v = torch.randn(batch, kv_heads, 3, key_block, dim + 1, generator=gen)
+    with torch.inference_mode():
+        # short calls: tile-major form, q [B, Hkv, 1, g * r, D] against ``span`` blocks at once
+        ref_s = {sp: torch.matmul(q[:, :, :1], k_t[:, :, :sp]) for sp in spans}
+        ref_o = {sp: torch.matmul(p[:, :, :1].expand(-1, -1, sp, -1, -1).contiguous(), v[:, :, :sp]) for sp in spans}
+        short = None
+        for r in range(tile, 0, -1):
+            lo = (r * 3) % (tile - r + 1)  # a window of r rows of each head's tile (head-major rows)
+            sel = (torch.arange(groups)[:, None] * tile + lo + torch.arange(r)[None, :]).reshape(-1)
+            ok = True
+            for sp in spans:
+                s = torch.matmul(q[:, :, :1, sel].contiguous(), k_t[:, :, :sp])
+                o = torch.matmul(p[:, :, :1, sel].expand(-1, -1, sp, -1, -1).contiguous(), v[:, :, :sp])
+                ok = ok and torch.equal(s, ref_s[sp][..., sel, :]) and torch.equal(o, ref_o[sp][..., sel, :])
+            if not ok:
+                break
+            short = r
+        # merged tiles: key-block-major form
+        ref_s2 = _qk_tiles(q, k_t[:, :, 0])
+        ref_o2 = _pv_tiles(p, v[:, :, 0])
+        merge = 1
+        for n in range(2, n_max + 1):
+            a = (n * 5) % (n_max - n + 1)
+            if not (torch.equal(_qk_merged(q[:, :, a : a + n], k_t[:, :, 0]), ref_s2[:, :, a : a + n])
+                    and torch.equal(_pv_merged(p[:, :, a : a + n].contiguous(), v[:, :, 0]), ref_o2[:, :, a : a + n])):
+                break
+            merge = n
+    return AttentionRows(short if short is not None and short < tile else None, merge)
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """Which (query tile, key block) pairs an attention call computes, from its mask alone (so every layer of a
@@ -116,6 +244,7 @@ def invariant_attention(
     key_block: int,
     scaling: float,
     plan: BlockPlan | None = None,
+    rows: AttentionRows | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, Hq, Lq, D]`` over ``key``/``value [B, Hkv, Lk, D]`` where ``allowed
     [B or 1, 1, Lq, Lk]`` (bool) says which key each query may see; ``front`` zero rows are put before the
@@ -132,6 +261,11 @@ def invariant_attention(
     the keys it may see, not on the call. Two schedules make the same operations: query-tile-major for calls of
     one or two tiles (decode steps, short suffixes: one batch of GEMMs over all blocks at once) and
     key-block-major for longer calls (a Python loop over key blocks instead of over tiles).
+
+    ``rows`` (:func:`probe_attention_rows`, for this geometry on this CPU): GEMM shapes found to give every row
+    the fixed shapes' bits, used instead of them: a call of one tile computes only its query rows (at least
+    ``rows.short`` per head) instead of the whole tile (a decode step: 1 row, not ``tile``), and the
+    key-block-major schedule multiplies ``rows.merge`` tiles per GEMM. Same bits, less work.
     """
     if plan is None:
         if allowed is None:
@@ -141,10 +275,19 @@ def invariant_attention(
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     n_tiles, blocks = plan.seen.shape
-    rows = groups * tile
+    front, back = plan.front, plan.back
+    if rows is not None and rows.short is not None and n_tiles == 1 and q_len < tile:
+        # One tile: only a window of its rows holding the queries (the padding rows' results are dropped anyway).
+        width = max(q_len, rows.short)
+        lo = min(front, tile - width)
+        plan = BlockPlan(front - lo, lo + width - front - q_len, plan.k_pad, plan.mask[:, :, lo : lo + width],
+                         plan.seen, plan.full)  # fmt: skip
+        front, back, tile = plan.front, plan.back, width
+    merge = 1 if rows is None else rows.merge
+    n_rows = groups * tile
     # Queries [B, Hkv, tiles, g * tile, D]: the g heads reading one KV head stacked, one GEMM per KV head.
-    q = F.pad(query, (0, 0, front, plan.back)).view(batch, kv_heads, groups, n_tiles, tile, dim)
-    q = q.permute(0, 1, 3, 2, 4, 5).to(torch.float32).reshape(batch, kv_heads, n_tiles, rows, dim)
+    q = F.pad(query, (0, 0, front, back)).view(batch, kv_heads, groups, n_tiles, tile, dim)
+    q = q.permute(0, 1, 3, 2, 4, 5).to(torch.float32).reshape(batch, kv_heads, n_tiles, n_rows, dim)
     # Keys in fp32 blocks, read transposed ([B, Hkv, blocks, D, kb] views); values [B, Hkv, blocks, kb, D + 1]
     # with the ones. Written once each (a padded copy then a converted one cost ~2x on a long cache, per layer).
     k_len = key.shape[2]
@@ -158,14 +301,14 @@ def invariant_attention(
         v1[:, :, k_len:] = 0.0
     k_t = keys.view(batch, kv_heads, blocks, key_block, dim).transpose(-1, -2)
     v1 = v1.view(batch, kv_heads, blocks, key_block, dim + 1)
-    out = q.new_empty(batch, kv_heads, n_tiles, rows, dim)
+    out = q.new_empty(batch, kv_heads, n_tiles, n_rows, dim)
     if n_tiles <= 2:
         for t in range(n_tiles):
             _tile_major(q, k_t, v1, plan, out, t, groups, scaling)
     else:
-        step = max(1, SCORE_BUDGET_BYTES // max(1, batch * kv_heads * rows * blocks * key_block * 4))
+        step = max(1, SCORE_BUDGET_BYTES // max(1, batch * kv_heads * n_rows * blocks * key_block * 4))
         for a in range(0, n_tiles, step):
-            _block_major(q, k_t, v1, plan, out, a, min(n_tiles, a + step), groups, scaling)
+            _block_major(q, k_t, v1, plan, out, a, min(n_tiles, a + step), groups, scaling, merge)
     out = out.view(batch, kv_heads, n_tiles, groups, tile, dim).permute(0, 1, 3, 2, 4, 5)
     out = out.reshape(batch, heads, n_tiles * tile, dim)[:, :, front : front + q_len]
     return out.transpose(1, 2).to(query.dtype).contiguous()
@@ -239,10 +382,26 @@ def _tile_major(q, k_t, v1, plan: BlockPlan, out, t: int, groups: int, scaling: 
     out[:, :, t] = _normalise(acc, out.shape[-1])
 
 
-def _block_major(q, k_t, v1, plan: BlockPlan, out, a: int, b: int, groups: int, scaling: float) -> None:
+def _block_major(
+    q, k_t, v1, plan: BlockPlan, out, a: int, b: int, groups: int, scaling: float, merge: int = 1
+) -> None:
     """Query tiles ``a..b``: a loop over key blocks, each block's products for every tile that sees it in one
-    batch of fixed-shape GEMMs. Two passes: the scores and their row maxima, then the probabilities and their
+    batch of fixed-shape GEMMs (or, ``merge`` > 1, GEMMs of up to ``merge`` tiles' rows: see
+    :func:`probe_attention_rows`). Two passes: the scores and their row maxima, then the probabilities and their
     products added in block order."""
+    qk, pv = (_qk_tiles, _pv_tiles) if merge <= 1 else (_qk_merged, _pv_merged)
+
+    def scores_of(t0: int, t1: int, j: int) -> torch.Tensor:
+        if t1 - t0 <= merge:
+            return qk(q[:, :, t0:t1], k_t[:, :, j])
+        return torch.cat([qk(q[:, :, c : min(t1, c + merge)], k_t[:, :, j]) for c in range(t0, t1, merge)], dim=2)
+
+    def products_of(s: torch.Tensor, j: int) -> torch.Tensor:
+        n = s.shape[2]
+        if n <= merge:
+            return pv(s, v1[:, :, j])
+        return torch.cat([pv(s[:, :, c : c + merge], v1[:, :, j]) for c in range(0, n, merge)], dim=2)
+
     used = _span(plan.seen[a:b].any(dim=0))
     if used is None:
         out[:, :, a:b] = 0.0
@@ -255,7 +414,7 @@ def _block_major(q, k_t, v1, plan: BlockPlan, out, a: int, b: int, groups: int, 
             continue
         t0, t1 = a + tiles[0], a + tiles[1]
         # [B, Hkv, n, g * tile, kb]: this block for tiles t0..t1, one [g*tile, D] x [D, kb] each.
-        s = torch.matmul(q[:, :, t0:t1], k_t[:, :, j, None]).mul_(scaling)
+        s = scores_of(t0, t1, j).mul_(scaling)
         cut = _span(~plan.full[t0:t1, j])  # the tiles it cuts through (causal: the diagonal ones)
         if cut is not None:
             cut = _cut(s, *cut, plan.mask[:, t0 + cut[0] : t0 + cut[1], :, j], groups)
@@ -266,7 +425,7 @@ def _block_major(q, k_t, v1, plan: BlockPlan, out, a: int, b: int, groups: int, 
     acc = q.new_zeros((*q.shape[:2], b - a, q.shape[3], v1.shape[-1]))
     for j, t0, s, cut in scores:  # in key order: the additions every call that sees these keys makes
         _exp_shifted(s, m[:, :, t0 - a : t0 - a + s.shape[2]], cut, groups)
-        acc[:, :, t0 - a : t0 - a + s.shape[2]] += torch.matmul(s, v1[:, :, j, None])
+        acc[:, :, t0 - a : t0 - a + s.shape[2]] += products_of(s, j)
     out[:, :, a:b] = _normalise(acc, out.shape[-1])
 
 
@@ -289,6 +448,15 @@ class BatchInvariantBackend(AttentionBackend):
             CPUs with native bf16 (bf16) or MKL (fp32) when the copies take at most 5% of the memory; ``True``
             insists (an error where it cannot), ``False`` keeps ``F.linear``. Packed copies are rebuilt when a
             weight is changed in place or replaced.
+        rows: ``"auto"`` checks on first use, per GEMM shape and thread count, whether this CPU's kernel gives
+            every row the bits of the fixed shapes whatever the call's row count (:func:`linear_rows_are_free`,
+            :func:`probe_attention_rows`), and where it does computes without the padding: projections in
+            calls of up to ``chunk`` rows (a decode step multiplies its one row), attention calls of one tile on
+            their own query rows, longer ones with several tiles per GEMM. The bits are the fixed shapes' (the
+            probe compares against them), so the fingerprint does not change. ``"tiles"``: always the fixed
+            shapes.
+        chunk: rows per projection call under ``rows="auto"`` where the rows are free (every count up to it is
+            checked).
     """
 
     name = "batch_invariant"
@@ -296,16 +464,20 @@ class BatchInvariantBackend(AttentionBackend):
     capabilities = Capabilities(batch_invariant=True, tiled_projections=True)
 
     def __init__(
-        self, tile: int = 64, key_block: int = 128, query_tile: int = 16, packed_weights: bool | str = "auto"
-    ) -> None:
+        self, tile: int = 64, key_block: int = 128, query_tile: int = 16, packed_weights: bool | str = "auto",
+        rows: str = "auto", chunk: int = 128,
+    ) -> None:  # fmt: skip
         super().__init__()
-        for field, value in (("tile", tile), ("query_tile", query_tile), ("key_block", key_block)):
+        if rows not in ("auto", "tiles"):
+            raise ValueError(f"attn.rows must be 'auto' or 'tiles', got {rows!r}")
+        for field, value in (("tile", tile), ("query_tile", query_tile), ("key_block", key_block), ("chunk", chunk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"attn.{field} must be a positive integer, got {value!r}")
         if packed_weights not in ("auto", True, False):
             raise ValueError(f"attn.packed_weights must be 'auto', true or false, got {packed_weights!r}")
         self.tile, self.query_tile, self.key_block = tile, query_tile, key_block
         self.packed_weights = packed_weights
+        self.rows, self.chunk = rows, chunk
         self._weight_bytes = 0  # of the tiled linears' weights (install): what packing them all would copy
         self._packs: dict[torch.nn.Module, tuple[tuple, Callable | None]] = {}
         self._plan_cache: tuple[torch.Tensor | None, tuple, BlockPlan] | None = None
@@ -372,7 +544,40 @@ class BatchInvariantBackend(AttentionBackend):
         self._offset = int(position)
 
     def _linear_forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(module, x, self._offset, self.tile, self._packed(module, x))
+        multiply = self._packed(module, x)
+        if self._linear_free(module, x, multiply):
+            return chunked_linear(module, x, self.chunk, multiply)
+        return tiled_linear(module, x, self._offset, self.tile, multiply)
+
+    def _linear_free(self, module: torch.nn.Linear, x: torch.Tensor, multiply: Callable | None) -> bool:
+        """Whether ``module``'s rows are free of the call's row count here (probed once per shape, kernel, dtype
+        and thread count, for the process)."""
+        if self.rows != "auto" or x.dtype != module.weight.dtype or x.device.type != "cpu":
+            return False
+        weight = module.weight
+        key = ("linear", tuple(weight.shape), weight.dtype, module.bias is not None, multiply is not None,
+               self.tile, self.chunk, torch.get_num_threads())  # fmt: skip
+        free = _ROW_PROBES.get(key)
+        if free is None:
+            fn = multiply if multiply is not None else (lambda t: F.linear(t, weight, module.bias))
+            free = _ROW_PROBES[key] = linear_rows_are_free(fn, weight.shape[1], weight.dtype, self.tile, self.chunk)
+        return free
+
+    def _attention_rows(self, batch: int, kv_heads: int, groups: int, dim: int, device: torch.device):
+        """The probed shapes for this attention geometry (None under ``rows="tiles"`` or off the CPU)."""
+        if self.rows != "auto" or device.type != "cpu":
+            return None
+        key = ("attention", batch, kv_heads, groups, dim, self.query_tile, self.key_block, torch.get_num_threads())
+        found = _ROW_PROBES.get(key)
+        if found is None:
+            found = _ROW_PROBES[key] = probe_attention_rows(batch, kv_heads, groups, dim, self.query_tile,
+                                                            self.key_block)  # fmt: skip
+        return found
+
+    @property
+    def probes(self) -> dict[str, Any]:
+        """What the row probes found in this process (for ``decode_info``-style reports)."""
+        return {" ".join(map(str, key)): value for key, value in _ROW_PROBES.items()}
 
     @property
     def packed_bytes(self) -> int:
@@ -447,9 +652,11 @@ class BatchInvariantBackend(AttentionBackend):
             plan = BlockPlan.build(allowed, front=0, tile=self.query_tile, key_block=self.key_block)
         else:
             plan = self._plan(attention_mask, q_len, k_len, query.device)
+        rows = self._attention_rows(query.shape[0], key.shape[1], query.shape[1] // key.shape[1], query.shape[-1],
+                                    query.device)  # fmt: skip
         out = invariant_attention(
             query, key, value, None, front=plan.front, tile=self.query_tile, key_block=self.key_block,
-            scaling=scaling if scaling is not None else query.shape[-1] ** -0.5, plan=plan,
+            scaling=scaling if scaling is not None else query.shape[-1] ** -0.5, plan=plan, rows=rows,
         )  # fmt: skip
         self.kernel_calls += 1
         return out, None

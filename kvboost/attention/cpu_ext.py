@@ -14,7 +14,7 @@ contiguous last dimension, ``out`` with any strides. And its paged entry point, 
                                       q_positions=..., block_size=16, sm_scale=None, out=None, tile=32)
 
 Why they exist and how they work: the comments in the C++ file; measured against torch's SDPA in
-``experiments/bench_cpu_attention.py`` and ``experiments/bench_cpu_paged_attention.py``.
+``experiments/bench/bench_cpu_attention.py`` and ``experiments/bench/bench_cpu_paged_attention.py``.
 
 Needs an x86 build of torch with MKL (the kernel calls the MKL GEMMs torch carries) and a C++ compiler (g++ and
 ninja). The first use compiles it (~25 s on 2 cores); torch caches the binary under ``TORCH_EXTENSIONS_DIR``

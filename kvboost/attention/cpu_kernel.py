@@ -4,7 +4,7 @@ After reuse, a request's prefill is tens to hundreds of new queries over a cache
 AVX-512 CPU torch's flash kernel reaches about half the GEMM rate there, and attention was a third of the
 suffix prefill's time. This kernel (``csrc/cpu_attention.cpp``, loaded by :mod:`kvboost.attention.cpu_ext`)
 multiplies the queries of a whole GQA group over a tile of tokens in one MKL GEMM, cuts the keys at the tile's
-causal end, and runs the softmax on full rows in cache: ``experiments/bench_cpu_attention.py`` measures it
+causal end, and runs the softmax on full rows in cache: ``experiments/bench/bench_cpu_attention.py`` measures it
 against SDPA, same inputs, same run.
 
 Under the engine it serves both paths: transformers' forward (this backend's ``attention_forward``, the

@@ -8,6 +8,9 @@
 - anything else: fp32 (bf16 would be emulated, slower than fp32).
 fp32 stays selectable (``model.dtype=float32``): it is what the exactness tests use (prefix reuse equal to a
 cold prefill within 1e-4), while bf16 reuse is close but not bit-equal (see README, "Exactness under bf16").
+``verify_correctness`` checks what the chosen dtype can promise and says so in its report
+(``kvboost.quality.exactness_promise``): in bf16 a first-token KL within ``LOW_PRECISION_KL_TOLERANCE`` and greedy
+tokens that part only at near ties; ``dtype=float32`` or ``attn=batch_invariant`` for bit-equal reuse.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ falls back to a plain ``F.linear`` unless the row count equals the one packed fo
 length), so they are called here through ``ctypes``. Where the library or the symbols are missing (another BLAS,
 another platform), :func:`unavailable_reason` says so and nothing is packed.
 
-``python experiments/bench_prefill_paths.py --threads 2 --dtypes float32 --rounds 9`` (bundled model, AMX Xeon, an
+``python -m experiments.bench.bench_prefill_paths --threads 2 --dtypes float32 --rounds 9`` (bundled model, AMX Xeon, an
 exact prefix hit plus a suffix): TTFT of the fused prefill on plain -> packed weights 73.6 -> 65.7 ms (20 cached + 42
 new tokens), 238.7 -> 231.4 (500 + 188), 373.4 -> 344.9 (1,000 + 255). Results equal ``F.linear``'s bits for most
 shapes and row counts >= 64 and differ by an ulp elsewhere (MKL picks its kernel by shape); the fused prefill is

@@ -4,7 +4,7 @@ A bf16 ``F.linear`` on CPU runs oneDNN's matrix-unit kernel, which first copies 
 its blocked layout, on every call: for the few hundred rows of a suffix prefill that copy is a large share of the
 product. :class:`PrepackedLinear` holds the weight in oneDNN's layout once (``torch.ops.mkldnn._reorder_linear_weight``)
 and multiplies with ``torch.ops.mkldnn._linear_pointwise``, the pair torch's own compiler emits when it freezes a
-CPU model. ``python experiments/bench_prefill_paths.py --threads 2`` (bundled model, AMX CPU, bf16, exact prefix hit
+CPU model. ``python -m experiments.bench.bench_prefill_paths --threads 2`` (bundled model, AMX CPU, bf16, exact prefix hit
 plus a suffix): TTFT of the fused prefill on plain -> prepacked weights 49.0 -> 43.4 ms (20 cached + 42 new tokens),
 110.4 -> 102.2 (500 + 188), 147.9 -> 141.0 (1,000 + 255).
 

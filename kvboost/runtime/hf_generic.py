@@ -42,6 +42,13 @@ def cache_kwarg(fn: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def output_cache(out: Any) -> Any:
+    """The cache a transformers forward returned: ``out.cache`` (transformers >= 5.24, where reading
+    ``out.past_key_values`` warns that the name goes away) or ``out.past_key_values`` (earlier 5.x)."""
+    cache = out.get("cache") if hasattr(out, "get") else getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 class PoolLayer(DynamicLayer):
     """One layer of a :class:`PoolCache`: ``update`` writes the new rows into the sequence's slots and returns its
     rows ``[0, kv_len)`` of this layer, ``[1, Hkv, kv_len, D]``."""

@@ -17,7 +17,15 @@ from kvboost.generation import PhaseClock, build_result
 from kvboost.kv.block_table import BlockTable
 from kvboost.lookup import lookup
 from kvboost.plan import ReusePlan
-from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
+from kvboost.prompts import (
+    Prompt,
+    PromptError,
+    check_length,
+    check_token_ids,
+    open_user_turn,
+    prompt_text_or_ids,
+    wants_chat,
+)
 from kvboost.quality import continuation_logprob
 from kvboost.reuse.assemble import assemble_exact
 from kvboost.reuse.prefill import ReuseContext, run_prefill
@@ -25,9 +33,11 @@ from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.runtime.sequences import Request
 from kvboost.types import ChunkSpan, GenerationResult, WarmResult
 
-#: ``generate(mode=...)``: ``reuse`` reads and writes the cache; ``cold`` runs the same engine path (tokenizer,
-#: pool, runner, attention backend) with the cache neither read nor written.
-MODES = ("reuse", "cold")
+#: ``generate(mode=...)``: ``reuse`` reads (exact and content hits) and writes the cache; ``prefix`` reads exact
+#: (prefix-chained) hits only and writes; ``cold`` runs the same engine path (tokenizer, pool, runner, attention
+#: backend) with the cache neither read nor written. (``kvboost.engine.GenerationMode`` names them as the original
+#: API did: CHUNK_KV_REUSE, PREFIX_CACHE, BASELINE.)
+MODES = ("reuse", "prefix", "cold")
 
 
 def check_memory(engine: Any, rows: int) -> None:
@@ -49,7 +59,7 @@ def plan_for(engine: Any, request: Request) -> ReusePlan:
         return ReusePlan.cold(request.ids, request.spans)
     keys = engine.hasher.chunk_keys(request.ids, request.spans, engine.fingerprint, request.salt)
     return lookup(request.ids, request.spans, keys, engine.store, engine.quantizer, max_reuse=len(request.ids) - 1,
-                  content=engine.rotator is not None)  # fmt: skip
+                  content=engine.rotator is not None and request.mode == "reuse")  # fmt: skip
 
 
 def reuse_context(engine: Any) -> ReuseContext:
@@ -64,7 +74,7 @@ def prefill(engine: Any, request: Request, *, looked_up: bool = False) -> None:
         request.plan = plan_for(engine, request)
         request.clock.mark("looked_up")
     outcome = run_prefill(reuse_context(engine), request.plan, request.table, request.clock,
-                          check_schedule=request.mode == "reuse")  # fmt: skip
+                          check_schedule=request.mode != "cold")  # fmt: skip
     first_token(engine, request, outcome.logits, outcome.counts, outcome.approx_from)
 
 
@@ -95,7 +105,7 @@ def finish(engine: Any, request: Request, *, keep_logits: bool, score_ids: Seque
     build the result."""
     clock, ids, n = request.clock, request.ids, request.prompt_len
     clock.mark("decoded")
-    if request.mode == "reuse" and request.store:
+    if request.mode != "cold" and request.store:
         seq = (ids + (request.tokens[:-1] if engine.store_generated else []))[: request.table.length]
         store_sequence_of(engine, seq, request.spans, request.table, approx_from=request.approx_from, salt=request.salt)
     clock.mark("end")
@@ -136,11 +146,18 @@ def store_sequence_of(engine: Any, seq: list[int], spans: list[ChunkSpan], table
                           pin=pin)  # fmt: skip
 
 
-def warm(engine: Any, text: Prompt, *, pin: bool = False, cache_salt: str = "") -> WarmResult:
-    """``InferenceEngine.warm``: compute and store the KV of ``text`` from position 0 (no chat template, no
-    generation), reusing what is already cached; ``pin`` protects its entries from eviction."""
+def warm(engine: Any, text: Prompt, *, pin: bool = False, cache_salt: str = "", chat: bool | None = None) -> WarmResult:
+    """``InferenceEngine.warm``: compute and store the KV of ``text`` from position 0 (no generation), reusing what
+    is already cached; ``pin`` protects its entries from eviction. A plain string that ``generate`` would render
+    in the chat template (``chat``, default the engine's) is stored as the start of that rendering
+    (``open_user_turn``); otherwise as is."""
     clock = PhaseClock(engine.adapter.device)
-    what = prompt_text_or_ids(engine.tokenizer, text, chat=False)
+    chat = engine.chat if chat is None else chat
+    what: str | list[int] | None = None
+    if isinstance(text, str) and text.strip() and wants_chat(engine.tokenizer, text, chat):
+        what = open_user_turn(engine.tokenizer, text)
+    if what is None:
+        what = prompt_text_or_ids(engine.tokenizer, text, chat=False)
     ids, spans = engine.chunker.tokenize(engine.tokenizer, what) if isinstance(what, str) else (what, None)
     check_length(len(ids), engine.adapter.max_positions, need_answer_room=False)
     check_token_ids(ids, engine.vocab_size)

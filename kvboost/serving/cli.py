@@ -122,17 +122,6 @@ def _split(override: str) -> tuple[str, str]:
     return key.lstrip("+~"), value.strip().strip("'\"")
 
 
-def _tier_list(value: str) -> list[str] | None:
-    """``[memory,disk]`` -> ``["memory", "disk"]``; None for anything else (Hydra handles it)."""
-    value = value.strip()
-    if not (value.startswith("[") and value.endswith("]")):
-        return None
-    names = [n.strip().strip("'\"") for n in value[1:-1].split(",") if n.strip()]
-    if not names or any(not n.replace("_", "").isalnum() for n in names):
-        return None
-    return names
-
-
 def flag_overrides(args: argparse.Namespace) -> dict[str, str]:
     """The Hydra overrides the flags stand for (key -> value)."""
     out: dict[str, str] = {}
@@ -151,18 +140,15 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 def compose_config(args: argparse.Namespace) -> dict[str, Any]:
     """The run config of ``configs/config.yaml`` + the flags + the overrides, checked (no model loaded)."""
-    import yaml
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from experiments.cache_stack import CacheOverrideError, apply_cache_stack, split_cache_overrides
     from experiments.config_check import check_config
 
     if not CONFIG_DIR.is_dir():
         raise UsageError(f"the config folder {CONFIG_DIR} is missing (kvboost-server runs from a source checkout)")
     flags = flag_overrides(args)
-    hydra_overrides: list[str] = []
-    tiers: list[str] | None = None
-    tier_fields: list[tuple[str, str]] = []
     for override in args.overrides:
         key, value = _split(override)
         if key in flags and flags[key] != value:
@@ -172,34 +158,23 @@ def compose_config(args: argparse.Namespace) -> dict[str, Any]:
         if args.disk_cache_dir and (key in ("cache", "cache.1.path") or key.startswith("cache.path")):
             raise UsageError(f"{override!r}: --disk-cache-dir sets the cache tiers and the disk folder; give either "
                              "the flag or this override")  # fmt: skip
-        if key == "cache" and (names := _tier_list(value)) is not None:
-            tiers = names  # Hydra would merge a list of group options into one tier; the stack is built below
-            continue
-        if key.startswith("cache.") and key.split(".")[1].isdigit():
-            tier_fields.append((key, value))  # a field of one tier of the stack
-            continue
-        hydra_overrides.append(override)
+    try:  # cache=[memory,disk] and cache.1.path=...: a stack of tiers, as run.py reads them (experiments.cache_stack)
+        hydra_overrides, stack = split_cache_overrides(list(args.overrides))
+    except CacheOverrideError as exc:
+        raise UsageError(str(exc)) from exc
     hydra_overrides += [f"{k}={v}" for k, v in flags.items() if k not in {_split(o)[0] for o in args.overrides}]
     if args.disk_cache_dir:
-        tiers = ["memory", "disk"]
+        stack.tiers = ["memory", "disk"]
         # write-through: a server killed without a clean shutdown (OOM, SIGKILL) keeps what it computed; write-back
         # would spill to disk only at eviction or close (`cache.1.write_through=false` chooses it)
-        tier_fields[:0] = [("cache.1.path", str(Path(args.disk_cache_dir).expanduser().resolve())),
-                           ("cache.1.write_through", "true")]  # fmt: skip
-    if tier_fields and tiers is None:
-        raise UsageError(f"{tier_fields[0][0]}: indexed cache fields need a stack of tiers (cache=[memory,disk] or "
-                         "--disk-cache-dir)")  # fmt: skip
+        stack.fields[:0] = [("cache.1.path", str(Path(args.disk_cache_dir).expanduser().resolve())),
+                            ("cache.1.write_through", True)]  # fmt: skip
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=hydra_overrides)
-            if tiers is not None:
-                stack = [compose(config_name=f"cache/{name}").cache for name in tiers]
-                OmegaConf.set_struct(cfg, False)
-                cfg.cache = OmegaConf.create([OmegaConf.to_container(t) for t in stack])
-                for key, value in tier_fields:
-                    OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, merge=False)
-    except UsageError:
-        raise
+        apply_cache_stack(cfg, stack, CONFIG_DIR)
+    except CacheOverrideError as exc:
+        raise UsageError(str(exc)) from exc
     except Exception as exc:  # Hydra's errors name the bad override; say which command it came from
         raise UsageError(f"config: {exc}") from exc
     plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]

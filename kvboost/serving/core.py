@@ -7,7 +7,8 @@ chunks under the token budget, preempting when blocks run out) -> one forward of
 token per finished prefill and per decoding row, sampled with the request's own settings and generator -> finished
 requests store their new chunks and free their blocks. A request whose lookup finds content hits (reordered chunks
 to re-rotate and repair) is prefilled alone when it starts: its recompute strategy runs layer by layer over that
-one sequence.
+one sequence. At the end of a step, after the completions were handed out, a finished chat request's answer is
+stored once more as the next turn will tokenize it (``engine.store_canonical``, :mod:`kvboost.reuse.canonical`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvboost.generation import PhaseClock, ReuseCounts
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.pool import PoolExhausted
 from kvboost.plan import ReusePlan
-from kvboost.prompts import Prompt
+from kvboost.prompts import Prompt, chat_messages
 from kvboost.reuse.assemble import assemble_exact
 from kvboost.runtime import pipeline
 from kvboost.runtime.batch import ForwardBatch, SeqInput
@@ -71,6 +72,7 @@ class ServeSeq:
         self.first_token_at: float | None = None
         self._keys: list | None = None
         self.score_ids: Sequence[int] | None = None
+        self.messages: list[dict[str, str]] | None = None  # the chat messages of the prompt (None: text or ids)
 
     # ------------------------------------------------------------------ for the scheduler
     def pending_tokens(self) -> int:
@@ -120,10 +122,13 @@ class EngineCore:
         self.isolate_errors = isolate_errors
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
-                         "prompt_tokens": 0, "generation_tokens": 0}  # fmt: skip
+                         "prompt_tokens": 0, "generation_tokens": 0, "canonical_prefill_tokens": 0}  # fmt: skip
         # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
         # thread reads a whole list while the loop thread finishes requests
         self.recent_latencies: list[float] = []
+        # finished chat requests whose answer is stored again as the next turn tokenizes it, at the end of the step:
+        # (seq, a fork of its block table)
+        self._canonical: list[tuple[ServeSeq, BlockTable]] = []
 
     # ------------------------------------------------------------------ requests in
     def prepare(self, prompt: Prompt, params: SamplingParams, *, cache_salt: str = "", chat: bool | None = None,
@@ -148,6 +153,7 @@ class EngineCore:
         handle = RequestHandle(request_id or f"req-{next(_ids)}", n, canceller or self._cancel)
         deadline = time.perf_counter() + timeout if timeout else None
         seq = ServeSeq(engine, handle, params, ids, spans, cache_salt, clock, deadline, max_new, mode=mode, store=store)
+        seq.messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
         handle._seq = seq  # type: ignore[attr-defined]
         return seq
 
@@ -188,6 +194,7 @@ class EngineCore:
                     for seq, _ in plan.rows:  # the forward itself failed: each of its rows ends with the error
                         if seq in self.scheduler.running:
                             self._fail(seq, exc, finished)
+            self._store_canonical()
         self.counters["steps"] += 1
         return finished
 
@@ -352,6 +359,7 @@ class EngineCore:
             if reason in ("stop", "length") and request.tokens:
                 request.finish_decoding()
                 seq.result = pipeline.finish(self.engine, request, keep_logits=seq.keep_logits, score_ids=seq.score_ids)
+                self._queue_canonical(seq)
         finally:
             request.table.release()
         now = time.perf_counter()
@@ -368,10 +376,49 @@ class EngineCore:
         seq.handle._push(completion=completion)
         return completion
 
+    # ------------------------------------------------------------------ the answer as the next turn sees it
+    def _queue_canonical(self, seq: ServeSeq) -> None:
+        """Keep the blocks of a finished chat request (by reference) for its canonical store at the end of the step.
+        Only requests that stored their generated tokens (not ``cold``, ``store=False`` or ``store_generated=False``);
+        a ``score_ids`` request's table was cut back to its prompt."""
+        engine, request = self.engine, seq.request
+        if (getattr(engine, "store_canonical", False) and engine.store_generated and seq.messages
+                and request.mode != "cold" and request.store and seq.score_ids is None):  # fmt: skip
+            self._canonical.append((seq, request.table.fork()))
+
+    def _store_canonical(self) -> None:
+        """Store the queued answers as the next turns will tokenize them (after the step's completions went out):
+        a failure there is logged, never the request's (it has finished)."""
+        from kvboost.reuse.canonical import canonical_turn, store_canonical
+
+        queued, self._canonical = self._canonical, []
+        for i, (seq, table) in enumerate(queued):
+            request, extra = seq.request, seq.result.extra if seq.result is not None else {}
+            try:
+                turn = canonical_turn(self.engine, seq.messages, request.ids, request.tokens)
+                if turn is None:
+                    extra["canonical_skipped"] = "the chat template cannot render the answered turn"
+                    continue
+                done = store_canonical(self.engine, turn, table, approx_from=request.approx_from, salt=seq.salt)
+            except Exception:
+                if not self.isolate_errors:
+                    for _, rest in queued[i + 1 :]:
+                        rest.release()
+                    raise
+                log.exception("kvboost: canonical store of request %s failed", seq.handle.request_id)
+                continue
+            finally:
+                table.release()
+            self.counters["canonical_prefill_tokens"] += done.prefilled_tokens
+            extra.update(done.as_extra())
+
     def abort_all(self, reason: str = "shutdown") -> None:
         """End every request (the loop stops)."""
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._finish(seq, reason, error=f"the engine loop stopped ({reason})")
+        queued, self._canonical = self._canonical, []
+        for _, table in queued:  # canonical stores not made: their block references go back
+            table.release()
 
     def stats(self) -> dict[str, Any]:
         pool = self.engine.pool

@@ -1,0 +1,143 @@
+"""What the scripts of ``experiments/bench``, ``experiments/checks`` and ``experiments/sims`` share.
+
+Running a script. From the repository root, as a module::
+
+    python -m experiments.bench.bench_decode --help
+    python -m experiments.checks.kv_quant_check bytes
+    python -m experiments.sims.cache_sim --help
+
+``-m`` puts the current directory first on ``sys.path``, so the script runs this checkout's ``kvboost`` and
+``experiments`` (also in a git worktree of another commit, which the A/B scripts rely on), installed or not.
+``python experiments/bench/bench_decode.py`` works too once the project is installed (``scripts/install.sh``
+installs ``kvboost`` and ``experiments`` in editable mode); it then imports the installed checkout. That is the
+one bootstrap: no script edits ``sys.path`` to find the project. (Two scripts put *another* checkout first on
+purpose, to measure it: ``bench/ab_interleaved.py``'s worker and ``bench/bench_overhead.py --kvboost-root``; they
+use :func:`use_checkout`.)
+
+Contents: paths (:data:`REPO_ROOT`, :data:`RESULTS_DIR`), CLI conventions (:func:`add_threads_arg`,
+:func:`set_threads`), timing (:func:`time_ms`, :func:`median_ms`), statistics (:func:`percentile` and the
+helpers built on it, re-exported from :mod:`experiments.report`, where the runner's summaries use the same
+definition), writers (:func:`write_json`, :func:`write_markdown`), :func:`script_module` (a module of
+``scripts/``, which is not a package).
+
+The percentile. ``percentile(values, q)``: ``q`` in 0..100, linear interpolation between the closest ranks
+(numpy's default ``method="linear"``: position ``(n - 1) * q / 100`` in the sorted values); ``None`` for no
+values. It is the only one in the project: ``p10``/``p50``/``p90`` in ``summary.json``, in the benchmark tables and
+in the load test all mean this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# The one percentile of the project (and the helpers built on it) live in the runner's report module, which the
+# summaries of run.py use: a p90 in a benchmark table and in summary.json mean the same thing.
+from experiments.report import (  # noqa: F401  (re-exported)
+    cached_new_shape,
+    median_range,
+    percentile,
+    rotated,
+    serve_prefix_hit,
+    spread,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "experiments" / "results"
+
+__all__ = [
+    "REPO_ROOT",
+    "RESULTS_DIR",
+    "add_threads_arg",
+    "cached_new_shape",
+    "median_ms",
+    "median_range",
+    "percentile",
+    "rotated",
+    "script_module",
+    "serve_prefix_hit",
+    "set_threads",
+    "spread",
+    "time_ms",
+    "use_checkout",
+    "write_json",
+    "write_markdown",
+]
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def add_threads_arg(parser: argparse.ArgumentParser, default: int | None = None) -> None:
+    """``--threads N``: torch intra-op threads (default: torch's own choice, usually the core count)."""
+    parser.add_argument("--threads", type=int, default=default, help="torch intra-op threads (default: torch's)")
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads when ``threads`` is given; return the number in use."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def use_checkout(root: str | Path) -> Path:
+    """Put checkout ``root`` first on ``sys.path`` (its ``kvboost`` is the one measured). Only for the scripts
+    that measure *another* checkout; everything else runs as ``python -m`` from the root it belongs to."""
+    root = Path(root).resolve()
+    if str(root) not in sys.path[:1]:
+        sys.path.insert(0, str(root))
+    return root
+
+
+def script_module(name: str) -> Any:
+    """The module of ``scripts/<name>.py`` (``scripts/`` is not a package), imported by path, once."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------------- timing
+def time_ms(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
+    """Wall-clock milliseconds of ``repeats`` calls of ``fn`` (after ``warmup`` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
+    """Median of :func:`time_ms` (milliseconds)."""
+    return statistics.median(time_ms(fn, repeats, warmup))
+
+
+# -------------------------------------------------------------------------------------------------- writers
+def write_json(path: str | Path, data: Any, indent: int = 1) -> Path:
+    """``data`` as JSON (non-JSON values through ``str``), newline-terminated; parent folders created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent, default=str) + "\n")
+    return path
+
+
+def write_markdown(path: str | Path, text: str) -> Path:
+    """``text`` (a markdown report), newline-terminated; parent folders created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text if text.endswith("\n") else text + "\n")
+    return path
