@@ -65,12 +65,35 @@ def main(cfg: DictConfig) -> float | None:
         apply_cache_stack(cfg, CACHE_STACK)
     except CacheOverrideError as exc:
         sys.exit(f"run.py: {exc}")
+    run_info = hydra_run_info()
+    sweeping = run_info["sweep_dir"] is not None
+    objective = cfg.get("objective")
+    unrun = objective_mode_not_run(cfg)
+    if unrun and sweeping:  # a sweeper needs the number: say so before any weight loads
+        sys.exit(f"run.py: {unrun}")
     try:
-        summary = run_experiment(cfg, out_dir=HydraConfig.get().runtime.output_dir, run_info=hydra_run_info())
+        summary = run_experiment(cfg, out_dir=HydraConfig.get().runtime.output_dir, run_info=run_info)
     except RunInterrupted as exc:  # records.jsonl and summary.json of what finished are written; exit non-zero
         print(f"interrupted ({exc.signal_name}): the results of what finished are in {exc.out_dir}", file=sys.stderr)
         sys.exit(exit_code(exc))
-    return sweep_objective(summary, cfg.get("objective"))
+    if unrun:  # a single run returns its objective to nobody: its results stand without it
+        print(f"no sweep objective: {unrun}", file=sys.stderr)
+        return None
+    return sweep_objective(summary, objective)
+
+
+def objective_mode_not_run(cfg: DictConfig) -> str | None:
+    """Why the configured sweep objective cannot be computed from this run (its mode is not among the workload's
+    modes), or None."""
+    objective = cfg.get("objective")
+    if not objective:
+        return None
+    mode = objective.get("mode", "kvboost")
+    modes = list((cfg.get("workload") or {}).get("modes") or [])
+    if modes and mode not in modes:
+        return (f"objective.mode {mode!r} is not among workload.modes {modes}; add it, or set objective.mode to one "
+                "of them")  # fmt: skip
+    return None
 
 
 if __name__ == "__main__":

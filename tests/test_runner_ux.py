@@ -256,6 +256,16 @@ def test_run_py_reads_a_cache_stack_and_checks_values_before_loading(tmp_path):
     assert "ratio" in proc.stderr and "1.5" in proc.stderr
 
 
+def test_an_objective_mode_that_is_not_run_fails_a_sweep_before_loading(tmp_path):
+    """A sweep needs its objective: objective.mode missing from workload.modes exits before any weight loads.
+    (A single run writes its results and notes that it has no objective: run.py's objective_mode_not_run.)"""
+    proc = _run_py(["-m", "workload.modes=[baseline]", f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert proc.returncode != 0 and "MODEL LOAD ATTEMPTED" not in proc.stderr, proc.stderr[-2000:]
+    assert "objective.mode 'kvboost' is not among workload.modes ['baseline']" in proc.stderr
+    proc = _run_py(["-m", "workload.modes=[baseline,kvboost]", f"hydra.sweep.dir={tmp_path / 'sweep2'}"], tmp_path)
+    assert "MODEL LOAD ATTEMPTED" in proc.stderr, proc.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------ validation
 @pytest.mark.parametrize("override, message", [
     (["recompute=cacheblend", "recompute.ratio=1.5"], "ratio"),
