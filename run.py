@@ -28,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.cache_stack import CacheOverrideError, CacheStackSpec, apply_cache_stack, split_cache_overrides
-from experiments.objective import sweep_objective
+from experiments.objective import objective_mode_not_run, sweep_objective
 from experiments.run_control import RunInterrupted, exit_code
 from experiments.runner import run_experiment
 
@@ -81,19 +81,6 @@ def main(cfg: DictConfig) -> float | None:
         return None
     return sweep_objective(summary, objective)
 
-
-def objective_mode_not_run(cfg: DictConfig) -> str | None:
-    """Why the configured sweep objective cannot be computed from this run (its mode is not among the workload's
-    modes), or None."""
-    objective = cfg.get("objective")
-    if not objective:
-        return None
-    mode = objective.get("mode", "kvboost")
-    modes = list((cfg.get("workload") or {}).get("modes") or [])
-    if modes and mode not in modes:
-        return (f"objective.mode {mode!r} is not among workload.modes {modes}; add it, or set objective.mode to one "
-                "of them")  # fmt: skip
-    return None
 
 
 if __name__ == "__main__":

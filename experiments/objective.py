@@ -47,6 +47,20 @@ def constraint_value(summary: Mapping[str, Any], mode: str, metric: str) -> floa
     raise ObjectiveError(f"unknown constraint metric {metric!r}; use one of {', '.join(CONSTRAINT_METRICS)}")
 
 
+def objective_mode_not_run(cfg: Mapping[str, Any]) -> str | None:
+    """Why the configured sweep objective cannot be computed from this run (its mode is not among the workload's
+    modes), or None."""
+    objective = cfg.get("objective")
+    if not objective:
+        return None
+    mode = objective.get("mode", "kvboost")
+    modes = list((cfg.get("workload") or {}).get("modes") or [])
+    if modes and mode not in modes:
+        return (f"objective.mode {mode!r} is not among workload.modes {modes}; add it, or set objective.mode to one "
+                "of them")  # fmt: skip
+    return None
+
+
 def sweep_objective(summary: Mapping[str, Any], objective: Mapping[str, Any] | None) -> float | None:
     """The value to minimise, or None when the config has no objective."""
     if not objective:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-#: ``bits`` -> the KV quantizer plugin (``configs/quant``).
-BITS_TO_PLUGIN = {16: "none", 8: "kivi8", 4: "kivi4", 2: "kivi2"}
+# ``bits`` -> the KV quantizer plugin (``configs/quant``): the one table the constructor's kv_cache_bits uses too.
+from kvboost.original_api import KV_CACHE_BITS as BITS_TO_PLUGIN
 
 
 @dataclass
