@@ -28,7 +28,7 @@ PLUGIN_GROUPS = {
 #: workload config fields the runner reads itself (not passed to the workload)
 RUNNER_WORKLOAD_FIELDS = ("modes", "repeats")
 LOGGERS = ("none", "wandb")
-MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "random_init", "random_seed")
+MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "weights", "random_init", "random_seed")
 ENGINE_OPTIONS = (
     "store_generated", "store_canonical", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill",
     "prefill_weights",
@@ -60,6 +60,7 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
         **({"streaming": cfg["streaming"]} if _streaming_on(cfg.get("streaming")) else {}),
         **({"lm_head": lm_head} if (lm_head := (cfg.get("model") or {}).get("lm_head")) else {}),
         **({"awq_prefill": kind} if (kind := (cfg.get("model") or {}).get("awq_prefill")) else {}),
+        **({"weights": w} if (w := (cfg.get("model") or {}).get("weights")) not in (None, "dense") else {}),
         **(cfg.get("engine") or {}),
     )
 
@@ -133,6 +134,21 @@ def check_config(cfg: dict[str, Any]) -> None:
 
     if model.get("awq_prefill") not in (None, *AWQ_PREFILL_CHOICES):
         raise ValueError(f"model.awq_prefill must be null, int4 or dense, got {model['awq_prefill']!r}")
+    from kvboost.models.gguf_weights import check_weights
+
+    if check_weights(model.get("weights")) == "gguf_int4":  # model.weights: a GGUF model's 4-bit linears as int4
+        from kvboost.models.loading import is_gguf_name
+
+        if model.get("random_init") is not None:
+            raise ValueError("model.weights=gguf_int4 runs a GGUF file's 4-bit tensors; model.random_init builds a "
+                             "random model (use model.weights=dense)")  # fmt: skip
+        if _streaming_on(cfg.get("streaming")):
+            raise ValueError("model.weights=gguf_int4 does not stream layers; turn streaming off or use "
+                             "model.weights=dense")  # fmt: skip
+        if not is_gguf_name(model.get("name_or_path")):
+            raise ValueError(f"model.weights=gguf_int4 runs a GGUF file's 4-bit tensors; model.name_or_path "
+                             f"{model.get('name_or_path')!r} is not a GGUF model (null = bundled, gguf:NAME, a "
+                             ".gguf path)")  # fmt: skip
     if model.get("dtype") is not None:
         from kvboost.models.loading import resolve_dtype
 

@@ -233,6 +233,36 @@ def bootstrap_ratio_ci(numerator: Sequence[float], denominator: Sequence[float],
     return _interval(ratios, confidence)
 
 
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> list[float] | None:
+    """The Wilson score interval of ``successes`` out of ``n`` (unlike the normal approximation it stays inside
+    [0, 1] and keeps its coverage near 0 and 1 and at small n). None for n = 0."""
+    if n <= 0:
+        return None
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def paired_difference_ci(a: Sequence[float], b: Sequence[float], *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                         confidence: float = 0.95) -> list[float] | None:  # fmt: skip
+    """The ``confidence`` interval of mean(a) - mean(b) by a seeded paired bootstrap: position i of both sequences
+    is one request (resampled together). For a difference of accuracies, a and b are 0/1 per request."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    if not a:
+        return None
+    import numpy as np
+
+    diff = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(axis=1)
+    return _interval(means, confidence)
+
+
 def _interval(values: Any, confidence: float) -> list[float] | None:
     import numpy as np
 

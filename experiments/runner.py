@@ -38,6 +38,7 @@ from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, WorkloadEnv
 from kvboost.engine import InferenceEngine
 from kvboost.models.compute import describe as describe_compute
+from kvboost.models.gguf_weights import weight_format_counts
 from kvboost.quality import compare_generations
 from kvboost.types import GenerationResult
 
@@ -65,12 +66,15 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
     options = engine_options(cfg)
     lm_head = options.pop("lm_head", None)  # from_pretrained applies it; a random model gets it below
     awq_prefill = options.pop("awq_prefill", None)  # likewise
+    weights = options.pop("weights", None) or "dense"  # likewise (model.weights: dense | gguf_int4)
     if model is not None:
         return InferenceEngine(model, tokenizer, **options)
     model_cfg = dict(cfg.get("model") or {})
     if model_cfg.get("random_init"):
         from kvboost.models.loading import random_model_and_tokenizer
 
+        if weights != "dense":
+            raise ValueError(f"model.weights={weights} runs a GGUF file's tensors; model.random_init is not one")
         model, tokenizer, identity = random_model_and_tokenizer(
             dict(model_cfg["random_init"]), seed=int(model_cfg.get("random_seed") or 0),
             dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
@@ -83,7 +87,7 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
         return InferenceEngine(model, tokenizer, model_identity=identity, **options)
     return InferenceEngine.from_pretrained(
         model_cfg.get("name_or_path"), dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
-        lm_head=lm_head, awq_prefill=awq_prefill, **options,
+        lm_head=lm_head, awq_prefill=awq_prefill, weights=weights, **options,
     )  # fmt: skip
 
 
@@ -344,6 +348,7 @@ def _finish(engine: InferenceEngine, cfg: dict[str, Any], out: Path, records: li
         **describe_compute(engine.adapter.dtype, engine.adapter.device, (cfg.get("model") or {}).get("dtype")),
         **engine.decode_info(),
         "lm_head": getattr(engine.model, "_kvboost_lm_head", None) or "model dtype",
+        "weight_formats": weight_format_counts(engine.model),  # {format: linears}: gguf_int4:Q4_1, dense:float32...
         "device": str(engine.adapter.device),
         "fingerprint": engine.fingerprint,
         **run_info,

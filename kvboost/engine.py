@@ -177,7 +177,9 @@ class InferenceEngine:
         fp32 (``kvboost.models.compute``). Pass ``"float32"`` for reuse equal to a cold prefill within 1e-4.
         Loading options (``kvboost.models.options``): ``streaming={"resident_layers": K, ...}`` streams decoder
         layers' weights from the safetensors files; ``lm_head="int8"`` a weight-only int8 output projection;
-        ``awq_prefill="dense"`` (AWQ int4, CPU) prefills from dequantized copies. The rest go to the constructor.
+        ``awq_prefill="dense"`` (AWQ int4, CPU) prefills from dequantized copies; ``weights="gguf_int4"`` runs a GGUF
+        model's Q4_0/Q4_1/Q4_K linears as shipped in torch's int4 CPU kernel (``kvboost.models.gguf_weights``;
+        default ``"dense"``). The rest go to the constructor.
         The original KVBoost keywords (``recompute_strategy``, ``chunk_size``, ``kv_cache_bits``, ``disk_cache_dir``,
         ``max_chunks``, ...) are translated into plugin configs (``kvboost.original_api``). Every keyword is checked
         before any weight is read; an unknown one is refused with the list of accepted ones.

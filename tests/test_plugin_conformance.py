@@ -144,18 +144,23 @@ def test_quantizer_contract(name):
 
 
 # ---------------------------------------------------------------------------------------------- recompute
-def _content_engine(name: str) -> KVBoost:
-    model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=1024)
+# Llama and Qwen2 (q/k/v biases, another RoPE base): a strategy must hold on both families of the real models.
+FAMILIES = ("llama", "qwen2")
+
+
+def _content_engine(name: str, arch: str = "llama") -> KVBoost:
+    model = tiny_model(arch, num_hidden_layers=4, max_position_embeddings=1024)
     engine = KVBoost(model, ToyTokenizer(), recompute=name, chunker={"name": "separator", "chunk_size": 16})
     for doc in TEXT.split("\n\n")[1:3]:
         engine.warm(doc)
     return engine
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("name", RECOMPUTE.names())
-def test_recompute_keeps_exact_reuse_exact(name):
+def test_recompute_keeps_exact_reuse_exact(name, arch):
     """On exact hits, any strategy must reproduce the cold prefill (nothing to repair)."""
-    engine = make_engine("llama", layers=4, recompute=name)  # 4 layers: room for check layers
+    engine = make_engine(arch, layers=4, recompute=name)  # 4 layers: room for check layers
     report = engine.verify_correctness([random_ids(60, seed=2), random_ids(41, seed=3)], max_new_tokens=6)
     assert report.passed, report.to_dict()
     prompt = random_ids(50, seed=4)
@@ -165,9 +170,10 @@ def test_recompute_keeps_exact_reuse_exact(name):
     assert r.cached_tokens + r.extra["prefill_tokens"] == r.prompt_tokens
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("name", RECOMPUTE.names())
-def test_recompute_schedule_contract_on_content_hits(name):
-    engine = _content_engine(name)
+def test_recompute_schedule_contract_on_content_hits(name, arch):
+    engine = _content_engine(name, arch)
     ids, spans = engine.tokenize_with_spans(TEXT)
     keys = engine.hasher.chunk_keys(ids, spans, engine.fingerprint)
     plan = lookup(ids, spans, keys, engine.store, engine.quantizer, max_reuse=len(ids) - 1)

@@ -33,6 +33,11 @@ checkpoint's tensor names (a layer streamer can load a checkpoint's tensors stra
   computes the same quantized model, in another rounding than the int4 kernel's.
 
 Only the GEMM version with 4 bits and zero points is read; anything else is refused with the reason.
+
+:class:`kvboost.models.gguf_int4.GGUFInt4Linear` (``weights="gguf_int4"``) is an :class:`AWQLinear` holding a GGUF
+tensor's 4-bit blocks instead of AutoAWQ's buffers: it overrides where the codes, scales and zeros come from
+(:meth:`AWQLinear.int4pack_parts`, :meth:`AWQLinear.dequantized_weight`), and shares everything else here (the CPU
+forward, dense prefill, the fused packs).
 """
 
 from __future__ import annotations
@@ -341,11 +346,18 @@ class AWQLinear(nn.Module):
 
     def int4pack(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed weight, scale-and-zero in ``dtype``) for ``aten._weight_int4pack_mm_for_cpu``, built on first
-        use and kept until a buffer changes."""
+        use (from :meth:`int4pack_parts`) and kept until a buffer changes."""
         key = self._int4pack_key(dtype)
         if self._int4pack is None or self._int4pack[0] != key:
-            self._int4pack = (key, *int4pack_tensors(self.qweight, self.qzeros, self.scales, dtype))
+            codes, scale_zero = self.int4pack_parts()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            self._int4pack = (key, packed, scale_zero.to(dtype).contiguous())
         return self._int4pack[1], self._int4pack[2]
+
+    @property
+    def weight_device(self) -> torch.device:
+        """The device of the stored int4 weight."""
+        return self.qweight.device
 
     def adopt_int4pack(self, dtype: torch.dtype, packed: torch.Tensor, scale_zero: torch.Tensor) -> None:
         """Use ``packed`` (rows of a larger packed matrix: see :func:`fuse_int4pack`) as this module's derived
@@ -448,12 +460,12 @@ def fused_int4pack_unsupported(modules: Iterable[nn.Module], dtype: torch.dtype)
     must be CPU AWQ linears over the same input and group size whose one-row forward is torch's int4 kernel."""
     modules = list(modules)
     if not modules or not all(isinstance(m, AWQLinear) for m in modules):
-        return "not all AWQ int4 linears"
+        return "not all int4 linears (AWQ, or GGUF's: kvboost.models.gguf_int4.GGUFInt4Linear)"
     first = modules[0]
     if any(m.in_features != first.in_features or m.group_size != first.group_size for m in modules):
         return "different input sizes or group sizes"
-    if first.qweight.device.type != "cpu":
-        return f"weights on {first.qweight.device.type}, not the CPU"
+    if first.weight_device.type != "cpu":
+        return f"weights on {first.weight_device.type}, not the CPU"
     probe = torch.empty(1, first.in_features, dtype=dtype)
     if not all(m._use_int4pack(probe) for m in modules):
         return f"a one-row {dtype} forward does not use the int4 CPU kernel (cpu_kernel {AWQLinear.cpu_kernel!r})"
@@ -537,12 +549,25 @@ def set_awq_prefill(model: nn.Module, kind: str | None) -> nn.Module:
     if kind not in AWQ_PREFILL_CHOICES:
         raise ValueError(f"awq_prefill must be one of {list(AWQ_PREFILL_CHOICES)} or null, got {kind!r}")
     if enable_dense_prefill(model) == 0:
-        raise ValueError("awq_prefill='dense' applies to AWQ int4 models; this model has no AWQ linears")
+        raise ValueError("awq_prefill='dense' applies to int4 models (AWQ, or weights='gguf_int4'); this model has "
+                         "no AWQ linears (nor GGUF int4 ones)")
     model._kvboost_awq_prefill = kind  # recorded for summaries
     return model
 
 
 # ---------------------------------------------------------------------------------------------- whole models
+def linear_named(model: nn.Module, name: str, source: str) -> nn.Linear:
+    """The ``nn.Linear`` called ``name`` in ``model``, which ``source`` (a quantized file's entry) replaces; a clear
+    error where the model has no such module or it is not a Linear."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"{source}, but the model has no module {name!r}") from None
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{source}, but the model's {name!r} is a {type(linear).__name__}, not an nn.Linear")
+    return linear
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
@@ -575,7 +600,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         if isinstance(module, AWQLinear):
             dt = dtype or torch.float32
             linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                               device=module.qweight.device, dtype=dt)  # fmt: skip
+                               device=module.weight_device, dtype=dt)  # fmt: skip
             with torch.no_grad():
                 linear.weight.copy_(module.dequantized_weight(dt))
                 if module.bias is not None:
@@ -653,12 +678,7 @@ def load_awq_model(
     for name in quantized:
         if awq.skips(name):
             raise ValueError(f"AWQ: {name} is quantized in the checkpoint but listed in modules_to_not_convert")
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"AWQ: the checkpoint quantizes {name!r}, which the model does not have") from None
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"AWQ: {name!r} is a {type(linear).__name__}, not an nn.Linear")
+        linear = linear_named(model, name, f"AWQ: the checkpoint quantizes {name!r}")
         with torch.device("meta"):
             module = AWQLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                group_size=awq.group_size)  # fmt: skip

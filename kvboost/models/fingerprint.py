@@ -9,7 +9,9 @@ A fingerprint is the xxh3_128 of:
   model produces, so entries written by other versions are not served);
 - a digest of ALL weights: every parameter and persistent buffer, by name, dtype, shape and bytes (bf16 and
   quantized integer tensors included: the bytes are read as uint8). Tied tensors are hashed once and named as
-  aliases after that. GPU tensors are copied to host in slices of 64 MiB.
+  aliases after that. GPU tensors are copied to host in slices of 64 MiB;
+- the weight format when it is not ``dense`` (``weights="gguf_int4"``: ``kvboost.models.gguf_weights``), so K/V
+  stored under dense weights is never served to int4 weights of the same file, nor the reverse.
 
 Hashing ~540 MB (SmolLM2-135M in fp32) takes a few tens of milliseconds on CPU, a 7B bf16 model about a second,
 more from a GPU: so the weights digest is cached
@@ -268,7 +270,7 @@ class ModelFingerprint:
         config = {
             k: v for k, v in cfg.to_dict().items() if not k.startswith("_") and k != "transformers_version"
         }
-        return {
+        described = {
             "identity": self.identity,
             "config": config,
             "dtype": str(getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype),
@@ -276,6 +278,13 @@ class ModelFingerprint:
             "versions": library_versions(),
             "weights": weights,
         }
+        # The weight format of a GGUF model (kvboost.models.gguf_weights): its int4 blocks already hash differently
+        # from dense weights; named too, so the difference does not rest on the bytes alone. Absent for "dense", so
+        # the fingerprints of dense models are unchanged.
+        weight_format = getattr(self.model, "_kvboost_weights", "dense")
+        if weight_format != "dense":
+            described["weights_format"] = weight_format
+        return described
 
     def _refresh(self, sig: Signature) -> None:
         weights = self._weights_digest(sig)

@@ -54,8 +54,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from kvboost.models.awq import Int4PackedLinear, _int4pack_supported, int4pack_mm
+from kvboost.models.awq import AWQLinear, Int4PackedLinear, _int4pack_supported, int4pack_mm
 
 GROUP_SIZE = 32  # the kernel's group: one Q4_0/Q4_1 block, one Q4_K sub-block
 # name -> (values per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES / ggml's type traits.
@@ -63,8 +65,18 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 SUPPORTED_TYPES = tuple(BLOCKS)
 
 __all__ = [
-    "BLOCKS", "GROUP_SIZE", "SUPPORTED_TYPES", "dequantize_q4", "gguf_int4_linear", "int4pack_from_q4",
-    "int4pack_gguf", "matmul", "quant_type_name", "unpack_q4", "zeros_exact",
+    "BLOCKS",
+    "GROUP_SIZE",
+    "SUPPORTED_TYPES",
+    "GGUFInt4Linear",
+    "dequantize_q4",
+    "gguf_int4_linear",
+    "int4pack_from_q4",
+    "int4pack_gguf",
+    "matmul",
+    "quant_type_name",
+    "unpack_q4",
+    "zeros_exact",
 ]  # fmt: skip
 
 
@@ -196,9 +208,9 @@ def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) ->
     if cols % GROUP_SIZE or tuple(scales.shape) != (groups, rows) or tuple(zeros.shape) != (groups, rows):
         raise ValueError(f"GGUF int4: q {tuple(q.shape)} needs scales and zeros of shape ({groups}, {rows}); got "
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")  # fmt: skip
-    s = scales.to(torch.float32).t().repeat_interleave(GROUP_SIZE, dim=1)
-    z = zeros.to(torch.float32).t().repeat_interleave(GROUP_SIZE, dim=1)
-    return (q.to(torch.float32) - 8) * s + z
+    s = scales.to(torch.float32).t().unsqueeze(-1)  # [rows, groups, 1]: broadcast over each group's 32 values
+    z = zeros.to(torch.float32).t().unsqueeze(-1)
+    return ((q.reshape(rows, groups, GROUP_SIZE).to(torch.float32) - 8) * s + z).reshape(rows, cols)
 
 
 def int4pack_from_q4(
@@ -251,3 +263,105 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> t
     """``x [..., in]`` times a packed GGUF weight (:func:`int4pack_gguf`): :func:`kvboost.models.awq.int4pack_mm`
     with group size 32."""
     return int4pack_mm(x, packed, GROUP_SIZE, scale_zero)
+
+
+class GGUFInt4Linear(AWQLinear):
+    """A linear whose weight is a GGUF Q4_0 / Q4_1 / Q4_K tensor kept as shipped: the raw blocks, rows in the
+    model's output order (``weights="gguf_int4"``: :mod:`kvboost.models.gguf_weights`).
+
+    Buffers: ``gguf_blocks`` uint8 ``[out, bytes per row]`` (the GGUF tensor's bytes, nothing decoded) and
+    ``bias`` (the model's own, in its dtype; ``.to(dtype)`` casts it like an ``nn.Linear``'s). It is an
+    :class:`kvboost.models.awq.AWQLinear` to everything that runs int4 linears: its forward (int4 kernel, dense
+    prefill, dequantize + ``F.linear`` where the kernel is slow) and the runtime's fused q/k/v and gate/up packs
+    (:func:`kvboost.models.awq.fuse_int4pack`, ``Int4Projections``) are AWQLinear's, fed by
+    :meth:`int4pack_parts`: the stored nibbles as codes and GGUF's per-32 (scale, zero) (module docstring), packed
+    on first use by the same aten op. As with AWQ the codes are then held twice (blocks + the kernel's packed
+    form, ~1.2 bytes per weight with the fp32 scales). Off the CPU the weight is dequantized per call.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, tensor_type: Any = "Q4_0",
+        device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
+        nn.Module.__init__(self)  # not AWQLinear's: no AutoAWQ buffers
+        name = quant_type_name(tensor_type)
+        block, size = BLOCKS[name]
+        if in_features <= 0 or out_features <= 0 or in_features % block:
+            raise ValueError(f"GGUF int4: a {name} linear needs in_features divisible by {block}; got "
+                             f"{in_features}x{out_features}")  # fmt: skip
+        self.in_features, self.out_features = in_features, out_features
+        self.w_bit, self.group_size, self.tensor_type = 4, GROUP_SIZE, name
+        self.register_buffer("gguf_blocks", torch.zeros(out_features, in_features // block * size, dtype=torch.uint8,
+                                                        device=device))  # fmt: skip
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
+        else:
+            self.bias = None
+        self._int4pack = None
+        self.dense_min_rows = None
+        self._dense = None
+
+    @classmethod
+    def from_gguf(
+        cls, tensor_type: Any, raw: np.ndarray, *, bias: torch.Tensor | None = None, rows: np.ndarray | None = None,
+    ) -> GGUFInt4Linear:  # fmt: skip
+        """From a GGUF tensor's bytes ``raw`` (uint8 ``[out, bytes per row]``, as ``gguf.GGUFReader`` gives a
+        2-D weight). ``rows``: an order of the output rows (``raw[rows]``; blocks never span rows, so this
+        reorders codes, scales and zeros together). ``bias`` is kept as given (same storage)."""
+        name = quant_type_name(tensor_type)
+        blocks = _blocks(name, raw, None)  # [out, blocks per row, bytes per block], checked
+        out_features, per_row = blocks.shape[0], blocks.shape[1]
+        if rows is not None:
+            rows = np.asarray(rows)
+            if sorted(rows.tolist()) != list(range(out_features)):
+                raise ValueError(f"GGUF int4: rows must be a permutation of range({out_features})")
+            blocks = blocks[rows]
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"GGUF int4: bias shape {tuple(bias.shape)}, expected ({out_features},)")
+        with torch.device("meta"):  # placeholders, replaced below (no zeros allocated)
+            module = cls(per_row * BLOCKS[name][0], out_features, bias is not None, tensor_type=name,
+                         bias_dtype=bias.dtype if bias is not None else torch.float32)  # fmt: skip
+        # a copy in memory (a GGUFReader's arrays are read-only maps of the file)
+        module.gguf_blocks = torch.from_numpy(np.array(blocks.reshape(out_features, -1), dtype=np.uint8, copy=True))
+        if bias is not None:
+            module.bias = bias.detach()
+        return module
+
+    @property
+    def weight_device(self) -> torch.device:
+        return self.gguf_blocks.device
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"gguf {self.tensor_type}, group_size={self.group_size}")  # fmt: skip
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes uint8 ``[out, in]``, scales, zeros fp32 ``[in / 32, out]``): :func:`unpack_q4` of the blocks."""
+        return unpack_q4(self.tensor_type, self.gguf_blocks.detach().cpu().numpy())
+
+    def int4pack_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int32 ``[out, in]``, scale-and-zero fp32 ``[in / 32, out, 2]``): what the int4 kernel's packing
+        takes (:func:`kvboost.models.awq.fuse_int4pack` concatenates these for the fused packs)."""
+        q, scales, zeros = self.unpacked()
+        return q.to(torch.int32), torch.stack([scales, zeros], dim=-1)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]``: fp32 :func:`dequantize_q4` (gguf's dequantization to the bit where
+        :func:`zeros_exact`), then cast to ``dtype``."""
+        return dequantize_q4(*self.unpacked()).to(device=self.gguf_blocks.device, dtype=dtype)
+
+    def _int4pack_key(self, dtype: torch.dtype) -> tuple:
+        b = self.gguf_blocks
+        return (dtype, id(b), b.data_ptr(), b._version)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # no GGUF kernel off the CPU: dequantize per call
+            out = F.linear(x, self.dequantized_weight(x.dtype).to(x.device))
+            return out if self.bias is None else out + self.bias.to(device=out.device, dtype=out.dtype)
+        return super().forward(x)
+
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)`` casts the bias (as an ``nn.Linear``'s) and never the uint8 blocks; derived forms are
+        rebuilt on next use."""
+        self._int4pack = self._dense = None
+        return nn.Module._apply(self, fn, recurse)

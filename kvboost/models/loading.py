@@ -162,6 +162,51 @@ def _convert_gguf(gguf: Path, target: Path, *, check_tokenizer: bool = False) ->
         raise
 
 
+def _is_bundled(model_name_or_path: str | os.PathLike[str] | None) -> bool:
+    return model_name_or_path is None or str(model_name_or_path) in ("", "bundled", BUNDLED_MODEL_NAME)
+
+
+def is_gguf_name(model_name_or_path: str | os.PathLike[str] | None) -> bool:
+    """Whether the name stands for a GGUF file (bundled, ``gguf:NAME`` or a ``.gguf`` path), by its form alone."""
+    text = "" if model_name_or_path is None else str(model_name_or_path)
+    return _is_bundled(model_name_or_path) or text.startswith(GGUF_PREFIX) or text.lower().endswith(".gguf")
+
+
+def gguf_file_of(model_name_or_path: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file a model name stands for (the names :func:`resolve_model_path` converts from GGUF): ``None`` /
+    ``"bundled"`` -> the bundled SmolLM2 file, ``"gguf:NAME"`` -> the installed catalog file, a ``.gguf`` path ->
+    that file; ``None`` for anything else (an HF id or folder). Reads no weights; a missing file raises as
+    :func:`resolve_model_path` does."""
+    if not is_gguf_name(model_name_or_path):
+        return None
+    if _is_bundled(model_name_or_path):
+        return bundled_gguf_path()
+    text = str(model_name_or_path)
+    if text.startswith(GGUF_PREFIX):
+        return _catalog_file(text)[1]
+    return _gguf_path(text)
+
+
+def _catalog_file(text: str) -> tuple[str, Path]:
+    """``"gguf:NAME"`` -> (NAME, its installed file); an unknown or missing NAME raises with the way out."""
+    from kvboost.models import catalog
+
+    name = text.removeprefix(GGUF_PREFIX)
+    if name not in catalog.CATALOG:
+        raise ValueError(
+            f"{text!r}: unknown catalog model {name!r}; available: {', '.join(sorted(catalog.CATALOG))} "
+            "(python scripts/install_model.py --list)"
+        )
+    return name, catalog.installed_path(name)
+
+
+def _gguf_path(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    return path.resolve()
+
+
 def resolve_model_path(model_name_or_path: str | os.PathLike[str] | None) -> str:
     """The folder or hub id to load; ``None`` (or ``"bundled"``) means the bundled SmolLM2.
 
@@ -169,24 +214,15 @@ def resolve_model_path(model_name_or_path: str | os.PathLike[str] | None) -> str
     ``python scripts/install_model.py NAME``) and a path ending in ``.gguf`` a GGUF file: both are converted once
     into a safetensors folder under the cache (:func:`converted_gguf_dir`), whose path is returned.
     """
-    if model_name_or_path is None or str(model_name_or_path) in ("", "bundled", BUNDLED_MODEL_NAME):
+    if _is_bundled(model_name_or_path):
         return str(bundled_model_dir())
     text = str(model_name_or_path)
     if text.startswith(GGUF_PREFIX):
-        from kvboost.models import catalog
-
-        name = text.removeprefix(GGUF_PREFIX)
-        if name not in catalog.CATALOG:
-            raise ValueError(
-                f"{text!r}: unknown catalog model {name!r}; available: {', '.join(sorted(catalog.CATALOG))} "
-                "(python scripts/install_model.py --list)"
-            )
-        return str(converted_gguf_dir(catalog.installed_path(name), name))
+        name, path = _catalog_file(text)
+        return str(converted_gguf_dir(path, name))
     if text.lower().endswith(".gguf"):
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return str(converted_gguf_dir(path.resolve(), path.stem))
+        path = _gguf_path(text)
+        return str(converted_gguf_dir(path, path.stem))
     return text
 
 

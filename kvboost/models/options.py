@@ -1,4 +1,5 @@
-"""Loading a model the way ``KVBoost.from_pretrained`` does: weights, layer streaming, int8 head, AWQ prefill.
+"""Loading a model the way ``KVBoost.from_pretrained`` does: weights, layer streaming, int8 head, AWQ prefill,
+and the weight format of a GGUF model (``weights``: ``kvboost.models.gguf_weights``).
 
 The loading options are checked before any weight is read (a typo costs no 12-second load).
 """
@@ -11,21 +12,26 @@ from typing import Any
 import torch
 
 #: from_pretrained keywords consumed here (the rest go to the engine's constructor).
-LOADING_OPTIONS = ("streaming", "lm_head", "awq_prefill")
+LOADING_OPTIONS = ("streaming", "lm_head", "awq_prefill", "weights")
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     """``streaming`` (``kvboost.streaming``), ``lm_head`` (``None`` | ``"int8"``), ``awq_prefill`` (``None`` |
-    ``"int4"`` | ``"dense"``)."""
+    ``"int4"`` | ``"dense"``), ``weights`` (``"dense"``, the default: every tensor as transformers loads it |
+    ``"gguf_int4"``: a GGUF model's Q4_0/Q4_1/Q4_K linears run as shipped in torch's int4 CPU kernel,
+    ``kvboost.models.gguf_weights``; ``None`` means ``"dense"``)."""
 
     streaming: Any = None
     lm_head: str | None = None
     awq_prefill: str | None = None
+    weights: str | None = "dense"
 
     def __post_init__(self) -> None:
+        from kvboost.models.gguf_weights import check_weights
         from kvboost.models.int8_head import LM_HEAD_CHOICES
 
+        object.__setattr__(self, "weights", check_weights(self.weights))
         if self.lm_head not in (*LM_HEAD_CHOICES, "none"):
             raise ValueError(f"lm_head must be one of {[c for c in LM_HEAD_CHOICES if c]} or null, got {self.lm_head!r}")
         if self.awq_prefill not in (None, "int4", "dense"):
@@ -44,6 +50,14 @@ def load_for_engine(
     from kvboost.streaming import load_streamed_model_and_tokenizer, streamed_decode, streaming_enabled
 
     implied: dict[str, Any] = {}
+    gguf_file = None
+    if options.weights == "gguf_int4":  # refused before any weight is read
+        from kvboost.models.gguf_weights import gguf_source
+
+        if streaming_enabled(options.streaming):
+            raise ValueError("weights='gguf_int4' does not stream layers (the streamer reads safetensors folders); "
+                             "turn streaming off or use weights='dense'")  # fmt: skip
+        gguf_file = gguf_source(model_name_or_path)
     if streaming_enabled(options.streaming):
         model, tokenizer, path = load_streamed_model_and_tokenizer(model_name_or_path, options.streaming,
                                                                    dtype=dtype, device=device)  # fmt: skip
@@ -51,7 +65,15 @@ def load_for_engine(
             streamed_decode(decode)  # an explicit fused mode is refused with the reason
     else:
         model, tokenizer, path = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device)
+    if gguf_file is not None:
+        from kvboost.models.gguf_weights import apply_gguf_int4
+
+        # lm_head="int8" quantizes the dense head (an int4 one would have nothing left to quantize)
+        apply_gguf_int4(model, gguf_file, keep_dense=("lm_head",) if options.lm_head == "int8" else ())
     quantize_lm_head(model, options.lm_head)
     set_awq_prefill(model, options.awq_prefill)
+    from kvboost.models.gguf_weights import weight_formats
+
+    model._kvboost_weight_formats = weight_formats(model)  # {format: module names}, after the head's quantization
     identity = path if model_name_or_path is None else str(model_name_or_path)
     return model, tokenizer, identity, implied

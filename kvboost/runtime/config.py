@@ -13,8 +13,8 @@ touches the model.
   otherwise (AWQ int4 projections: eager with fused int4 calls, measured faster than compiled on CPU;
   ``attn=batch_invariant``: eager, the backend's tiled arithmetic).
 - weights: ``prepacked`` under ``auto`` for bf16 on a CPU with native bf16 when the copies take <= 5% of memory
-  (:mod:`kvboost.models.prepack`), ``int4`` for AWQ models on CPU (fused q/k/v and gate/up int4 packs), else
-  ``plain``.
+  (:mod:`kvboost.models.prepack`), ``int4`` for AWQ models and ``weights="gguf_int4"`` GGUF models on CPU (fused
+  q/k/v and gate/up int4 packs; groups that mix int4 and dense linears run member by member), else ``plain``.
 
 ``KVBOOST_DECODE`` (environment) overrides ``decode``; ``KVBOOST_GRAPH_COMPILE=0`` captures the CUDA graphs
 without compiling the layer by inductor first (a 28-layer model's warm-up drops from minutes to seconds, each
@@ -98,7 +98,8 @@ def choose_runner(
                              "their own kernels); use 'plain' or 'auto'")  # fmt: skip
         fusable = device.type == "cpu" and not caps.tiled_projections and _int4_fusable(model)
         weights = "int4" if fusable else "plain"
-        reasons["weights"] = "AWQ int4 projections, fused" if fusable else "AWQ int4 projections through their modules"
+        reasons["weights"] = ("int4 projections (AWQ / GGUF), fused" if fusable
+                              else "int4 projections (AWQ / GGUF) through their modules")  # fmt: skip
     elif caps.tiled_projections:
         if prefill_weights == "prepacked":
             raise ValueError(f"prefill_weights='prepacked' with attn={attention.name!r}: the backend multiplies "
@@ -120,7 +121,7 @@ def choose_runner(
         elif int4:
             # Measured on the bundled AWQ model (bf16, 2-core AMX CPU): eager with fused int4 calls 85 tok/s,
             # compiled 66: dynamo's per-call guards cost more than inductor saves around the int4 kernel.
-            decode, reasons["decode"] = "eager", "AWQ int4 projections (eager int4 calls)"
+            decode, reasons["decode"] = "eager", "int4 projections (AWQ / GGUF; eager int4 calls)"
         elif not caps.runner_decode:
             decode, reasons["decode"] = "eager", f"attention backend {attention.name!r} attends every forward"
         elif device.type == "cuda":
@@ -153,14 +154,25 @@ def choose_runner(
 
 
 def _int4_fusable(model: Any) -> bool:
-    from kvboost.models.awq import fused_int4pack_unsupported
+    """Whether the int4 projections can run fused: every group (q/k/v, o, gate/up, down) of every layer that is all
+    int4 fuses, and every int4 member of a mixed group (a GGUF file with some tensors in other types) takes the
+    int4 kernel alone (such groups run member by member: ``Int4Projections``)."""
+    from kvboost.models.awq import AWQLinear, fused_int4pack_unsupported
 
-    layer = model.model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    dtype = layer.input_layernorm.weight.dtype
-    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
-    sizes = {m.group_size for g in groups for m in g if hasattr(m, "group_size")}
-    return len(sizes) == 1 and all(fused_int4pack_unsupported(g, dtype) is None for g in groups)
+    dtype = model.model.layers[0].input_layernorm.weight.dtype
+    found = False
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for g in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                  (mlp.down_proj,)):  # fmt: skip
+            int4 = [m for m in g if isinstance(m, AWQLinear)]
+            if not int4:
+                continue
+            found = True
+            members = [g] if len(int4) == len(g) else [(m,) for m in int4]
+            if any(fused_int4pack_unsupported(m, dtype) is not None for m in members):
+                return False
+    return found
 
 
 def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **graph_options: Any) -> Any:

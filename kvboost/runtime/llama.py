@@ -84,8 +84,8 @@ def unsupported_reason(model: Any, *, hooks: bool = True) -> str | None:
                 return f"{type(owner).__name__}.{name} is neither an nn.Linear nor an AWQ int4 linear (fused weights?)"
     if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
         return "query/key norms"
-    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, Int8Linear)):
-        return "no plain (or int8) lm_head"
+    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, Int8Linear, AWQLinear)):
+        return "no plain (or int8, or int4) lm_head"
     if hooks and _foreign_hooks(model):
         return "forward hooks on the model (e.g. a layer streamer) run only in HF's forward"
     return None
@@ -104,8 +104,11 @@ def _foreign_hooks(model: Any) -> bool:
 
 
 def has_int4_projections(model: Any) -> bool:
-    """Whether the decoder projections are AWQ int4 linears."""
-    return any(isinstance(m, AWQLinear) for m in model.model.layers[0].modules())
+    """Whether any decoder projection (of any layer) or the LM head is an int4 linear (AWQ, or a GGUF tensor under
+    ``weights="gguf_int4"``, which may leave some projections dense)."""
+    if isinstance(getattr(model, "lm_head", None), AWQLinear):
+        return True
+    return any(isinstance(m, AWQLinear) for layer in model.model.layers for m in layer.modules())
 
 
 def inductor_unavailable_reason() -> str | None:

@@ -6,9 +6,10 @@ The layer body (:func:`kvboost.runtime.llama.decoder_layer`) is written once; it
 - :class:`PlainProjections`: ``F.linear`` per projection, the calls HF's forward makes (its bits, bf16 included);
 - :class:`PackedProjections`: q/k/v and gate/up each one product over prepacked copies of the weights
   (:mod:`kvboost.models.prepack`: oneDNN's layout in bf16, MKL's in fp32; faster on CPU, not HF's bits);
-- :class:`Int4Projections`: AWQ int4 weights; q/k/v and gate/up fused for torch's int4 CPU kernel (the modules'
-  bits), or dense dequantized copies for forwards of ``dense_min_rows`` rows and more (``model.awq_prefill:
-  dense``), or the modules themselves where their call is not the int4 kernel;
+- :class:`Int4Projections`: int4 weights (AWQ, or GGUF's: ``weights="gguf_int4"``); q/k/v and gate/up fused for
+  torch's int4 CPU kernel (the modules' bits), or dense dequantized copies for forwards of ``dense_min_rows`` rows
+  and more (``model.awq_prefill: dense``), or the modules themselves where their call is not the int4 kernel (and
+  for groups that are not all int4);
 - :class:`ModuleProjections`: each projection through its own module (AWQ linears the step cannot fuse; the
   tiled linears of ``attn=batch_invariant``, aligned per sequence to its cache positions);
 - :class:`TensorProjections`: plain weights passed as tensors into a compiled layer; on CPU with
@@ -25,7 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvboost.models.awq import AWQLinear, fuse_dense, fuse_int4pack, fused_bias, int4pack_mm
+from kvboost.models.awq import (
+    AWQLinear,
+    fuse_dense,
+    fuse_int4pack,
+    fused_bias,
+    fused_int4pack_unsupported,
+    int4pack_mm,
+)
 
 
 def _projections(layer: Any) -> tuple:
@@ -112,10 +120,18 @@ class PackedProjections(_Fused):
         return sum(int(getattr(f, "nbytes", 0)) for f in (self._qkv_fn, self._o_fn, self._gate_up_fn, self._down_fn))
 
 
+def _int4_pack(modules: tuple, dtype: torch.dtype) -> Any:
+    """The fused :class:`~kvboost.models.awq.Int4Pack` of ``modules``, or None where they do not all fuse (a group
+    mixing int4 and dense linears, as a GGUF file with some tensors in other types gives): run member by member."""
+    return fuse_int4pack(modules, dtype) if fused_int4pack_unsupported(modules, dtype) is None else None
+
+
 class Int4Projections(_Fused):
-    """AWQ int4 projections on CPU: q/k/v and gate/up fused for torch's int4 kernel (the modules' call, so their
-    bits); forwards of ``dense_min_rows`` rows or more multiply fused dequantized copies instead (dense prefill);
-    row counts whose module call is not the int4 kernel (fp32 beyond a few rows) run the modules themselves."""
+    """int4 projections on CPU (AWQ, or GGUF's under ``weights="gguf_int4"``): q/k/v and gate/up fused for torch's
+    int4 kernel (the modules' call, so their bits); forwards of ``dense_min_rows`` rows or more multiply fused
+    dequantized copies instead (dense prefill); row counts whose module call is not the int4 kernel (fp32 beyond a
+    few rows) run the modules themselves. A group that is not all int4 (a GGUF layer whose v or down tensor is
+    Q6_K, say) has no pack and always runs through its modules (each int4 member still takes the int4 kernel)."""
 
     kind = "int4"
 
@@ -124,28 +140,40 @@ class Int4Projections(_Fused):
         attn, mlp = layer.self_attn, layer.mlp
         self.modules = ModuleProjections(layer)
         qkv_modules, gate_up_modules = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-        self.qkv_pack = fuse_int4pack(qkv_modules, dtype)
-        self.o_pack = fuse_int4pack((attn.o_proj,), dtype)
-        self.gate_up_pack = fuse_int4pack(gate_up_modules, dtype)
-        self.down_pack = fuse_int4pack((mlp.down_proj,), dtype)
-        self.group_size = self.qkv_pack.group_size
-        self._probe = attn.q_proj
-        rows = {m.dense_min_rows for m in layer.modules() if isinstance(m, AWQLinear)}
+        self.qkv_pack = _int4_pack(qkv_modules, dtype)
+        self.o_pack = _int4_pack((attn.o_proj,), dtype)
+        self.gate_up_pack = _int4_pack(gate_up_modules, dtype)
+        self.down_pack = _int4_pack((mlp.down_proj,), dtype)
+        int4 = [m for m in _projections(layer) if isinstance(m, AWQLinear)]
+        self._probe = int4[0] if int4 else None  # None: no int4 linear in this layer, every call is the module's
+        rows = {m.dense_min_rows for m in int4}
         if len(rows) > 1:
             raise ValueError(f"dense prefill: the AWQ linears disagree on dense_min_rows ({sorted(rows, key=str)})")
         self.dense_min_rows = rows.pop() if rows else None
         self.dense: tuple | None = None
         if self.dense_min_rows is not None:
-            self.dense = (fuse_dense(qkv_modules, dtype), fused_bias(qkv_modules, dtype),
-                          fuse_dense((attn.o_proj,), dtype), fused_bias((attn.o_proj,), dtype),
-                          fuse_dense(gate_up_modules, dtype), fuse_dense((mlp.down_proj,), dtype))  # fmt: skip
+            def dense(pack: Any, modules: tuple) -> torch.Tensor | None:
+                return None if pack is None else fuse_dense(modules, dtype)
+
+            self.dense = (dense(self.qkv_pack, qkv_modules), fused_bias(qkv_modules, dtype),
+                          dense(self.o_pack, (attn.o_proj,)), fused_bias((attn.o_proj,), dtype),
+                          dense(self.gate_up_pack, gate_up_modules),
+                          dense(self.down_pack, (mlp.down_proj,)))  # fmt: skip
         self._path = "int4"
+
+    @property
+    def packs(self) -> dict[str, Any]:
+        """The fused packs by group (None: that group runs through its modules)."""
+        return {"qkv": self.qkv_pack, "o": self.o_pack, "gate_up": self.gate_up_pack, "down": self.down_pack}
 
     def route(self, rows: int, dtype: torch.dtype) -> None:
         """Choose the path for a forward of ``rows`` rows (called once per forward by the runner)."""
+        probe = self._probe
         if self.dense is not None and rows >= self.dense_min_rows:
             self._path = "dense"
-        elif not self._probe._use_int4pack(torch.empty(rows, 1, dtype=dtype).expand(rows, self._probe.in_features)):
+        elif probe is None or not probe._use_int4pack(
+            torch.empty(rows, 1, dtype=dtype).expand(rows, probe.in_features)
+        ):
             self._path = "modules"
         else:
             self._path = "int4"
@@ -156,12 +184,12 @@ class Int4Projections(_Fused):
         return y if pack.bias is None else y + pack.bias
 
     def qkv(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._path == "modules":
+        if self._path == "modules" or self.qkv_pack is None:
             return self.modules.qkv(a)
         return super().qkv(a)
 
     def gate_up(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._path == "modules":
+        if self._path == "modules" or self.gate_up_pack is None:
             return self.modules.gate_up(m)
         return super().gate_up(m)
 
@@ -176,14 +204,14 @@ class Int4Projections(_Fused):
         return self._mm(m, self.gate_up_pack)
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
-        if self._path == "modules":
+        if self._path == "modules" or self.o_pack is None:
             return self.modules.o(x)
         if self._path == "dense":
             return F.linear(x, self.dense[2], self.dense[3])
         return self._mm(x, self.o_pack)
 
     def down(self, x: torch.Tensor) -> torch.Tensor:
-        if self._path == "modules":
+        if self._path == "modules" or self.down_pack is None:
             return self.modules.down(x)
         if self._path == "dense":
             return F.linear(x, self.dense[5])
