@@ -39,7 +39,7 @@ from typing import Any
 
 # The one percentile of the project (and the helpers built on it) live in the runner's report module, which the
 # summaries of run.py use: a p90 in a benchmark table and in summary.json mean the same thing.
-from experiments.report import (  # noqa: F401  (re-exported)
+from experiments.report import (
     cached_new_shape,
     median_range,
     percentile,
@@ -56,6 +56,7 @@ __all__ = [
     "RESULTS_DIR",
     "add_threads_arg",
     "cached_new_shape",
+    "compose_run_config",
     "median_ms",
     "median_range",
     "percentile",
@@ -84,6 +85,16 @@ def set_threads(threads: int | None) -> int:
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def compose_run_config(overrides: list[str]) -> dict[str, Any]:
+    """The config ``python run.py OVERRIDES`` would run (Hydra compose over ``configs/``), as plain containers."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
 def use_checkout(root: str | Path) -> Path:

@@ -80,7 +80,6 @@ LLAMA_SYSTEMS = ("llama_cpp_prefix", "llama_cpp_ramcache")
 ORDERS = ("sequential", "interleaved")
 REFERENCE = "hf_baseline"
 RATIO_PAIR = ("kvboost", "llama_cpp_prefix")
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "peers"
 LLAMA_INSTALL_HINT = (
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
@@ -514,12 +513,9 @@ class LlamaRamCacheSystem:
 # ============================================================================================ the run
 def compose_config(dtype: str, overrides: Sequence[str]) -> dict[str, Any]:
     """The project's run config (configs/config.yaml, what ``python run.py`` uses) with overrides."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from experiments.common import compose_run_config
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["logger=none", f"model.dtype={dtype}", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return compose_run_config(["logger=none", f"model.dtype={dtype}", *overrides])
 
 
 def build_requests(

@@ -40,7 +40,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from experiments.common import REPO_ROOT, add_threads_arg, percentile, set_threads, write_json, write_markdown
+from experiments.common import add_threads_arg, compose_run_config, percentile, set_threads, write_json, write_markdown
 from experiments.report import bootstrap_ratio_ci, paired_difference_ci, wilson_interval
 
 BASELINE = "baseline"
@@ -66,17 +66,6 @@ def strategy_overrides(spec: str) -> list[str]:
     return out
 
 
-def compose_config(overrides: list[str]) -> dict[str, Any]:
-    """The run.py config for ``overrides`` (Hydra compose over ``configs/``), resolved to plain containers."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-
-
-# ------------------------------------------------------------------------------------------- statistics
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per strategy, per draw and pooled: speedup, accuracy, difference from the baseline, quality."""
     by_key: dict[tuple[int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
@@ -213,8 +202,8 @@ def run(args: argparse.Namespace) -> None:
     if args.dtype:
         base.append(f"model.dtype={args.dtype}")
     base += list(args.override)
-    cfg = compose_config(base)
-    strategies = {spec: RECOMPUTE.build(compose_config(base + strategy_overrides(spec))["recompute"])
+    cfg = compose_run_config(base)
+    strategies = {spec: RECOMPUTE.build(compose_run_config(base + strategy_overrides(spec))["recompute"])
                   for spec in args.strategies}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
