@@ -17,7 +17,8 @@ use :func:`use_checkout`.)
 Contents: paths (:data:`REPO_ROOT`, :data:`RESULTS_DIR`), CLI conventions (:func:`add_threads_arg`,
 :func:`set_threads`), timing (:func:`time_ms`, :func:`median_ms`), statistics (:func:`percentile` and the
 helpers built on it, re-exported from :mod:`experiments.report`, where the runner's summaries use the same
-definition), writers (:func:`write_json`, :func:`write_markdown`), :func:`script_module` (a module of
+definition), writers (:func:`write_json`, :func:`write_markdown`), :func:`stop_process` (a server the script started),
+:func:`script_module` (a module of
 ``scripts/``, which is not a package).
 
 The percentile. ``percentile(values, q)``: ``q`` in 0..100, linear interpolation between the closest ranks
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -138,6 +140,19 @@ def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
 
 
 # -------------------------------------------------------------------------------------------------- writers
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """End a child process the script started (a server): SIGTERM, then SIGKILL when it has not exited after
+    ``grace_s`` seconds (a hung shutdown must not hang the script). Nothing to do for None or an exited one."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def write_json(path: str | Path, data: Any, indent: int = 1) -> Path:
     """``data`` as JSON (non-JSON values through ``str``), newline-terminated; parent folders created."""
     path = Path(path)

@@ -233,6 +233,16 @@ def bootstrap_ratio_ci(numerator: Sequence[float], denominator: Sequence[float],
     return _interval(ratios, confidence)
 
 
+def bootstrap_median_ci(values: Sequence[float], *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                        confidence: float = 0.95) -> list[float] | None:  # fmt: skip
+    """The ``confidence`` interval of the median of ``values`` by a seeded bootstrap: for a median of per-request
+    ratios (each request's baseline and mode timed back to back), so requests timed under different loads or on
+    different machines pool without their absolute times mixing. [lo, hi], or None without data or resamples."""
+    if not values or n_boot <= 0:
+        return None
+    return _interval(_bootstrap_p50s([values], n_boot=n_boot, seed=seed)[:, 0], confidence)
+
+
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> list[float] | None:
     """The Wilson score interval of ``successes`` out of ``n`` (unlike the normal approximation it stays inside
     [0, 1] and keeps its coverage near 0 and 1 and at small n). None for n = 0."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny import ToyTokenizer, tiny_model
 
+from experiments import redis_process
 from experiments.checks import plugin_matrix as pm
 from kvboost.engine import InferenceEngine
 from kvboost.registry import ALL_REGISTRIES, HASHERS
@@ -112,7 +113,7 @@ def test_a_new_plugin_joins_the_matrix():
 
 
 def test_redis_without_a_server_binary_is_skipped_with_the_reason(monkeypatch):
-    monkeypatch.setattr(pm.RedisProcess, "binary", staticmethod(lambda: None))
+    monkeypatch.setattr(redis_process, "redis_server_binary", lambda: None)
     (cell,) = matrix().run(["cache:redis"], progress=False)
     assert cell.status == "skipped" and "redis-server" in cell.detail
 

@@ -85,9 +85,26 @@ def test_summarize_pools_draws_and_pairs_queries():
 
 
 def percentile_ratio():
-    base = sorted([1000.0 + q for q in range(10)] * 2)
-    mode = sorted([100.0 + q for q in range(10)] * 2)
-    return (base[9] + base[10]) / 2 / ((mode[9] + mode[10]) / 2)
+    # the median of the 20 per-query ratios (1000 + q) / (100 + q): q = 4 and q = 5 twice each around the middle
+    ratios = sorted([(1000.0 + q) / (100.0 + q) for q in range(10)] * 2)
+    return (ratios[9] + ratios[10]) / 2
+
+
+def test_pooled_speedup_is_a_per_query_ratio_not_mixed_absolute_times():
+    # draw 0 on a fast machine (10x per query), draw 1 on one five times slower (2x per query): the pooled figure
+    # is the median of the 16 per-query ratios, (2 + 10) / 2 = 6; p50 / p50 of the mixed times would say ~2.3
+    records = []
+    for draw, base, ratio in ((0, 1000.0, 10.0), (1, 5000.0, 2.0)):
+        for q in range(8):
+            records.append({"arm": "baseline", "arm_index": 0, "draw": draw, "query": f"q{q}",
+                            "ttft_ms": base + q, "correct": True})  # fmt: skip
+            records.append({"arm": "none", "arm_index": 1, "draw": draw, "query": f"q{q}",
+                            "ttft_ms": (base + q) / ratio, "correct": True})  # fmt: skip
+    rows = st.summarize(records)["arms"]["none"]
+    assert rows["pooled"]["speedup"] == pytest.approx(6.0)
+    assert rows["draw 0"]["speedup"] == pytest.approx(10.0) and rows["draw 0"]["speedup_ci"] == pytest.approx([10, 10])
+    lo, hi = rows["pooled"]["speedup_ci"]
+    assert 2.0 <= lo <= 6.0 <= hi <= 10.0
 
 
 def test_summarize_only_rebuilds_from_records(tmp_path):

@@ -581,6 +581,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from experiments.modes import MODES
     from experiments.runner import WARMUP_MESSAGES
     from kvboost.engine import InferenceEngine
+    from kvboost.models.gguf_weights import weight_formats
     from kvboost.models.loading import bundled_gguf_path
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -712,6 +713,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     "n": arch.intermediate, "flops_per_s": flops, "gflop_s": flops / 1e9, "other_m_gflop_s": others}  # fmt: skip
             add_floor(records, arch, flops)
         decode_info = engine.decode_info() if hasattr(engine, "decode_info") else {}
+        linears = {fmt: len(names) for fmt, names in weight_formats(engine.model).items()}
     finally:
         engine.close()
 
@@ -727,6 +729,10 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             f"{' (other processes shared the CPU)' if machine['cpu_share_of_threads'] < 0.9 else ''}."
         ),
         "TTFT: token ids in -> first token id out for every system (prompts tokenized once, before timing).",
+        (
+            "hf_baseline / hf_prefix: HF's forward over the engine's own model object, so on the weights kvboost "
+            f"loaded (linears by format: {json.dumps(linears)})."
+        ),
         (
             f"kvboost engine options {json.dumps(options, default=str)}; decode {json.dumps(decode_info, default=str)}; "
             f"engine.warmup() {warmup.get('engine_warmup_s', 0.0):.1f} s (before timing)."

@@ -78,7 +78,7 @@ except ImportError:  # Python 3.10
     from typing_extensions import Self
 
 
-from experiments.common import percentile
+from experiments.common import percentile, stop_process
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "serving"
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
@@ -538,14 +538,7 @@ class ManagedServer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, grace_s=30.0)
 
 
 # ============================================================================================ client helpers

@@ -46,8 +46,6 @@ import math
 import os
 import shlex
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RESULTS_DIR, add_threads_arg, set_threads, write_json, write_markdown
+from experiments.redis_process import RedisProcess, redis_unavailable_reason
 
 FAMILY_ORDER = ("chunker", "hasher", "cache", "eviction", "recompute", "quant", "attn", "speculative")
 TRITON_SLOW_REASON = "Triton interpreter: minutes per request on CPU (run with --slow for one tiny prompt)"
@@ -388,12 +387,12 @@ class Matrix:
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         if name == "redis":
-            server = RedisProcess.start()  # Skip with the reason when it cannot run here
-            try:
+            reason = redis_unavailable_reason()
+            if reason:
+                raise Skip(reason)
+            with RedisProcess() as server:  # a private redis-server on a free loopback port, removed after
                 return self.restart_tier(name, {"name": "redis", "url": server.url,
                                                 "namespace": f"matrix{os.getpid()}"})  # fmt: skip
-            finally:
-                server.stop()
         # A tier this script does not know: it runs behind memory with its defaults, or is skipped when it needs
         # arguments the matrix cannot guess.
         from kvboost.registry import CACHE_TIERS
@@ -537,63 +536,6 @@ def run_matrix(model: Any, tokenizer: Any, identity: str, *, only: Sequence[str]
 
 def exit_status(cells: Sequence[Cell]) -> int:
     return 1 if any(c.status == "failed" for c in cells) else 0
-
-
-# ------------------------------------------------------------------------------------------------ redis
-class RedisProcess:
-    """A private ``redis-server`` on a free loopback port (no persistence), stopped by :meth:`stop`."""
-
-    def __init__(self, proc: subprocess.Popen, port: int, folder: Path) -> None:
-        self.proc, self.port, self.folder = proc, port, folder
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @staticmethod
-    def binary() -> str | None:
-        return os.environ.get("KVBOOST_REDIS_SERVER") or shutil.which("redis-server")
-
-    @classmethod
-    def start(cls) -> RedisProcess:
-        binary = cls.binary()
-        if binary is None:
-            raise Skip("no redis-server binary on PATH (apt-get install redis-server, or set KVBOOST_REDIS_SERVER)")
-        try:
-            import redis
-        except ImportError:
-            raise Skip("the redis package is not installed (pip install 'redis>=5')") from None
-        folder = Path(tempfile.mkdtemp(prefix="kvboost-matrix-redis-"))
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save",
-                                 "", "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        server = cls(proc, port, folder)
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 10
-        try:
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if client.ping():
-                        return server
-                except redis.exceptions.RedisError:
-                    time.sleep(0.05)
-        finally:
-            client.close()
-        server.stop()
-        raise RuntimeError(f"redis-server did not start on port {port}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ report

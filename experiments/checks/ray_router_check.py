@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import shlex
-import shutil
 import socket
 import sys
 import tempfile
@@ -39,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from experiments.bench import load_test as lt
+from experiments.redis_process import RedisProcess, redis_unavailable_reason
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "serving"
 DEFAULT_SERVER_ARGS = "model=tiny_random threads=1 warmup=false engine.decode=eager"
@@ -154,18 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("ray_router_check: Ray Serve is not installed: pip install -e '.[cluster]'", file=sys.stderr)
         return 2
-    from experiments.checks.redis_tier_check import start_redis
 
     sessions = lt.load_sessions(args.users, args.turns, seed=args.seed, max_prompt_chars=args.max_prompt_chars)
     trace = lt.build_trace(sessions)
     work = Path(tempfile.mkdtemp(prefix="kvboost-ray-router-"))
-    redis_proc, redis_url = None, ""
+    redis, redis_url = None, ""
     if "memory+redis" in args.layouts:
-        if not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists()):
-            print("ray_router_check: the memory+redis layout needs redis-server (apt-get install redis-server); "
-                  "or run --layouts memory", file=sys.stderr)  # fmt: skip
+        if (why := redis_unavailable_reason()) is not None:
+            print(f"ray_router_check: the memory+redis layout needs a Redis server: {why}; or run --layouts memory",
+                  file=sys.stderr)  # fmt: skip
             return 2
-        redis_proc, redis_url, _ = start_redis(work, "1gb")
+        # maxmemory + allkeys-lru as the tier's backstop, as in redis_tier_check
+        redis = RedisProcess("--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru", folder=work)
+        redis.start()
+        redis_url = redis.url
     http_port = _free_port()
     # logical CPUs: replicas reserve num_cpus each, the ingress none; the real cores are shared by all of them
     ray.init(num_cpus=max(os.cpu_count() or 1, int(args.replicas * args.num_cpus) + 1), include_dashboard=False,
@@ -183,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(10)
+        if redis is not None:
+            redis.stop()
     payload = {"name": args.name, "command": command, "replicas": args.replicas, "users": args.users,
                "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                "server_args": args.server_args, "ray": ray.__version__, "environment": lt.environment(),

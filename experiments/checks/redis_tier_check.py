@@ -32,7 +32,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from experiments.redis_process import RedisProcess
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "redis_tier"
 MAX_NEW_TOKENS = 8
@@ -250,31 +251,9 @@ PHASES = {"single": phase_single, "A": phase_a, "B": phase_b, "C": phase_c, "lat
 
 
 # ---------------------------------------------------------------------------------------------- redis-server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(work: Path, maxmemory: str) -> tuple[subprocess.Popen, str, list[str]]:
-    """A private redis-server (no persistence; maxmemory + allkeys-lru as the tier's backstop)."""
-    import redis
-
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = _free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "", "--appendonly",
-            "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=open(work / "redis.log", "wb"), stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, url, argv
-        except redis.exceptions.RedisError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start: {(work / 'redis.log').read_text()[-2000:]}")
+def start_redis(work: Path, maxmemory: str) -> RedisProcess:
+    """A private redis-server in ``work`` (no persistence; maxmemory + allkeys-lru as the tier's backstop)."""
+    return RedisProcess("--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", folder=work).start()
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -391,11 +370,12 @@ def main(argv: list[str] | None = None) -> None:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvboost-redis-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    proc = None
+    private = None
     server: dict[str, Any] = {"url": args.url}
     if args.url is None:
-        proc, args.url, argv_ = start_redis(work, args.maxmemory)
-        server = {"private": True, "argv": argv_[1:]}
+        private = start_redis(work, args.maxmemory)
+        args.url = private.url
+        server = {"private": True, "argv": private.argv[1:]}
     else:
         import redis  # an existing server: start from an empty namespace
 
@@ -422,9 +402,8 @@ def main(argv: list[str] | None = None) -> None:
         out["redis_memory_after"] = {k: memory[k] for k in ("used_memory_human", "maxmemory_human",
                                                               "maxmemory_policy")}  # fmt: skip
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        if private is not None:
+            private.stop()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "redis_tier_check.json").write_text(json.dumps(out, indent=1, default=str))
     s, f = out["sharing"], out["fingerprints"]

@@ -255,6 +255,12 @@ class AWQLinear(nn.Module):
     """
 
     cpu_kernel: str = "auto"
+    #: The buffers that hold the weight: their identity and version key the derived forms (a swapped or edited
+    #: buffer invalidates them). A subclass storing the weight otherwise (GGUF blocks) names its own.
+    weight_buffers: tuple[str, ...] = ("qweight", "qzeros", "scales")
+    #: Buffers ``.to(dtype)`` leaves in their stored dtype (fp16 scales and bias, as in the checkpoint: a cast to
+    #: bf16 would round the scales); the others follow ``nn.Module``'s rules.
+    dtype_kept_buffers: tuple[str, ...] = ("scales", "bias")
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, w_bit: int = 4, group_size: int = 128,
@@ -276,6 +282,9 @@ class AWQLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=device))
         else:
             self.bias = None
+        self._init_derived_forms()
+
+    def _init_derived_forms(self) -> None:
         self._int4pack: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (key, packed weight, scale&zero)
         # Dense prefill (module docstring): off when None; else calls of this many rows or more on CPU use
         # a dequantized copy, ``_dense`` = (key, weight [out, in] in the activation dtype).
@@ -337,8 +346,8 @@ class AWQLinear(nn.Module):
         return not (kernel == "auto" and x.dtype == torch.float32 and rows > INT4PACK_FP32_MAX_ROWS)
 
     def _int4pack_key(self, dtype: torch.dtype) -> tuple:
-        # The buffers' identity and version: a swapped or edited buffer invalidates the derived form.
-        return (dtype, *((id(t), t.data_ptr(), t._version) for t in (self.qweight, self.qzeros, self.scales)))
+        tensors = (getattr(self, name) for name in self.weight_buffers)
+        return (dtype, *((id(t), t.data_ptr(), t._version) for t in tensors))
 
     def int4pack_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes int32 ``[out, in]``, scale-and-zero fp32 ``[in / group, out, 2]``): see :func:`int4pack_parts`."""
@@ -357,7 +366,7 @@ class AWQLinear(nn.Module):
     @property
     def weight_device(self) -> torch.device:
         """The device of the stored int4 weight."""
-        return self.qweight.device
+        return getattr(self, self.weight_buffers[0]).device
 
     def adopt_int4pack(self, dtype: torch.dtype, packed: torch.Tensor, scale_zero: torch.Tensor) -> None:
         """Use ``packed`` (rows of a larger packed matrix: see :func:`fuse_int4pack`) as this module's derived
@@ -382,12 +391,12 @@ class AWQLinear(nn.Module):
         return int4pack_mm(x, packed, self.group_size, scale_zero)
 
     def _apply(self, fn, recurse=True):
-        """``.to(device)`` moves every buffer; ``.to(dtype)`` leaves them as stored (fp16 scales and bias, as in
-        the checkpoint: a cast to bf16 would round the scales). The derived CPU form is rebuilt on next use."""
+        """``.to(device)`` moves every buffer; ``.to(dtype)`` leaves :attr:`dtype_kept_buffers` as stored. The
+        derived forms are rebuilt on next use."""
         self._int4pack = self._dense = None
-        kept = {name: getattr(self, name) for name in ("scales", "bias") if getattr(self, name) is not None}
+        kept = {name: getattr(self, name) for name in self.dtype_kept_buffers if getattr(self, name) is not None}
         super()._apply(fn, recurse)
-        device = self.qweight.device
+        device = self.weight_device
         for name, t in kept.items():
             if getattr(self, name).dtype != t.dtype:
                 setattr(self, name, t.to(device))

@@ -279,6 +279,9 @@ class GGUFInt4Linear(AWQLinear):
     form, ~1.2 bytes per weight with the fp32 scales). Off the CPU the weight is dequantized per call.
     """
 
+    weight_buffers = ("gguf_blocks",)
+    dtype_kept_buffers = ()  # the bias follows .to(dtype) like an nn.Linear's; the uint8 blocks never cast
+
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, tensor_type: Any = "Q4_0",
         device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
@@ -297,9 +300,7 @@ class GGUFInt4Linear(AWQLinear):
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
         else:
             self.bias = None
-        self._int4pack = None
-        self.dense_min_rows = None
-        self._dense = None
+        self._init_derived_forms()
 
     @classmethod
     def from_gguf(
@@ -327,10 +328,6 @@ class GGUFInt4Linear(AWQLinear):
             module.bias = bias.detach()
         return module
 
-    @property
-    def weight_device(self) -> torch.device:
-        return self.gguf_blocks.device
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"gguf {self.tensor_type}, group_size={self.group_size}")  # fmt: skip
@@ -350,18 +347,8 @@ class GGUFInt4Linear(AWQLinear):
         :func:`zeros_exact`), then cast to ``dtype``."""
         return dequantize_q4(*self.unpacked()).to(device=self.gguf_blocks.device, dtype=dtype)
 
-    def _int4pack_key(self, dtype: torch.dtype) -> tuple:
-        b = self.gguf_blocks
-        return (dtype, id(b), b.data_ptr(), b._version)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # no GGUF kernel off the CPU: dequantize per call
             out = F.linear(x, self.dequantized_weight(x.dtype).to(x.device))
             return out if self.bias is None else out + self.bias.to(device=out.device, dtype=out.dtype)
         return super().forward(x)
-
-    def _apply(self, fn, recurse=True):
-        """``.to(dtype)`` casts the bias (as an ``nn.Linear``'s) and never the uint8 blocks; derived forms are
-        rebuilt on next use."""
-        self._int4pack = self._dense = None
-        return nn.Module._apply(self, fn, recurse)
