@@ -123,6 +123,11 @@ CONDITIONAL: tuple[Conditional, ...] = (
         "not comparable: AVX-512 BF16 ~410 GFLOP/s, other rounding; rerun the bench on this kind", has_amx,
     ),
     Conditional(
+        "attn=batch_invariant rows=auto: projections in unpadded calls where the probe finds rows free",
+        "amx_bf16", "bf16 projections keep their fixed tiles (not probed: the probe missed AMX differences)",
+        "probed per shape (AVX-512 BF16 Zen 4: every bf16 shape of the bundled model free)", has_amx,
+    ),
+    Conditional(
         "attn=batch_invariant: bf16 reuse bit-equal to a cold prefill", "any CPU",
         "holds (fixed GEMM shapes: a row's bits do not depend on the call)", "holds (same reason)", lambda: True,
     ),
