@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench import load_test as lt
-from experiments.redis_process import RedisProcess, redis_unavailable_reason
+from experiments.checks.redis_tier_check import start_redis
+from experiments.redis_process import redis_unavailable_reason
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "serving"
 DEFAULT_SERVER_ARGS = "model=tiny_random threads=1 warmup=false engine.decode=eager"
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ray_router_check: the memory+redis layout needs a Redis server: {why}; or run --layouts memory",
                   file=sys.stderr)  # fmt: skip
             return 2
-        # maxmemory + allkeys-lru as the tier's backstop, as in redis_tier_check
-        redis = RedisProcess("--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru", folder=work)
-        redis.start()
+        redis = start_redis(work, "1gb")  # maxmemory + allkeys-lru as the tier's backstop
         redis_url = redis.url
     http_port = _free_port()
     # logical CPUs: replicas reserve num_cpus each, the ingress none; the real cores are shared by all of them
