@@ -223,13 +223,22 @@ def int4pack_parts(
     return codes.t().contiguous(), torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1)
 
 
+def int4pack_from_parts(
+    codes: torch.Tensor, scale_zero: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes ``[out, in]`` in 0..15, scale-and-zero ``[in / group, out, 2]``) -> (packed weight uint8
+    ``[out, in / 2]``, scale-and-zero in ``dtype``, contiguous): the form ``aten._weight_int4pack_mm_for_cpu``
+    multiplies with. The one packing call of every int4 CPU path (AWQ, GGUF, the fused packs)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    return packed, scale_zero.to(dtype).contiguous()
+
+
 def int4pack_tensors(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """AutoAWQ tensors -> (packed weight uint8 ``[out, in / 2]``, scale-and-zero ``[in / group, out, 2]`` in
-    ``dtype``): the form ``aten._weight_int4pack_mm_for_cpu`` multiplies with."""
-    codes, scale_zero = int4pack_parts(qweight, qzeros, scales)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero.to(dtype).contiguous()
+    ``dtype``): :func:`int4pack_from_parts` of :func:`int4pack_parts`."""
+    return int4pack_from_parts(*int4pack_parts(qweight, qzeros, scales), dtype)
 
 
 def int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> torch.Tensor:
@@ -358,9 +367,7 @@ class AWQLinear(nn.Module):
         use (from :meth:`int4pack_parts`) and kept until a buffer changes."""
         key = self._int4pack_key(dtype)
         if self._int4pack is None or self._int4pack[0] != key:
-            codes, scale_zero = self.int4pack_parts()
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-            self._int4pack = (key, packed, scale_zero.to(dtype).contiguous())
+            self._int4pack = (key, *int4pack_from_parts(*self.int4pack_parts(), dtype))
         return self._int4pack[1], self._int4pack[2]
 
     @property
@@ -490,19 +497,17 @@ def fuse_int4pack(modules: Iterable[AWQLinear], dtype: torch.dtype) -> Int4Pack:
     if reason is not None:
         raise ValueError(f"cannot fuse these int4 linears: {reason}")
     parts = [m.int4pack_parts() for m in modules]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat([c for c, _ in parts]).contiguous(), 1)
-    scale_zero = torch.cat([sz for _, sz in parts], dim=1).to(dtype).contiguous()
+    codes = torch.cat([c for c, _ in parts])
+    packed, scale_zero = int4pack_from_parts(codes, torch.cat([sz for _, sz in parts], dim=1), dtype)
     bias = fused_bias(modules, dtype)
     start = 0
-    for m, (codes, _) in zip(modules, parts, strict=True):
-        rows = slice(start, start + m.out_features)
+    for m, (member_codes, member_scale_zero) in zip(modules, parts, strict=True):
         # The packed layout is blocked (64 rows per block in torch 2.13): a member's rows are its own packed
         # matrix only when they start on a block. Checked on the bytes, not assumed; otherwise the member keeps
         # its own copy.
-        own = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        rows_packed = packed[rows]
-        m.adopt_int4pack(dtype, rows_packed if torch.equal(rows_packed, own) else own,
-                         scale_zero[:, rows].contiguous())  # fmt: skip
+        own, own_scale_zero = int4pack_from_parts(member_codes, member_scale_zero, dtype)
+        rows_packed = packed[start : start + m.out_features]
+        m.adopt_int4pack(dtype, rows_packed if torch.equal(rows_packed, own) else own, own_scale_zero)
         start += m.out_features
     return Int4Pack(packed, scale_zero, bias, modules[0].group_size, tuple(m.out_features for m in modules))
 

@@ -57,7 +57,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvboost.models.awq import AWQLinear, Int4PackedLinear, _int4pack_supported, int4pack_mm
+from kvboost.models.awq import (
+    AWQLinear,
+    Int4PackedLinear,
+    _int4pack_supported,
+    int4pack_from_parts,
+    int4pack_mm,
+)
 
 GROUP_SIZE = 32  # the kernel's group: one Q4_0/Q4_1 block, one Q4_K sub-block
 # name -> (values per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES / ggml's type traits.
@@ -218,17 +224,15 @@ def int4pack_from_q4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight uint8 ``[rows, cols / 2]``, scale-and-zero ``[cols / 32, rows, 2]`` in ``dtype``): what
     :func:`kvboost.models.awq.int4pack_mm` (``aten._weight_int4pack_mm_for_cpu``, group size 32) multiplies
-    ``x [..., cols]`` with. Packed by the same aten op as :func:`kvboost.models.awq.int4pack_tensors`. ``dtype``
-    must be the activations' dtype (the kernel requires it); bf16/fp16 round the scales and zeros."""
+    ``x [..., cols]`` with. Packed by :func:`kvboost.models.awq.int4pack_from_parts`, as every int4 CPU path.
+    ``dtype`` must be the activations' dtype (the kernel requires it); bf16/fp16 round the scales and zeros."""
     rows, cols = q.shape
     if not _int4pack_supported(cols, rows, GROUP_SIZE):
         raise ValueError(f"torch's int4 CPU kernel does not take a {rows}x{cols} weight (out features % 16 and "
                          "in features % 2 must be 0, and the op must exist)")  # fmt: skip
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"GGUF int4: the int4 CPU kernel runs fp32, bf16 or fp16 activations, not {dtype}")
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    scale_zero = torch.stack([scales.to(torch.float32), zeros.to(torch.float32)], dim=-1)
-    return packed, scale_zero.to(dtype).contiguous()
+    return int4pack_from_parts(q, torch.stack([scales.to(torch.float32), zeros.to(torch.float32)], dim=-1), dtype)
 
 
 def int4pack_gguf(
