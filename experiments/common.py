@@ -17,9 +17,8 @@ use :func:`use_checkout`.)
 Contents: paths (:data:`REPO_ROOT`, :data:`RESULTS_DIR`), CLI conventions (:func:`add_threads_arg`,
 :func:`set_threads`), timing (:func:`time_ms`, :func:`median_ms`), statistics (:func:`percentile` and the
 helpers built on it, re-exported from :mod:`experiments.report`, where the runner's summaries use the same
-definition), writers (:func:`write_json`, :func:`write_markdown`), :func:`stop_process` (a server the script started),
-:func:`script_module` (a module of
-``scripts/``, which is not a package).
+definition), writers (:func:`write_json`, :func:`write_markdown`), :func:`stop_process` (a server the script
+started), :func:`script_module` (a module of ``scripts/``, which is not a package).
 
 The percentile. ``percentile(values, q)``: ``q`` in 0..100, linear interpolation between the closest ranks
 (numpy's default ``method="linear"``: position ``(n - 1) * q / 100`` in the sorted values); ``None`` for no
@@ -139,7 +138,7 @@ def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
     return statistics.median(time_ms(fn, repeats, warmup))
 
 
-# -------------------------------------------------------------------------------------------------- writers
+# ------------------------------------------------------------------------------------------------ processes
 def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
     """End a child process the script started (a server): SIGTERM, then SIGKILL when it has not exited after
     ``grace_s`` seconds (a hung shutdown must not hang the script). Nothing to do for None or an exited one."""
@@ -153,6 +152,7 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
         proc.wait(10)
 
 
+# -------------------------------------------------------------------------------------------------- writers
 def write_json(path: str | Path, data: Any, indent: int = 1) -> Path:
     """``data`` as JSON (non-JSON values through ``str``), newline-terminated; parent folders created."""
     path = Path(path)

@@ -91,7 +91,9 @@ def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) 
     )  # fmt: skip
 
 
-def _quality(reference: GenerationResult, result: GenerationResult) -> dict[str, Any]:
+def quality_fields(reference: GenerationResult, result: GenerationResult) -> dict[str, Any]:
+    """A record's quality fields against the reference (greedy match, first-token KL, divergence, logit
+    difference, and the answer log-probability delta where both scored an answer)."""
     check = compare_generations("", reference, result)
     out: dict[str, Any] = {
         "greedy_match": check.greedy_match,
@@ -278,7 +280,7 @@ def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repe
             if record["repeat"] == 0:
                 mode = record["mode"]
                 if mode != "baseline" and "baseline" in first:
-                    record.update(_quality(first["baseline"], first[mode]))
+                    record.update(quality_fields(first["baseline"], first[mode]))
                 if mode == "kvboost" and "kvboost_cold" in first:
                     # Reuse against the engine's own cold prefill: same kernels, only the reuse differs
                     # (the bf16 exactness question of issue 11, apart from HF-vs-engine arithmetic).
@@ -411,7 +413,7 @@ def _run_batched(workload: Any, runners: dict[str, Any], modes: list[str], repea
                     record = _record(mode, row, result, repeat)
                     record.update(batch_ms=batch_ms, batch_tokens_per_s=tokens / batch_ms * 1e3)
                     if repeat == 0 and mode != "baseline" and "baseline" in first:
-                        record.update(_quality(first["baseline"][i], result))
+                        record.update(quality_fields(first["baseline"][i], result))
                     records.append(record)
                     logger.log_request(record, len(records))
                 sink.write(records[-len(results):] if results else [])

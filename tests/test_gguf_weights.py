@@ -22,6 +22,7 @@ from kvboost.models.gguf_weights import (
     hf_linear_name,
     llama_row_order,
     weight_format_counts,
+    weight_formats,
 )
 from kvboost.models.options import LoadOptions, load_for_engine
 
@@ -56,7 +57,7 @@ def test_every_replaced_linear_is_the_dense_weight_bit_for_bit(bundled_pair):
     dense, int4, _ = bundled_pair
     replaced = {n: m for n, m in int4.named_modules() if isinstance(m, GGUFInt4Linear)}
     assert len(replaced) == 210 and {m.tensor_type for m in replaced.values()} == {"Q4_1"}
-    assert int4._kvboost_weight_formats["gguf_int4:Q4_1"] == sorted(replaced, key=list(replaced).index)
+    assert weight_formats(int4)["gguf_int4:Q4_1"] == sorted(replaced, key=list(replaced).index)
     assert weight_format_counts(int4) == {"gguf_int4:Q4_1": 210, "dense:float32": 1}
     assert type(int4.lm_head) is torch.nn.Linear and int4.lm_head.weight is int4.model.embed_tokens.weight
     for name, module in replaced.items():

@@ -581,7 +581,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from experiments.modes import MODES
     from experiments.runner import WARMUP_MESSAGES
     from kvboost.engine import InferenceEngine
-    from kvboost.models.gguf_weights import weight_formats
+    from kvboost.models.gguf_weights import weight_format_counts
     from kvboost.models.loading import bundled_gguf_path
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -713,7 +713,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     "n": arch.intermediate, "flops_per_s": flops, "gflop_s": flops / 1e9, "other_m_gflop_s": others}  # fmt: skip
             add_floor(records, arch, flops)
         decode_info = engine.decode_info() if hasattr(engine, "decode_info") else {}
-        linears = {fmt: len(names) for fmt, names in weight_formats(engine.model).items()}
+        linears = weight_format_counts(engine.model)
     finally:
         engine.close()
 

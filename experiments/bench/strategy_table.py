@@ -188,10 +188,9 @@ def run(args: argparse.Namespace) -> None:
 
     from experiments.config_check import split_workload_config
     from experiments.hf_baselines import HFNoCache
-    from experiments.runner import WARMUP_MESSAGES, build_engine
+    from experiments.runner import WARMUP_MESSAGES, build_engine, quality_fields
     from experiments.workloads import WORKLOADS
     from experiments.workloads.base import WorkloadEnv
-    from kvboost.quality import compare_generations
     from kvboost.registry import RECOMPUTE
 
     base = [f"model={args.model}", "workload=rag_reorder", f"workload.num_queries={args.queries}", "logger=none"]
@@ -248,14 +247,7 @@ def run(args: argparse.Namespace) -> None:
                     for i, arm in enumerate(arms):
                         record = _record(arm, i, draw, request, results[arm], workload)
                         if arm != BASELINE:
-                            check = compare_generations("", results[BASELINE], results[arm])
-                            record.update(greedy_match=check.greedy_match, first_token_kl=check.first_token_kl)
-                            ref, got = (
-                                results[BASELINE].extra.get("answer_logprob"),
-                                results[arm].extra.get("answer_logprob"),
-                            )
-                            if ref is not None and got is not None:
-                                record["answer_logprob_delta"] = got - ref
+                            record.update(quality_fields(results[BASELINE], results[arm]))
                         sink.write(json.dumps(record) + "\n")
                     sink.flush()
     finally:

@@ -124,9 +124,8 @@ def apply_gguf_int4(
     have been loaded from that file (its dense weights are the reference of the check). ``keep_dense``: module
     names left as they are. Biases are the model's own (moved into the int4 module).
 
-    Records on the model: ``_kvboost_weights = "gguf_int4"``, ``_kvboost_gguf_file``, ``_kvboost_gguf_types``
-    ({module: GGUF type} for every linear the file names) and ``_kvboost_weight_formats`` (:func:`weight_formats`).
-    Returns :func:`weight_formats`.
+    Records on the model: ``_kvboost_weights = "gguf_int4"``, ``_kvboost_gguf_file`` and ``_kvboost_gguf_types``
+    ({module: GGUF type} for every linear the file names). Returns :func:`weight_formats`.
     """
     from gguf import GGUFReader
 
@@ -172,9 +171,7 @@ def apply_gguf_int4(
     model._kvboost_weights = "gguf_int4"
     model._kvboost_gguf_file = str(gguf_path)
     model._kvboost_gguf_types = types
-    formats = weight_formats(model)
-    model._kvboost_weight_formats = formats
-    return formats
+    return weight_formats(model)
 
 
 def weight_formats(model: nn.Module) -> dict[str, list[str]]:

@@ -72,8 +72,5 @@ def load_for_engine(
         apply_gguf_int4(model, gguf_file, keep_dense=("lm_head",) if options.lm_head == "int8" else ())
     quantize_lm_head(model, options.lm_head)
     set_awq_prefill(model, options.awq_prefill)
-    from kvboost.models.gguf_weights import weight_formats
-
-    model._kvboost_weight_formats = weight_formats(model)  # {format: module names}, after the head's quantization
     identity = path if model_name_or_path is None else str(model_name_or_path)
     return model, tokenizer, identity, implied
