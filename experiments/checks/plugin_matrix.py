@@ -160,13 +160,11 @@ def _finite(result: Any) -> bool:
 
 
 def _compare(cold: Any, candidate: Any) -> dict[str, Any]:
-    """Greedy match, first divergence, first-token KL and max |logit diff| of ``candidate`` against ``cold``."""
-    from kvboost.quality import compare_generations
+    """The runner's quality fields of ``candidate`` against ``cold`` (greedy match, first divergence, first-token KL,
+    max |logit diff|), with both token sequences."""
+    from experiments.runner import quality_fields
 
-    check = compare_generations("", cold, candidate)
-    return {"greedy_match": check.greedy_match, "first_divergence": check.first_divergence,
-            "first_token_kl": float(check.first_token_kl), "max_abs_logit_diff": float(check.max_abs_logit_diff),
-            "cold_ids": list(cold.output_ids), "ids": list(candidate.output_ids)}  # fmt: skip
+    return {**quality_fields(cold, candidate), "cold_ids": list(cold.output_ids), "ids": list(candidate.output_ids)}
 
 
 def _kl_ok(kl: float, tol: float) -> bool:
