@@ -44,6 +44,43 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def pick_tokens(logits: torch.Tensor, samplings: list[Sampling],
+                generators: list[torch.Generator | None]) -> list[int]:  # fmt: skip
+    """``pick_token`` for each row of ``logits`` [rows, vocab]: the greedy rows with one argmax and one device
+    sync for all of them (a ``.item()`` per row is a sync per row on CUDA), sampled rows with their own generator."""
+    out: list[int | None] = [None] * len(samplings)
+    greedy = [i for i, s in enumerate(samplings) if not s.do_sample or s.temperature < 1e-5]
+    if greedy:
+        rows = torch.argmax(logits[greedy] if len(greedy) < len(samplings) else logits, dim=-1).tolist()
+        for i, token in zip(greedy, rows, strict=True):
+            out[i] = int(token)
+    for i, sampling in enumerate(samplings):
+        if out[i] is None:
+            out[i] = pick_token(logits[i], sampling, generators[i])
+    return out  # type: ignore[return-value]
+
+
+def stop_reason(tokens: list[int], *, max_new_tokens: int, eos_ids: set[int], prompt_len: int,
+                max_positions: int | None) -> str | None:  # fmt: skip
+    """The one stop rule of every decode (the engine core, speculative verification, the HF baselines): after the
+    generated ``tokens``, ``"stop"`` at an end-of-sequence token, ``"length"`` at ``max_new_tokens`` or at the model's
+    context (``prompt_len + len(tokens) >= max_positions``), else None (go on). Stop strings are the frontend's
+    (``kvboost.serving.frontend``): they need text."""
+    if tokens and tokens[-1] in eos_ids:
+        return "stop"
+    if len(tokens) >= max_new_tokens or (max_positions is not None and prompt_len + len(tokens) >= max_positions):
+        return "length"
+    return None
+
+
+def cut_at_stop(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """``tokens`` up to and including the first end-of-sequence token (several accepted at once: speculation)."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
 @dataclass
 class DecodeOutput:
     token_ids: list[int]  # first token included
@@ -68,9 +105,8 @@ def decode_loop(
     """
     tokens = [first_token]
     start = time.perf_counter()
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
-        if max_total_tokens is not None and tokens_so_far + len(tokens) >= max_total_tokens:
-            break
+    while stop_reason(tokens, max_new_tokens=max_new_tokens, eos_ids=eos_ids, prompt_len=tokens_so_far,
+                      max_positions=max_total_tokens) is None:  # fmt: skip
         logits = forward(tokens[-1])
         tokens.append(pick_token(logits, sampling, generator))
     return DecodeOutput(tokens, time.perf_counter() - start)

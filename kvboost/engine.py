@@ -7,16 +7,18 @@
     rows = engine.generate_batch(["Hi", "Tell me a joke."])  # one forward per step for every row
     print(r2.ttft_ms, r2.kv_reuse_ratio)
 
-One request, as data flows: prompt -> chunker (ids and spans) -> hasher (prefix and segment keys) -> lookup (exact
-hits, frontier, content hits: ``ReusePlan``) -> assembly into the request's block table (exact hits by reference,
-content hits copied and re-rotated: ``kvboost.reuse``) -> the recompute strategy's schedule -> the runner's forward
-of what the schedule computes -> first token (TTFT stops here) -> decode (one batched forward per step) -> store the
-new chunks (``kvboost.cache.sequence_store``: references to the blocks when the first tier is memory).
+One request, as data flows: prompt -> chunker (ids and spans) -> hasher (prefix and segment keys) -> the engine
+core (``kvboost.serving.core``, the one request loop of the engine) -> lookup (exact hits, frontier, content hits:
+``ReusePlan``) -> assembly into the request's block table (exact hits by reference, content hits copied and
+re-rotated: ``kvboost.reuse``) -> the recompute strategy's schedule -> the runner's forward of what the schedule
+computes -> first token (TTFT stops here) -> decode (one batched forward per step) -> store the new chunks
+(``kvboost.cache.sequence_store``: runs of the request's pool blocks when the first tier is memory).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Sequence
 from functools import partial
@@ -24,11 +26,12 @@ from typing import Any
 
 import torch
 
-from kvboost.cache.build import build_store
-from kvboost.cache.memory import parse_bytes
+from kvboost.cache.build import build_tiers
+from kvboost.cache.memory import MemoryTier, parse_bytes
+from kvboost.cache.pool_tier import PoolTier
 from kvboost.decoding import Sampling, eos_token_ids, per_row
 from kvboost.generation import PhaseClock
-from kvboost.kv.sizing import make_pool
+from kvboost.kv.sizing import activation_bytes, make_pool, row_block_bytes
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
 from kvboost.original_api import GenerationMode, RecomputeStrategy, engine_mode, translate_options  # noqa: F401
@@ -37,6 +40,7 @@ from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.runtime import pipeline
 from kvboost.runtime.config import build_runner, choose_runner
+from kvboost.serving.scheduler import DEFAULT_IDLE_PREFILL_TOKENS
 from kvboost.types import ChunkSpan, CorrectnessReport, GenerationResult, WarmResult
 
 log = logging.getLogger(__name__)
@@ -47,7 +51,10 @@ MODES = pipeline.MODES
 OWNER_ATTR = "_kvboost_engine"
 
 #: ``kv=`` settings: tokens per block, the pool's size (``"auto"`` or bytes), the share of free memory ``auto`` may take.
-KV_OPTIONS = ("block_size", "pool_bytes", "memory_fraction")
+KV_OPTIONS = ("block_size", "pool_bytes", "memory_fraction", "host_bytes")
+
+#: ``core=`` settings of the engine's one request loop (``kvboost.serving.core.EngineCore``).
+CORE_OPTIONS = ("max_running", "max_batch_tokens", "aging_steps", "cache_aware_limit")
 
 
 class InferenceEngine:
@@ -70,15 +77,18 @@ class InferenceEngine:
             tokenizer has one (and the text holds none of its markup already); ``True`` always; ``False`` keeps
             them raw (``kvboost.prompts.wants_chat``). Chat messages are always rendered, token ids never.
         seed: seed of the sampling generator.
-        share_model: serve a model another live engine already serves (same attention backend: the engines then
-            share its KV pool), instead of refusing it.
+        share_model: serve a model another live engine already serves (same attention backend), instead of refusing
+            it; each engine keeps a KV pool, a runner and a request loop of its own.
         max_kv_bytes: refuse a request whose KV (prompt + max new tokens) would exceed this many bytes.
         decode, prefill, prefill_weights: the path (``kvboost.runtime.config.choose_runner``): ``decode`` ``auto`` |
             ``graphed`` (CUDA graphs) | ``compiled`` (inductor) | ``eager`` (HF's bits) | ``hf`` (HF's modules);
             ``prefill`` ``auto`` | ``fused`` | ``graphed`` | ``hf``; ``prefill_weights`` ``auto`` | ``plain`` |
             ``prepacked``.
         kv: the KV pool (``{"block_size": 16, "pool_bytes": "auto", "memory_fraction": None}``, see
-            ``kvboost.kv.sizing``).
+            ``kvboost.kv.sizing``). With a lossless quantizer and ``memory`` as the first cache tier, the pool is the
+            memory tier (``kvboost.cache.pool_tier``): cached chunks are runs of its blocks. ``host_bytes`` adds a
+            host-memory tier right below it (entries the pool evicts are copied to the CPU; a hit is copied back).
+        core: the request loop (``{"max_running": 64, "max_batch_tokens": 2048, "aging_steps": 32}``).
         keep_buffer_bytes: accepted for compatibility; the pool replaced per-request buffers.
     """
 
@@ -89,7 +99,7 @@ class InferenceEngine:
         share_model: bool = False,
         max_kv_bytes: int | str | None = None, keep_buffer_bytes: int | str | None = None, decode: str = "auto",
         speculative: Any = "none", prefill: str = "auto", prefill_weights: str = "auto", kv: dict | None = None,
-        store_canonical: bool = True,
+        store_canonical: bool = True, core: dict | None = None,
     ) -> None:  # fmt: skip
         from kvboost.rope import RopeRotator, check_rope_reusable
 
@@ -100,11 +110,21 @@ class InferenceEngine:
         unknown = sorted(set(kv) - set(KV_OPTIONS))
         if unknown:
             raise ValueError(f"unknown kv option(s) {unknown}; accepted: {list(KV_OPTIONS)}")
+        core = dict(core or {})
+        unknown = sorted(set(core) - set(CORE_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown core option(s) {unknown}; accepted: {list(CORE_OPTIONS)}")
         chunker, hasher = CHUNKERS.build(chunker), HASHERS.build(hasher)
         recompute = RECOMPUTE.build(recompute)
         recompute.check_model(model.config.get_text_config(decoder=True).num_hidden_layers)
         quantizer = KV_QUANT.build(quant)
-        store = build_store(cache, eviction)
+        tiers = build_tiers(cache, eviction)
+        if kv.get("host_bytes") is not None and not (isinstance(tiers.tiers[0], MemoryTier)
+                                                     and getattr(quantizer, "lossless", False)):
+            raise ValueError("kv.host_bytes adds a host-memory tier below the KV pool, which is the memory tier only "
+                             "with `memory` as the first cache tier and a lossless KV quantizer")
+        host_tier = None if kv.get("host_bytes") is None else build_tiers(
+            {"name": "memory", "capacity": kv["host_bytes"], "device": "cpu"}, eviction).tiers[0]
         owner = _live_owner(model)
         if owner is not None and not share_model:
             raise RuntimeError(
@@ -133,7 +153,7 @@ class InferenceEngine:
 
         self.model, self.tokenizer = model, tokenizer
         self.chunker, self.hasher, self.recompute, self.quantizer = chunker, hasher, recompute, quantizer
-        self.store, self.store_generated, self.chat, self.speculative = store, store_generated, chat, speculative
+        self.store_generated, self.chat, self.speculative = store_generated, chat, speculative
         self.store_canonical = bool(store_canonical)
         self.adapter = ModelAdapter(model, model_identity or getattr(model.config, "_name_or_path", "") or "unnamed")
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -143,20 +163,44 @@ class InferenceEngine:
         self._requests = self._prompt_tokens = self._cached_tokens = 0
         self._closed = False
         self.runner_config = config
-        self.pool = owner.pool if owner is not None else make_pool(self.adapter, store, kv)
-        # Exact entries of the memory tier are references to the pool's blocks when nothing is quantized.
-        self._pooled_entries = bool(getattr(quantizer, "lossless", False)) and store.tiers[0].holds_references
-        if not self._pooled_entries and quant == "none" and not store.tiers[0].holds_references:
-            log.info("kvboost: the first cache tier serialises entries; stored chunks are copies of their rows")
+        # The pool is the memory tier when nothing is quantized and the first tier asked for is memory: cached
+        # chunks are runs of its blocks (kvboost.cache.pool_tier), its size the memory budget.
+        first = tiers.tiers[0]
+        pooled = bool(getattr(quantizer, "lossless", False)) and isinstance(first, MemoryTier)
+        cache_bytes = first.capacity_bytes if pooled else 0
+        # On CUDA an "auto" pool is sized once the runner, its prepacked weights and graph settings exist (vLLM
+        # profiles first too): until then a provisional two-block pool.
+        late = self.adapter.device.type == "cuda" and kv.get("pool_bytes") in (None, "auto")
+        pool = make_pool(self.adapter, cache_bytes, {**kv, "pool_bytes": 2 * row_block_bytes(self.adapter, kv)}
+                         if late else kv)  # fmt: skip
+        self.tokenizer_lock = threading.RLock()  # HF's fast tokenizers are not thread-safe (kvboost.serving.frontend)
+        from kvboost.serving.core import EngineCore
+
+        self.core = EngineCore(self, max_waiting=None, **core)  # checks its options
+        self.core.on_finished = self._store_turn
 
         # Last: the one step that changes the caller's model.
         if owner is None:
             attention.install(model)
             setattr(model, OWNER_ATTR, weakref.ref(self))
-            self.pool.on_pressure = partial(_free_blocks, weakref.ref(self))
         self.attention = attention
-        shared = owner.runner if owner is not None and owner.runner_config == config else None
-        self.runner = shared or build_runner(config, model, self.pool, attention)
+        self.runner = build_runner(config, model, pool, attention)
+        if late:
+            budget = max(core.get("max_batch_tokens", 2048), DEFAULT_IDLE_PREFILL_TOKENS)
+            pool = make_pool(self.adapter, cache_bytes, kv, reserve=activation_bytes(self.adapter, budget))
+            self.runner.bind_pool(pool)
+        self.pool = pool
+        if pooled:
+            tiers.tiers[0] = PoolTier(pool, first.eviction, capacity=first.capacity_bytes)
+        if host_tier is not None:
+            tiers.tiers.insert(1, host_tier)
+            tiers.write_through.insert(1, False)
+        self.store = store = tiers.build()
+        from kvboost.models.gguf_weights import weight_formats
+
+        # the kernels every linear runs (dense, int4 of GGUF / AWQ, the AWQ prefill's dense copies): in the key
+        self._weight_formats = ",".join(sorted(weight_formats(model))) + (
+            f",awq_prefill={model._kvboost_awq_prefill}" if getattr(model, "_kvboost_awq_prefill", None) else "")
         self.layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
         # Tiers that serialise entries (disk) write the fingerprint into each record and check it on read;
         # pending writes (and, spilled, the memory tier's entries) reach a persistent tier at close() or exit.
@@ -195,21 +239,25 @@ class InferenceEngine:
         return engine
 
     def close(self) -> None:
-        """Give the model back (uninstall the attention backend if this engine installed it), drop the cache's
-        block references, flush the persistent tiers."""
+        """Give the model back (uninstall the attention backend if this engine installed it), end the requests still
+        queued or running (after the step in flight), spill the pool's cached chunks into a persistent tier, flush."""
         if self._closed:
             return
-        if _live_owner(self.model) is self:
-            self.attention.uninstall(self.model)
-            delattr(self.model, OWNER_ATTR)
-        self._closed = True
-        self._store_finalizer()  # store.close(): spill into a persistent tier, flush pending writes
-        self.store.drop_references()  # the memory tier's block references go back to the pool
+        with self.core.exclusive():  # the step in flight (a loop thread's) ends first
+            owner = _live_owner(self.model) is self
+            self._closed = True
+            self.core.abort_all("shutdown")
+            if owner:
+                self.attention.uninstall(self.model)
+                delattr(self.model, OWNER_ATTR)
+            self._store_finalizer()  # store.close(): spill into a persistent tier, flush pending writes
+            self.store.drop_pool_entries()  # pins go back to the pool
 
     def warmup(self, max_tokens: int | None = None) -> dict[str, Any]:
         """Build what the first request would otherwise build inside its timings: the compiled decode forward
         (and, on CUDA, the graphs of requests up to ``max_tokens`` rows, default 2048). Returns :meth:`decode_info`."""
-        self.runner.warmup(max_tokens or 2048)
+        with self.core.exclusive():
+            self.runner.warmup(max_tokens or 2048)
         return self.decode_info()
 
     def decode_info(self) -> dict[str, Any]:
@@ -243,17 +291,28 @@ class InferenceEngine:
 
     @property
     def fingerprint(self) -> str:
-        """Model, dtype, weights, KV quantizer, chunker and hasher: part of every cache key (invariant 3)."""
-        fp = "|".join(
-            [self.adapter.fingerprint(), f"kvq={self.quantizer.fingerprint()}", f"chunk={self.chunker.fingerprint()}",
-             f"hash={self.hasher.fingerprint()}"]
-            # A backend whose arithmetic gives other bits (batch_invariant) keeps its entries apart; so do
-            # prepacked weights (another bf16 kernel: K/V rows that differ in their last bits).
-            + ([f"attn={tag}"] if (tag := getattr(self.attention, "fingerprint_tag", "")) else [])
-            + (["prefill_weights=prepacked"] if self.runner_config.weights == "prepacked" else [])
-        )  # fmt: skip
+        """Everything that chooses how the K/V the engine stores are computed, part of every cache key (invariant
+        3): the model (identity, config, dtype, every weight), the device kind, the KV quantizer, the chunker and
+        hasher (they decide what a chunk is), the attention backend and its settings, the runner's path and the
+        kernels of every linear (their decode, prefill and weight kernels round differently), the block size.
+        What only changes the shapes of the same kernels' calls (batch composition, the prefill chunk budget, draft
+        verification rows) stays out: those rows agree up to the rounding of the call's shape, what exact reuse
+        promises (DESIGN.md invariant 1). ``tests/test_cache_keys.py`` checks every field either way."""
+        attn_tag = getattr(self.attention, "fingerprint_tag", "") or self.attention.name
+        config = self.runner_config
+        fp = "|".join([
+            self.adapter.fingerprint(), f"device={self.adapter.device.type}", f"kvq={self.quantizer.fingerprint()}",
+            f"chunk={self.chunker.fingerprint()}", f"hash={self.hasher.fingerprint()}", f"attn={attn_tag}",
+            (f"runner={config.runner}/decode={config.decode}/prefill={'graphed' if config.graph_prefill else 'fused'}"
+             f"/weights={config.weights}"), f"formats={self._weight_formats}", f"block={self.pool.block_size}",
+        ])  # fmt: skip
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it
         return fp
+
+    @property
+    def approx_tag(self) -> str:
+        """The recompute strategy's fingerprint: in the key of every chunk stored with approximate (repaired) KV."""
+        return self.recompute.fingerprint()
 
     # ------------------------------------------------------------------ tokenization
     @property
@@ -289,9 +348,8 @@ class InferenceEngine:
         log-probability goes into ``result.extra["answer_logprob"]`` (after the request, not timed). ``store``:
         False reads the cache without writing it.
         """
-        return self._run_on_scheduler([prompt], max_new_tokens, [temperature], [do_sample], mode=mode,
-                                      cache_salt=cache_salt, store=store, keep_logits=keep_logits,
-                                      score_ids=score_ids)[0]  # fmt: skip
+        return self._generate([prompt], max_new_tokens, [temperature], [do_sample], mode=mode, cache_salt=cache_salt,
+                              store=store, keep_logits=keep_logits, score_ids=score_ids)[0]  # fmt: skip
 
     def generate_batch(
         self, prompts: Sequence[Prompt], max_new_tokens: int = 64, temperature: float | Sequence[float] = 1.0,
@@ -306,41 +364,69 @@ class InferenceEngine:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("generate_batch needs at least one prompt")
-        return self._run_on_scheduler(prompts, max_new_tokens, per_row(temperature, len(prompts), "temperature"),
-                                      per_row(do_sample, len(prompts), "do_sample"), mode=mode, cache_salt=cache_salt,
-                                      store=store, keep_logits=keep_logits)  # fmt: skip
+        return self._generate(prompts, max_new_tokens, per_row(temperature, len(prompts), "temperature"),
+                              per_row(do_sample, len(prompts), "do_sample"), mode=mode, cache_salt=cache_salt,
+                              store=store, keep_logits=keep_logits)  # fmt: skip
 
-    def _run_on_scheduler(self, prompts: list[Prompt], max_new_tokens: int, temps: list[float], samples: list[bool], *,
-                          mode: str, cache_salt: str, store: bool, keep_logits: bool,
-                          score_ids: Sequence[int] | None = None) -> list[GenerationResult]:  # fmt: skip
-        """``generate`` / ``generate_batch``: the server's scheduler, sized for these prompts: every row runs at
-        once, in the prompts' order, and their suffixes are prefilled in one flat forward. Each row's TTFT counts
-        from this call."""
-        from kvboost.serving.core import EngineCore
+    def _generate(self, prompts: list[Prompt], max_new_tokens: int, temps: list[float], samples: list[bool], *,
+                  mode: str, cache_salt: str, store: bool, keep_logits: bool,
+                  score_ids: Sequence[int] | None = None) -> list[GenerationResult]:  # fmt: skip
+        """``generate`` / ``generate_batch``: the requests go to the engine's core and this thread steps it (or, when
+        an EngineLoop drives it, waits) until they and their canonical stores are done. Each row's TTFT counts from
+        this call. A request that failed raises its exception here."""
         from kvboost.serving.requests import SamplingParams
 
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         mode = engine_mode(mode)  # a GenerationMode of the original API, or reuse | prefix | cold
         clock = PhaseClock(self.adapter.device)
-        core = EngineCore(self, max_running=len(prompts), max_waiting=None, cache_aware_limit=0)
-        seqs = []
+        requests = []
         for prompt, temperature, do_sample in zip(prompts, temps, samples, strict=True):
             Sampling(do_sample, temperature)  # generate's checks (a sampled row needs a temperature > 0)
             params = SamplingParams(max_tokens=max_new_tokens, temperature=float(temperature) if do_sample else 0.0)
-            seq = core.prepare(prompt, params, cache_salt=cache_salt, mode=mode, store=store, clock=clock.fork())
-            seq.keep_logits, seq.detokenize, seq.score_ids = keep_logits, False, score_ids
-            seqs.append(seq)
-        core.scheduler.max_batch_tokens = max(2048, sum(len(seq.ids) for seq in seqs))
-        for seq in seqs:
-            core.add(seq)
+            request = self.core.prepare(prompt, params, cache_salt=cache_salt, mode=mode, store=store,
+                                        clock=clock.fork())  # fmt: skip
+            request.keep_logits, request.score_ids = keep_logits, score_ids
+            request.own_canonical = True  # stored below, before this call returns
+            requests.append(request)
+        self._run(requests)
+        jobs = [job for job in (self._canonical_job(r) for r in requests) if job is not None]
+        if jobs:
+            self._run(jobs)
+        results = []
+        for request in requests:
+            if request.finish_reason not in ("stop", "length") or request.result is None:
+                raise request.error or RuntimeError(f"request {request.request_id} ended: {request.finish_reason}")
+            with self.tokenizer_lock:
+                request.result.output_text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)
+            results.append(request.result)
+        return results
+
+    def _run(self, requests: list[Any]) -> None:
+        """Submit ``requests`` to the core and return once they finished; an interrupt ends them (their blocks go
+        back) and is re-raised."""
+        core = self.core
+        for request in requests:
+            core.submit(request, internal=True)
         try:
-            while core.has_work():
-                core.step()
+            core.run_until_done(requests)
         except BaseException:
-            core.abort_all("error")
+            core.abort(requests, "error")
             raise
-        return [seq.result for seq in seqs]
+
+    def _store_turn(self, request: Any) -> None:
+        """The core's hook for a finished request when no EngineLoop drives it: requests of ``generate`` get their
+        canonical store from ``_generate``; others (``add_request``) here, as a store request."""
+        if request.own_canonical:
+            return
+        job = self._canonical_job(request)
+        if job is not None:
+            self.core.submit(job, internal=True)
+
+    def _canonical_job(self, request: Any) -> Any:
+        from kvboost.serving.frontend import canonical_store_request
+
+        return canonical_store_request(self, request)
 
     def generate_many(self, prompts: Sequence[Prompt], max_new_tokens: int = 64, **options: Any) -> list[GenerationResult]:
         """``generate_batch`` for prompts that share prefixes: prompts are grouped by their longest common token
@@ -360,23 +446,15 @@ class InferenceEngine:
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the request loop
-    @property
-    def core(self) -> Any:
-        """The engine's :class:`~kvboost.serving.core.EngineCore` (scheduler and step loop), built on first use."""
-        if getattr(self, "_core", None) is None:
-            from kvboost.serving.core import EngineCore
-
-            self._core = EngineCore(self)
-        return self._core
-
     def add_request(self, prompt: Prompt, params: Any = None, **options: Any) -> Any:
         """Queue a request (``params``: :class:`kvboost.serving.SamplingParams`; options: ``cache_salt``, ``chat``,
         ``request_id``, ``timeout_s``) and return its :class:`~kvboost.serving.RequestHandle`; :meth:`step` runs
-        it. Single-threaded; ``kvboost.serving.EngineLoop`` runs the steps on a thread of their own."""
-        return self.core.submit(prompt, params, **options)
+        it. ``kvboost.serving.EngineLoop`` runs the steps on a thread of their own."""
+        return self.core.add(prompt, params, **options)
 
     def step(self) -> list[Any]:
-        """One scheduler iteration over the queued requests; returns the completions that finished in it."""
+        """One iteration of the engine's core over the queued requests; returns the completions that finished in
+        it (token ids; their handles give the text)."""
         return self.core.step()
 
     # ------------------------------------------------------------------ warm / store
@@ -391,14 +469,44 @@ class InferenceEngine:
         warm documents that appear mid-prompt this way). Token ids and chat messages are stored as given
         (messages rendered with the generation prompt). Computed from position 0 with no history: the chunks
         become exact hits for prompts that start with them and content hits (by segment key) anywhere else.
-        Reuses whatever exact prefix is already cached; ``pin=True`` protects the entries from eviction.
+        Reuses whatever exact prefix is already cached; ``pin=True`` protects the chunks from eviction (a pin holds
+        their pool blocks) until :meth:`unpin`. Runs as a request of the engine's core, like ``generate``.
         """
-        return pipeline.warm(self, text, pin=pin, cache_salt=cache_salt, chat=chat)
+        ids, spans = self._warm_ids(text, chat)
+        request = self.core.prepare_store(ids, spans, salt=cache_salt, pin=pin, kind="warm")
+        self._run([request])
+        if request.finish_reason != "stop":
+            raise request.error or RuntimeError(f"warm ended: {request.finish_reason}")
+        return request.result
+
+    def unpin(self, text: Prompt, *, cache_salt: str = "", chat: bool | None = None) -> int:
+        """Undo ``warm(text, pin=True)``: the chunks become evictable again. Returns how many were unpinned."""
+        ids, spans = self._warm_ids(text, chat)
+        keys = self.hasher.chunk_keys(ids, spans, self.fingerprint, cache_salt)
+        with self.core.exclusive():
+            return sum(self.store.set_pinned(key.prefix_key, False) for key in keys)
+
+    def _warm_ids(self, text: Prompt, chat: bool | None) -> tuple[list[int], list[ChunkSpan]]:
+        """What ``warm(text)`` stores (see :meth:`warm`)."""
+        from kvboost.prompts import open_user_turn, wants_chat
+
+        chat = self.chat if chat is None else chat
+        with self.tokenizer_lock:
+            what: str | list[int] | None = None
+            if isinstance(text, str) and text.strip() and wants_chat(self.tokenizer, text, chat):
+                what = open_user_turn(self.tokenizer, text)
+            if what is None:
+                what = prompt_text_or_ids(self.tokenizer, text, chat=False)
+            ids, spans = self.chunker.tokenize(self.tokenizer, what) if isinstance(what, str) else (what, None)
+        check_length(len(ids), self.adapter.max_positions, need_answer_room=False)
+        check_token_ids(ids, self.vocab_size)
+        return ids, spans if spans is not None else self.chunker.split(ids)
 
     # ------------------------------------------------------------------ stats and checks
     def cache_stats(self) -> dict[str, Any]:
         """Store occupancy and hit counters, request-level reuse since the last reset, and the KV pool."""
-        summary = self.store.summary()
+        with self.core.exclusive():
+            summary = self.store.summary()
         return {
             **summary,
             # damaged records a tier below memory found, deleted and reported as misses (recomputed)
@@ -410,10 +518,11 @@ class InferenceEngine:
         }  # fmt: skip
 
     def reset_cache(self) -> None:
-        """Drop every stored chunk and zero the counters."""
-        self.store.clear()
-        self.store.stats = type(self.store.stats)()
-        self._requests = self._prompt_tokens = self._cached_tokens = 0
+        """Drop every stored chunk (pins included) and zero the counters."""
+        with self.core.exclusive():
+            self.store.clear()
+            self.store.stats = type(self.store.stats)()
+            self._requests = self._prompt_tokens = self._cached_tokens = 0
 
     def reseed(self, seed: int | None = None) -> None:
         """Reset the sampling generator (to the constructor's seed by default)."""
@@ -426,14 +535,6 @@ class InferenceEngine:
         backend, a bf16 tolerance otherwise); the report's ``criterion`` says which, ``print(report)`` shows it."""
         return verify_correctness(self, prompts, max_new_tokens=max_new_tokens, prefix_fraction=prefix_fraction,
                                   kl_tolerance=kl_tolerance)  # fmt: skip
-
-
-def _free_blocks(ref: weakref.ReferenceType[InferenceEngine], missing: int) -> None:
-    """The pool's pressure callback: the engine's store evicts cached entries until ``missing`` more blocks are
-    free (or nothing more can go)."""
-    engine = ref()
-    if engine is not None:
-        engine.store.free_pool_blocks(engine.pool, engine.pool.num_free + missing)
 
 
 def _engine_fingerprint(ref: weakref.ReferenceType[InferenceEngine]) -> str:

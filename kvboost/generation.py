@@ -66,11 +66,12 @@ def build_result(
     keep_logits: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> GenerationResult:
-    """The ``GenerationResult`` of one request; ``clock`` needs the marks start, tokenized, first, end."""
+    """The ``GenerationResult`` of one request; ``clock`` needs the marks start, tokenized, first, end.
+    ``tokenizer`` None: ``output_text`` is left empty (the engine's frontend decodes it)."""
     out = decoded.token_ids
     n = len(ids)
     return GenerationResult(
-        output_text=tokenizer.decode(out, skip_special_tokens=True),
+        output_text=tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else "",
         output_ids=out,
         generated_tokens=len(out),
         ttft_ms=clock.ms("start", "first"),

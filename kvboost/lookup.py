@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvboost.cache.pooled import is_pooled
+from kvboost.cache.block_run import is_pooled
+from kvboost.cache.entry import approximate_segment_key
 from kvboost.cache.store import KVStore
 from kvboost.chunking.base import Chunker
 from kvboost.hashing.base import Hasher
@@ -60,11 +61,14 @@ def lookup(
     *,
     max_reuse: int | None = None,
     content: bool = True,
+    approx_tag: str = "",
 ) -> ReusePlan:
-    """The reuse plan of ``ids``: exact hits up to the frontier, then content hits (if ``content``).
+    """The reuse plan of ``ids``: exact hits up to the frontier, then content hits (if ``content``; approximate
+    entries of the strategy whose fingerprint is ``approx_tag`` only).
 
     Positions ``>= max_reuse`` are left new: the engine passes ``len(ids) - 1`` so that the last prompt token
-    is always computed (its logits give the first token).
+    is always computed (its logits give the first token). The plan holds references to the pool blocks of its
+    exact hits: hand it to ``assemble_exact`` or call ``release``.
     """
     n = len(ids)
     limit = n if max_reuse is None else max(0, min(max_reuse, n))
@@ -77,12 +81,31 @@ def lookup(
         if key.prefix_key in store:
             wanted.append(key.prefix_key)
         elif content:
-            seg_key = store.segment_entry_key(key.segment_key)
+            seg_key = store.segment_entry_key(key.segment_key) or store.segment_entry_key(
+                approximate_segment_key(key.segment_key, approx_tag))
             if seg_key is not None:
                 wanted.append(seg_key)
     store.prefetch(wanted)
     placements: list[Placement] = []
     hit_keys: list[str] = []
+    held: list[int] = []  # pool blocks of exact hits, referenced as found
+    try:
+        _walk(ids, spans, keys, store, quantizer, limit, content, approx_tag, placements, hit_keys, held)
+    except BaseException:
+        if held:
+            store.pool.decref(held)
+        raise
+    store.touch_chain(hit_keys)
+    plan = ReusePlan(ids, placements, spans=spans, keys=keys, held=held, pool=store.pool)
+    store.stats.hit_tokens += plan.reused_tokens
+    store.stats.content_hit_tokens += plan.content_tokens
+    return plan
+
+
+def _walk(ids: list[int], spans: list[ChunkSpan], keys: list[ChunkKey], store: KVStore, quantizer: KVQuantizer,
+          limit: int, content: bool, approx_tag: str, placements: list[Placement], hit_keys: list[str],
+          held: list[int]) -> None:  # fmt: skip
+    """The lookup's walk over the chunks (see :func:`lookup`), appending to its lists."""
     stats = store.stats
     exact_open = True
     for span, key in zip(spans, keys):
@@ -115,6 +138,8 @@ def lookup(
                     stats.misses += 1
         elif content:
             entry = store.find_segment(key.segment_key)
+            if entry is None:  # repaired KV, stored under this strategy's key
+                entry = store.find_segment(approximate_segment_key(key.segment_key, approx_tag))
             if entry is not None and entry.num_tokens == len(span):
                 take, kind = len(span), "content"
                 stats.content_hits += 1
@@ -127,6 +152,10 @@ def lookup(
                 # pool blocks (shared by reference) or a quantized payload (decoded straight into the sequence's
                 # blocks): kvboost.reuse.assemble, no temporary
                 placement = Placement(span.start, span.start + take, kind, entry_key=entry.key, payload=entry.payload)
+                if is_pooled(entry.payload):  # referenced now: nothing can evict these blocks before assembly
+                    blocks = entry.payload.blocks_for(take)
+                    store.pool.incref(blocks)
+                    held.extend(blocks)
             elif is_pooled(entry.payload):  # a content hit: a copy of the rows, re-rotated when assembled
                 k, v = entry.payload.materialize(take)
                 placement = Placement(span.start, span.start + take, kind, entry_key=entry.key,
@@ -146,8 +175,3 @@ def lookup(
         else:
             _append(placements, Placement(span.start, span.end, "new"))
             exact_open = False
-    store.touch_chain(hit_keys)
-    plan = ReusePlan(ids, placements, spans=spans, keys=keys)
-    stats.hit_tokens += plan.reused_tokens
-    stats.content_hit_tokens += plan.content_tokens
-    return plan

@@ -62,6 +62,8 @@ class ReusePlan:
         reference_deviation: set by the engine for strategies with ``needs_reference`` (the ``oracle``): per
             content position (in ``positions("content")`` order), how far the cached K/V is from a full
             prefill's, summed over layers.
+        held, pool: references to pool blocks of the exact hits, taken by the lookup, and their pool
+            (:meth:`release`).
         reader_attention: set by the engine for strategies with ``needs_reader_attention``: ``[layers, heads,
             content]`` float32, the mean softmax attention of the prompt's reader queries (the positions after
             the last content hit) over each content position (in ``positions("content")`` order), measured in a
@@ -75,8 +77,13 @@ class ReusePlan:
         *,
         spans: Sequence[ChunkSpan] = (),
         keys: Sequence[ChunkKey] = (),
+        held: Sequence[int] = (),
+        pool: Any = None,
     ) -> None:
         self.prompt_ids = prompt_ids
+        #: references to pool blocks of the exact hits, taken by the lookup (``release`` gives them back)
+        self.held = list(held)
+        self.pool = pool
         self.placements = placements
         self.spans = list(spans)
         self.keys = list(keys)
@@ -109,6 +116,13 @@ class ReusePlan:
         self.exact_tokens, self.content_tokens, self.new_tokens = counts
         #: Leading exact tokens: the exact frontier.
         self.exact_prefix = next((p.start for p in placements if p.kind != "exact"), n)
+
+    def release(self) -> None:
+        """Give back the references the lookup took (idempotent); ``assemble_exact`` calls it once the request's
+        block table holds its own."""
+        held, self.held = self.held, []
+        if held:
+            self.pool.decref(held)
 
     @classmethod
     def cold(cls, prompt_ids: list[int], spans: Sequence[ChunkSpan] = (), keys: Sequence[ChunkKey] = ()) -> ReusePlan:

@@ -6,7 +6,8 @@ greedy match and first divergence, first-token KL, and teacher-forced log-probab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,9 +167,6 @@ def verify_correctness(
     a batch-invariant backend, :data:`LOW_PRECISION_KL_TOLERANCE` in bf16/fp16 otherwise. The report's ``criterion``
     says which and why; ``str(report)`` prints it with a line per prompt.
     """
-    from kvboost.cache.store import KVStore
-    from kvboost.registry import CACHE_TIERS
-
     tolerance, criterion = exactness_promise(engine)
     near_tie = NEAR_TIE_LOGITS if tolerance > FP32_KL_TOLERANCE else None
     if kl_tolerance is not None:
@@ -176,12 +174,11 @@ def verify_correctness(
     prompts = list(prompts) if prompts is not None else list(DEFAULT_VERIFY_PROMPTS)
     if not prompts:
         raise ValueError("verify_correctness needs at least one prompt")
-    saved_store, saved_counters = engine.store, (engine._requests, engine._prompt_tokens, engine._cached_tokens)
+    saved_counters = (engine._requests, engine._prompt_tokens, engine._cached_tokens)
     checks, margins = [], []
     try:
         for prompt in prompts:
-            engine.store = KVStore([CACHE_TIERS.build({"name": "memory", "capacity": "4GiB"})])
-            try:
+            with scratch_cache(engine):
                 cold = engine.generate(prompt, max_new_tokens=max_new_tokens, mode="cold")
                 ids = cold.prompt_ids
                 cut = max(1, int(len(ids) * prefix_fraction))
@@ -190,14 +187,34 @@ def verify_correctness(
                 checks.append(compare_generations(prompt, cold, warm))
                 margins.append(_tie_margin(engine, ids, cold.output_ids, warm.output_ids) if near_tie is not None
                                and not checks[-1].greedy_match else None)  # fmt: skip
-            finally:
-                engine.store.clear()  # its entries' pool blocks go back
     finally:
-        engine.store = saved_store
         engine._requests, engine._prompt_tokens, engine._cached_tokens = saved_counters
     dtype = str(getattr(getattr(engine, "adapter", None), "dtype", "")).replace("torch.", "")
     return VerifiedCorrectness(checks=checks, kl_tolerance=tolerance, dtype=dtype, criterion=criterion,
                                tie_margins=margins, near_tie=near_tie)  # fmt: skip
+
+
+@contextmanager
+def scratch_cache(engine: Any) -> Iterator[None]:
+    """The engine serves from an empty cache of its own kind meanwhile (its own entries stay untouched): a scratch
+    pool tier over the same KV pool, or a scratch memory tier when the engine's first tier is not the pool. Not
+    while an EngineLoop serves other clients: they would use the scratch cache too."""
+    from kvboost.cache.memory import MemoryTier
+    from kvboost.cache.pool_tier import PoolTier
+    from kvboost.cache.store import KVStore
+
+    saved = engine.store
+    with engine.core.exclusive():
+        scratch = KVStore([PoolTier(engine.pool) if saved.pool is not None else MemoryTier("4GiB")])
+        engine.store = scratch
+    try:
+        yield
+    finally:
+        with engine.core.exclusive():
+            scratch.clear()
+            engine.store = saved
+            if saved.pool is not None:
+                engine.pool.cache = saved
 
 
 def _tie_margin(engine: Any, ids: list[int], cold: list[int], warm: list[int]) -> float | None:

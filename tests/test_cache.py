@@ -60,6 +60,16 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
+def test_a_memory_tier_with_a_device_moves_payloads_there():
+    """``MemoryTier(device=...)`` (the host tier below a GPU's pool, ``kv.host_bytes``) keeps its payloads on its
+    device, whatever device they came from; the byte budget counts them the same."""
+    tier = MemoryTier(capacity=4 * BYTES, device="meta")
+    tier.put(entry("a"))
+    stored = tier.peek("a").payload
+    assert stored.keys.device.type == "meta" and stored.values.device.type == "meta"
+    assert tier.used_bytes == BYTES
+
+
 def test_budget_is_never_exceeded_and_lru_goes_first():
     tier = MemoryTier(capacity=3 * BYTES)
     for name in "abc":

@@ -2,9 +2,11 @@
 
 - Unbounded store: the exact token hit ratio is the trace's shared-prefix fraction (per request, the longest
   common token prefix with any earlier request, capped at n - 1 as the engine always computes the last token).
-- A budget below one chunk stores nothing and hits nothing.
-- ``leaves_first=false`` strands descendants (orphans); with LRU it hits no more than leaves first.
-- Every policy keeps the store's books exact (``KVStore.verify`` after every request).
+- The memory tier is the KV pool (``experiments/sims/pool_model.py``): a budget below one block keeps nothing; the
+  capacity is whole blocks (a partial last block costs a block); smaller blocks waste less.
+- ``leaves_first=false`` strands descendants (found by content lookup only); with LRU it hits no more than
+  leaves first.
+- Every policy keeps the pool's and the store's books exact (``PoolModel.verify`` after every request).
 - The CLI writes the JSON (shape checked) and the PNG; bad arguments fail with one clear line.
 """
 
@@ -87,13 +89,42 @@ def test_unbounded_store_hits_exactly_the_shared_prefixes(policy):
     assert r.partial_hits > 0  # the frontier match did part of it
 
 
-def test_a_budget_below_one_chunk_stores_and_hits_nothing():
+def test_a_budget_below_one_block_keeps_nothing():
     trace = synthetic_trace()
-    r = sim().run(trace, policy="lru", leaves_first=True, capacity_bytes=BPT * (CHUNK // 2) - 1)
-    # only entries shorter than half a chunk fit (a few short tails); nothing worth a hit survives
-    assert r.exact_tokens <= 0.02 * r.prompt_tokens
-    r = sim().run(trace, policy="lru", leaves_first=True, capacity_bytes=BPT - 1)
-    assert r.stored == 0 and r.rejected > 0 and r.exact_tokens == 0 and r.token_hit_ratio == 0.0
+    r = sim().run(trace, policy="lru", leaves_first=True, capacity_bytes=BPT * CHUNK - 1, check=True)
+    assert r.capacity_blocks == 0 and r.block_size == CHUNK
+    # no chunk fits: each is refused when its request stores it (as a memory tier's byte budget refused it)
+    assert r.stored == 0 and r.rejected > 0 and r.evicted == 0
+    assert r.exact_tokens == 0 and r.token_hit_ratio == 0.0
+    assert r.entries_at_end == 0 and r.used_blocks_at_end == 0 and r.used_bytes_at_end == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "s3fifo"])
+def test_capacity_is_whole_blocks(policy):
+    trace = synthetic_trace(conversations=8, turns=5, users=4, new=(30, 90))
+    blocks = 30
+    r = sim().run(trace, policy=policy, leaves_first=True, capacity_bytes=blocks * CHUNK * BPT + CHUNK * BPT - 1,
+                  check=True)  # fmt: skip
+    assert r.capacity_blocks == blocks and 0 < r.used_blocks_at_end <= blocks
+    assert r.used_bytes_at_end == r.used_blocks_at_end * CHUNK * BPT
+    # partial last blocks: the entries' tokens fit in fewer bytes than their blocks take
+    assert r.cached_tokens_at_end <= r.used_blocks_at_end * CHUNK
+    ideal = sim().run(trace, policy=policy, leaves_first=None, capacity_bytes=None, check=True)
+    assert ideal.cached_tokens_at_end < ideal.used_blocks_at_end * CHUNK
+    assert ideal.evicted == 0 and ideal.copied_blocks > 0  # frontier hits copy the shared partial block
+
+
+def test_smaller_blocks_round_less_and_shared_rows_count_once():
+    trace = synthetic_trace(conversations=8, turns=5, users=4, new=(30, 90))
+    waste = {}
+    for bs in (16, 4, 1):
+        r = Simulator(kv_shape=SHAPE, chunk_size=CHUNK, block_size=bs).run(trace, policy="lru", leaves_first=None,
+                                                                           capacity_bytes=None)  # fmt: skip
+        waste[bs] = r.used_blocks_at_end * bs - r.cached_tokens_at_end
+        assert r.exact_tokens == shared_prefix_tokens(trace)  # hits are token-level whatever the block size
+    # with 1-token blocks nothing is rounded, and rows two sibling entries share (a frontier hit taken by
+    # reference, then the longer chunk stored over the same blocks) count once: fewer blocks than entry tokens
+    assert waste[16] > waste[4] > waste[1] and waste[1] <= 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "s3fifo"])
@@ -104,8 +135,10 @@ def test_without_leaves_first_descendants_are_stranded(policy):
     with_lf = sim().run(trace, policy=policy, leaves_first=True, capacity_bytes=cap, check=True)
     without = sim().run(trace, policy=policy, leaves_first=False, capacity_bytes=cap, check=True)
     assert with_lf.evicted > 0 and without.evicted > 0
-    assert with_lf.orphans_at_end == 0
-    assert without.orphans_at_end > 0 and without.content_tokens > 0  # stranded, and found by content only
+    assert with_lf.orphans_at_end == 0 and with_lf.content_tokens == 0
+    # stranded (a chunk whose exact chain has a gap), and found by content only; eviction takes a stranded chain
+    # down from its root, so few or no orphans need be left at the very end
+    assert without.content_tokens > 0
     if policy == "lru":
         # LRU evicts a chain from its root (inserted first): the stranded tail is dead weight.
         assert without.token_hit_ratio <= with_lf.token_hit_ratio
@@ -170,9 +203,11 @@ def test_cli_writes_json_and_png(tmp_path, monkeypatch):
     assert set(data) >= {"settings", "trace", "capacities", "ideal", "runs", "curves", "timing"}
     assert [c["bytes"] for c in data["capacities"]] == [20 * 2**20, 60 * 2**20]
     assert len(data["runs"]) == 2 * 2 * 2 and data["settings"]["bytes_per_token"] == 46080
+    assert data["settings"]["block_size"] == 16 and data["settings"]["block_bytes"] == 16 * 46080
+    assert [c["blocks"] for c in data["capacities"]] == [20 * 2**20 // (16 * BPT), 60 * 2**20 // (16 * BPT)]
     run = data["runs"][0]
-    for key in ("policy", "leaves_first", "capacity_bytes", "token_hit_ratio", "reuse_ratio", "orphans_at_end",
-                "us_per_request", "label"):  # fmt: skip
+    for key in ("policy", "leaves_first", "capacity_bytes", "capacity_blocks", "token_hit_ratio", "reuse_ratio",
+                "orphans_at_end", "used_blocks_at_end", "cached_tokens_at_end", "us_per_request", "label"):  # fmt: skip
         assert key in run
     assert (out / "hit_ratio.png").stat().st_size > 1000
 

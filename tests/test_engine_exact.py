@@ -131,13 +131,13 @@ def test_timers_charge_each_phase_where_it_happens(monkeypatch):
 
     from kvboost.runtime import pipeline
 
-    real_store = pipeline.store_sequence_of
+    real_store = pipeline.store_rows
 
     def slow_store(*args, **kwargs):
         _time.sleep(delay)
         return real_store(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "store_sequence_of", slow_store)
+    monkeypatch.setattr(pipeline, "store_rows", slow_store)
     r = engine.generate(random_ids(64, seed=13), max_new_tokens=4)
     assert r.store_ms >= delay * 1e3 and r.total_ms >= r.ttft_ms + delay * 1e3
     assert r.ttft_ms < delay * 1e3 * 0.75  # storing happens after the first token: never in TTFT

@@ -1,12 +1,13 @@
 """The paged KV memory (kvboost.kv): the pool's books and rows, block tables, and reuse by reference in the engine.
 
-Pool conformance: reference counts (a block is free iff its count is 0), double frees refused, exhaustion refused
-with the sizes after asking the cache for blocks, the allocator's preference for consecutive ids, slot arithmetic,
-row movement counted in ``stats``. Block tables: reserve, copy on write of a shared partial block (and of nothing
-else), truncate, fork; a seeded random walk over all of it checks the books and every holder's rows against an
-independent model. Engine level: an exact hit shares the cached blocks and copies only the partial block's rows,
-eviction never frees a block a sequence uses, a disk tier below memory gets standalone copies that load back into
-fresh blocks, a pool too small is a clear error, and ``close`` gives every block back.
+Pool conformance: reference counts and cached marks (a block is free iff it has neither; an unreferenced cached
+block is idle and can be referenced again), double frees refused, exhaustion refused with the sizes after asking
+the cache to evict idle blocks, the allocator's preference for consecutive ids, slot arithmetic, row movement counted
+in ``stats``. Block tables: reserve, copy on write of a shared or cached partial block (and of nothing else),
+truncate, fork; a seeded random walk over all of it checks the books and every holder's rows against an independent
+model. Engine level: an exact hit shares the cached blocks and copies only the partial block's rows, the pool's cache
+never evicts an entry a sequence uses, a disk tier below memory gets standalone copies that load back into fresh
+blocks, a pool too small is a clear error, and ``close`` gives every block back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from tiny import make_engine, random_ids
 
-from kvboost.cache.pooled import PooledKV
+from kvboost.cache.block_run import BlockRun
 from kvboost.kv import BlockTable, KVPool, PoolExhausted
 from kvboost.prompts import PromptError
 from kvboost.quant.none import RawKV
@@ -67,28 +68,73 @@ def test_a_double_free_or_a_reference_to_a_free_block_is_an_error():
     pool.verify()  # the refused calls left the books as they were
 
 
-def test_an_exhausted_pool_asks_for_blocks_first_then_refuses_with_the_sizes():
+class _Cache:
+    """A stand-in for the store: ``reclaim`` records the ask and unmarks the idle cached blocks it was given."""
+
+    def __init__(self, pool: KVPool, idle: list[int]) -> None:
+        self.pool, self.idle, self.asked = pool, idle, []
+
+    def reclaim(self, free_blocks: int) -> None:
+        self.asked.append(free_blocks)
+        while self.pool.num_free < free_blocks and self.idle:
+            self.pool.unmark_cached([self.idle.pop(0)])
+
+
+def test_an_exhausted_pool_asks_its_cache_to_evict_idle_blocks_then_refuses_with_the_sizes():
     pool = small_pool(num_blocks=4, block_size=4)
     held = pool.alloc(3)
-    asked = []
-
-    def pressure(missing: int) -> None:  # the engine's store evicts entries here
-        asked.append(missing)
-
-    pool.on_pressure = pressure
     with pytest.raises(PoolExhausted) as refused:
         pool.alloc(3)
-    assert asked == [2] and pool.stats.pressure_calls == 1
+    assert pool.stats.pressure_calls == 0  # nothing cached: nothing to ask
     message = str(refused.value)
     assert "1 free blocks of 4 tokens, 3 are needed" in message and "4 blocks in all, 16 tokens" in message
-    assert "kv.pool_bytes" in message
+    assert "3 held by requests and pins" in message and "kv.pool_bytes" in message
     assert isinstance(refused.value, RuntimeError) and pool.num_free == 1  # nothing was taken
-    pool.on_pressure = lambda missing: pool.decref(held[:missing])  # a cache that gives blocks back
+    pool.mark_cached(held[:2])  # two blocks become cached, then idle when their holder lets go
+    pool.decref(held[:2])
+    assert pool.num_idle == 2 and pool.num_free == 1 and pool.num_available == 3 and pool.num_referenced == 1
+    pool.cache = _Cache(pool, list(held[:2]))
     got = pool.alloc(3)
-    assert len(got) == 3 and pool.num_free == 0 and pool.stats.pressure_calls == 2
-    assert pool.alloc(0) == [] and pool.stats.pressure_calls == 2  # nothing to ask for
+    assert len(got) == 3 and pool.cache.asked == [3] and pool.stats.pressure_calls == 1
+    assert pool.stats.reclaimed_blocks == 2 and pool.num_free == 0 and pool.num_idle == 0
+    assert pool.alloc(0) == [] and pool.stats.pressure_calls == 1  # nothing to ask for
     with pytest.raises(ValueError, match="cannot allocate"):
         pool.alloc(-1)
+    pool.verify()
+
+
+def test_cached_blocks_are_idle_not_free_and_never_written_in_place():
+    """Only a referenced block becomes cached; at no reference it is idle (its rows stay, a hit references it
+    again), free once no entry indexes it; a table copies a cached block before writing it, even as its only
+    holder."""
+    pool = small_pool(num_blocks=4, block_size=4)
+    a, b = pool.alloc(2)
+    pool.decref([b])
+    with pytest.raises(RuntimeError, match="only a block a request holds can be cached"):
+        pool.mark_cached([b])
+    pool.mark_cached([a])
+    pool.mark_cached([a])  # two entries index it (a chunk boundary inside the block)
+    assert pool.is_cached(a) and not pool.writable(a)
+    pool.decref([a])
+    assert pool.refcount(a) == 0 and pool.num_idle == 1 and pool.num_free == 3
+    pool.incref([a])  # a hit on an idle block
+    assert pool.num_idle == 0 and pool.num_referenced == 1
+    table = BlockTable(pool)
+    table.share([a], 2)
+    pool.decref([a])  # the table is its only holder now
+    assert pool.refcount(a) == 1 and not pool.writable(a)
+    table.prepare_write(2, 4)
+    assert table.blocks[0] != a and pool.stats.copy_on_write == 1  # copied: the cached rows stay as they were
+    pool.unmark_cached([a])
+    assert pool.num_idle == 1  # one entry still indexes it
+    pool.unmark_cached([a])
+    assert pool.num_idle == 0 and pool.is_cached(a) is False and pool.num_free == 3
+    with pytest.raises(RuntimeError, match="not cached"):
+        pool.unmark_cached([a])
+    with pytest.raises(RuntimeError, match="incref of free block"):
+        pool.incref([a])
+    table.release()
+    assert pool.num_free == pool.num_blocks
     pool.verify()
 
 
@@ -217,10 +263,11 @@ def test_random_operations_keep_the_books_and_every_holders_rows():
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=24, block_size=4)
     tables: list[tuple[BlockTable, list[float]]] = []  # each with the values of its rows
     strays: list[int] = []
+    cached: dict[int, list[float]] = {}  # cached blocks (one entry each here) and the rows they held when cached
     counter = 0.0
     copies = 0
     for _ in range(400):
-        op = rng.choice(["new", "grow", "grow", "fork", "truncate", "release", "stray", "unstray"])
+        op = rng.choice(["new", "grow", "grow", "fork", "truncate", "release", "stray", "unstray", "cache", "uncache"])
         try:
             if op == "new" or not tables:
                 tables.append((BlockTable(pool), []))
@@ -252,11 +299,26 @@ def test_random_operations_keep_the_books_and_every_holders_rows():
                 strays += pool.alloc(1)
             elif op == "unstray" and strays:
                 pool.decref([strays.pop(rng.randrange(len(strays)))])
+            elif op == "cache":  # a table's full block becomes a cache entry's (its rows are final)
+                table, _ = rng.choice(tables)
+                full = [b for b in table.blocks[: table.length // 4] if b not in cached]
+                if full:
+                    block = rng.choice(full)
+                    pool.mark_cached([block])
+                    cached[block] = pool.read(pool.slots([block], 0, 4))[0].flatten().tolist()
+            elif op == "uncache" and cached:
+                block = rng.choice(list(cached))
+                del cached[block]
+                pool.unmark_cached([block])
         except PoolExhausted:
             while strays:  # make room and go on
                 pool.decref([strays.pop()])
             if len(tables) > 2:
                 tables.pop(0)[0].release()
+            for block in list(cached):  # the cache gives back what no one references
+                if pool.refcount(block) == 0:
+                    pool.unmark_cached([block])
+                    del cached[block]
         pool.verify()
         expected = [0] * pool.num_blocks
         for table, _ in tables:
@@ -270,10 +332,14 @@ def test_random_operations_keep_the_books_and_every_holders_rows():
             if content:
                 keys, values = pool.read(table.slots(0, table.length))
                 assert keys.flatten().tolist() == content and values.flatten().tolist() == content
+        for block, content in cached.items():  # a cached block's rows never change
+            assert pool.read(pool.slots([block], 0, 4))[0].flatten().tolist() == content
+        assert sum(pool.is_cached(b) for b in range(pool.num_blocks)) == len(cached)
     assert copies > 0  # the walk did exercise copy on write
     for table, _ in tables:
         table.release()
     pool.decref(strays)
+    pool.unmark_cached(list(cached))
     assert pool.num_free == pool.num_blocks
 
 
@@ -298,11 +364,11 @@ def _spy_forwards(engine, monkeypatch, watch: tuple[int, ...] = ()) -> list:
     return seen
 
 
-def _pooled_entries(engine) -> dict[int, PooledKV]:
-    """The memory tier's pooled payloads by chunk start."""
+def _pooled_entries(engine) -> dict[int, BlockRun]:
+    """The pool tier's runs of blocks by chunk start."""
     tier = engine.store.tiers[0]
     entries = [tier.peek(key) for key in list(tier.keys())]
-    return {e.start: e.payload for e in entries if isinstance(e.payload, PooledKV)}
+    return {e.start: e.payload for e in entries if isinstance(e.payload, BlockRun)}
 
 
 def test_an_exact_hit_shares_the_cached_blocks_and_copies_only_the_partial_rows(monkeypatch):
@@ -323,9 +389,9 @@ def test_an_exact_hit_shares_the_cached_blocks_and_copies_only_the_partial_rows(
     assert pool.stats.copied_bytes - copied == (40 % bs) * pool.row_bytes
     (blocks, refs), watched = seen[0]  # the suffix prefill (rows 40..69), after the copy on write
     assert blocks[0] == entries[0].blocks[0] and blocks[1] == entries[16].blocks[0]
-    assert refs[0] > 1 and refs[1] > 1
+    assert refs[:2] == [1, 1] and pool.is_cached(blocks[0]) and pool.is_cached(blocks[1])  # shared, not copied
     assert blocks[2] != partial and refs[2] == 1  # the private copy of the partial block
-    assert watched == [1]  # the entry keeps its block (only the entry: the sequence let go of it)
+    assert watched == [0]  # idle (still cached): the sequence let go of it, the entry holds no reference
     cold = engine.generate(prompt, 6, mode="cold")
     assert hit.output_ids == cold.output_ids
     assert torch.allclose(hit.first_token_logits, cold.first_token_logits, atol=1e-4, rtol=0)
@@ -333,9 +399,10 @@ def test_an_exact_hit_shares_the_cached_blocks_and_copies_only_the_partial_rows(
     engine.close()
 
 
-def test_eviction_never_frees_a_block_a_sequence_uses(monkeypatch):
-    """Every cache entry is evicted while a request holds their blocks: the blocks stay allocated (the request's
-    references), their rows intact, the books right; the answer is still a cold run's."""
+def test_the_cache_never_evicts_an_entry_a_sequence_uses(monkeypatch):
+    """Under pool pressure while a request holds the cached blocks, nothing is evicted (evicting them would free
+    nothing and drop a live prefix, issue 42 D7): the entries, their rows and the books stay; once the request let go
+    they are idle and go first. The answer is a cold run's."""
     engine = make_engine("llama", decode="eager", cache={"name": "memory", "capacity": 3 * CHUNK_BYTES})
     pool = engine.pool
     assert pool.block_bytes == CHUNK_BYTES
@@ -348,9 +415,9 @@ def test_eviction_never_frees_a_block_a_sequence_uses(monkeypatch):
     real = engine.runner.run
 
     def run(batch):
-        if not checked:  # the suffix prefill: the table shares the entries' blocks; now evict them all
-            assert engine.store.free_pool_blocks(pool, pool.num_blocks) == 3
-            assert len(engine.store) == 0
+        if not checked:  # the suffix prefill: the table shares the entries' blocks; pressure now
+            assert engine.store.reclaim(pool.num_blocks) == 0
+            assert len(engine.store) == 3
             assert [pool.refcount(b) for b in shared] == [1, 1, 1]  # the sequence's references only
             after = pool.read(pool.slots(shared, 0, 48))
             assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
@@ -363,38 +430,70 @@ def test_eviction_never_frees_a_block_a_sequence_uses(monkeypatch):
     assert checked and hit.cached_tokens == 48
     monkeypatch.setattr(engine.runner, "run", real)
     assert hit.output_ids == engine.generate(prompt, 6, mode="cold").output_ids
+    entries = len(engine.store)
+    assert engine.store.reclaim(pool.num_blocks) == entries  # every entry idle now: all go
+    assert len(engine.store) == 0 and pool.num_free == pool.num_blocks
     pool.verify()
     engine.close()
 
 
 def test_a_disk_tier_below_memory_gets_standalone_copies_that_load_into_fresh_blocks(tmp_path, monkeypatch):
-    """Entries demoted from memory reach the disk tier as standalone RawKV copies (never pool references) and
+    """Entries the pool evicts reach the disk tier as standalone RawKV copies (never runs of pool blocks) and
     their blocks return to the pool; a later exact hit served from disk writes the rows, once, into fresh blocks
     no one else holds, and answers what a cold prefill answers."""
-    engine = make_engine("llama", decode="eager", cache=[
-        {"name": "memory", "capacity": 2 * CHUNK_BYTES}, {"name": "disk", "path": str(tmp_path), "capacity": "64MiB"}])  # fmt: skip
+    engine = make_engine("llama", decode="eager", kv={"pool_bytes": 4 * CHUNK_BYTES}, cache=[
+        {"name": "memory"}, {"name": "disk", "path": str(tmp_path), "capacity": "64MiB"}])  # fmt: skip
     pool, disk = engine.pool, engine.store.tiers[1]
     received = []
     real_put = disk.put
     monkeypatch.setattr(disk, "put", lambda entry: received.append(type(entry.payload)) or real_put(entry))
-    a, b = random_ids(32, seed=23), random_ids(32, seed=24)
+    a, b, c = random_ids(32, seed=23), random_ids(32, seed=24), random_ids(32, seed=19)
     engine.warm(a)
-    engine.warm(b)  # two more chunks: a's are demoted to disk
+    engine.warm(b)
+    engine.warm(c)  # two blocks more than are free: the least recently used idle entries (a's) go down to disk
     stats = engine.cache_stats()
     assert stats["demoted"] >= 2 and received and set(received) == {RawKV}
-    memory_blocks = {blk for p in _pooled_entries(engine).values() for blk in p.blocks}
+    tier = engine.store.tiers[0]
+    memory_blocks = {blk for key in tier.keys() for blk in tier.peek(key).payload.blocks}
     assert pool.num_used == len(memory_blocks)  # the demoted entries' blocks went back to the pool
     seen = _spy_forwards(engine, monkeypatch)
     written = pool.stats.written_bytes
-    prompt = a + random_ids(20, seed=25)
+    prompt = a + random_ids(10, seed=25)
     hit = engine.generate(prompt, 6)
     assert hit.cached_tokens == 32 and engine.cache_stats()["per_tier_hits"].get("disk", 0) >= 1
     assert pool.stats.written_bytes - written == 32 * pool.row_bytes  # loaded into the pool, once
     (blocks, refs), _ = seen[0]
-    assert refs[:2] == [1, 1] and not set(blocks[:2]) & memory_blocks  # fresh blocks, nobody else's
+    assert refs[:2] == [1, 1]  # its own blocks (the rows were written into them: written_bytes above)
     assert hit.output_ids == engine.generate(prompt, 6, mode="cold").output_ids
     pool.verify()
     engine.close()
+
+
+def test_a_host_tier_keeps_what_the_pool_evicts_on_the_cpu_and_serves_it_exactly():
+    """``kv.host_bytes``: a memory tier on the CPU right below the pool. Entries the pool evicts land there as
+    standalone copies on the CPU (the GPU case: out of device memory), their blocks go back to the pool, and a hit
+    from it is loaded into fresh blocks and answers what a cold prefill answers."""
+    engine = make_engine("llama", decode="eager", kv={"pool_bytes": 4 * CHUNK_BYTES, "host_bytes": "64MiB"})
+    pool, host = engine.pool, engine.store.tiers[1]
+    assert len(engine.store.tiers) == 2 and host.device == torch.device("cpu")
+    a, b, c = random_ids(32, seed=23), random_ids(32, seed=24), random_ids(32, seed=19)
+    for prompt in (a, b, c):  # c needs blocks a's idle entries hold: they go down to the host tier
+        engine.warm(prompt)
+    assert len(host) >= 2 and all(type(host.peek(k).payload) is RawKV for k in host.keys())
+    assert all(host.peek(k).payload.keys.device.type == "cpu" for k in host.keys())
+    prompt = a + random_ids(10, seed=25)
+    hit = engine.generate(prompt, 6)
+    cold = engine.generate(prompt, 6, mode="cold")
+    assert hit.cached_tokens == 32 and engine.cache_stats()["per_tier_hits"].get("memory#1", 0) >= 1
+    assert float((hit.first_token_logits - cold.first_token_logits).abs().max()) <= 1e-4
+    assert hit.output_ids == cold.output_ids
+    pool.verify()
+    engine.close()
+
+
+def test_a_host_tier_needs_the_pool_as_memory_tier():
+    with pytest.raises(ValueError, match="host_bytes"):
+        make_engine("llama", quant="kivi8", kv={"host_bytes": "64MiB"})
 
 
 def test_a_pool_too_small_is_a_clear_error():
@@ -425,7 +524,50 @@ def test_close_gives_every_block_back():
     engine = make_engine("llama", decode="eager")
     for seed in (31, 32):
         engine.generate(random_ids(50, seed=seed), 4)
-    assert engine.pool.num_used > 0  # the cache holds references to the stored chunks
+    assert engine.pool.num_used > 0 and engine.pool.num_referenced == 0  # idle cached blocks
     engine.close()
     assert engine.pool.num_free == engine.pool.num_blocks
     engine.pool.verify()
+
+
+def test_an_auto_pool_leaves_the_reserve_free(monkeypatch):
+    """``kv.pool_bytes: auto`` takes a share of the free memory once what a forward needs is set aside (on a GPU
+    the engine sizes the pool after its runner exists, with the activations of a full step as the reserve)."""
+    from kvboost.kv import sizing
+
+    monkeypatch.setattr(sizing, "free_memory_bytes", lambda device: 10 * 2**30)
+    cuda = torch.device("cuda")
+    full = sizing.pool_bytes_for("auto", row_bytes=1024, max_positions=2**22, cache_bytes=0, device=cuda)
+    kept = sizing.pool_bytes_for("auto", row_bytes=1024, max_positions=2**22, cache_bytes=0, device=cuda,
+                                 reserve=4 * 2**30)  # fmt: skip
+    assert full == int(10 * 2**30 * 0.9) and kept == int(6 * 2**30 * 0.9)
+    assert sizing.pool_bytes_for("1GiB", row_bytes=1024, max_positions=None, cache_bytes=0, device=cuda,
+                                 reserve=4 * 2**30) == 2**30  # an explicit size is taken as given
+    engine = make_engine("llama", decode="eager")
+    try:
+        assert sizing.activation_bytes(engine.adapter, 16384) > 16384 * engine.model.config.hidden_size * 4
+    finally:
+        engine.close()
+
+
+def test_a_runner_moves_to_another_pool():
+    """``bind_pool``: the runner computes over the new pool exactly as over the old one."""
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    engine = make_engine("llama", decode="eager")
+    try:
+        ids = random_ids(30, seed=5)
+        old = BlockTable(engine.pool)
+        before = engine.runner.run(ForwardBatch.build([SeqInput(old, ids)]))
+        old.release()
+        other = KVPool(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8)
+        engine.runner.bind_pool(other)
+        table = BlockTable(other)
+        after = engine.runner.run(ForwardBatch.build([SeqInput(table, ids)]))
+        assert torch.equal(before, after) and other.num_used == 2
+        with pytest.raises(ValueError, match="shape does not match"):
+            engine.runner.bind_pool(KVPool(num_layers=3, num_kv_heads=2, head_dim=16, num_blocks=8))
+        table.release()
+        engine.runner.bind_pool(engine.pool)
+    finally:
+        engine.close()

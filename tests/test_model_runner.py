@@ -693,7 +693,7 @@ def test_engine_with_prepacked_weights_reuses_within_1e4_in_fp32(monkeypatch):
     engine = make_engine("llama", prefill_weights="prepacked", decode="eager")
     info = engine.decode_info()
     assert info["prefill_weights"] == "prepacked" and info["prefill_weights_reason"] == "requested"
-    assert info["exact"] is False and "prefill_weights=prepacked" in engine.fingerprint
+    assert info["exact"] is False and "weights=prepacked" in engine.fingerprint
     weights = sum(p.numel() * 4 for layer in engine.model.model.layers for name, p in layer.named_parameters()
                   if name.endswith("proj.weight"))  # fmt: skip
     assert info["packed_weight_bytes"] >= weights

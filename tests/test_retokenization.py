@@ -137,7 +137,7 @@ def test_batch_and_request_loop_store_every_finished_chat():
         handle = engine.add_request(third, SamplingParams(max_tokens=7))
         while engine.core.has_work():
             engine.step()
-        answer = engine.tokenizer.decode(handle._seq.request.tokens)
+        answer = engine.tokenizer.decode(handle._request.tokens)
         turn_ids = engine.tokenize_with_spans(answered_turn_text(engine.tokenizer, third, answer))[0]
         r = engine.generate([*third, {"role": "assistant", "content": answer}, FOLLOW_UP], max_new_tokens=2)
         assert r.cached_tokens == len(turn_ids)

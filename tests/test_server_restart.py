@@ -7,17 +7,15 @@ dropped and recomputed, never served (``kvboost:cache_corrupt_entries_dropped``)
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import LaunchedServer
 
 from kvboost.cache import payload as fmt
 
@@ -33,28 +31,13 @@ TURN_1 = [
 MAX_TOKENS = 16
 
 
-class ServerProcess:
+class ServerProcess(LaunchedServer):
     """``python -m kvboost.serving`` in a subprocess; the base URL comes from its ready line."""
 
     def __init__(self, disk: Path, env: dict[str, str]) -> None:
         args = [sys.executable, "-m", "kvboost.serving", *OVERRIDES, "--port", "0", "--disk-cache-dir", str(disk),
                 "--api-key", KEY, "--log-level", "warning"]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        ready = threading.Event()
-        self.base = ""
-
-        def read() -> None:  # keep draining the pipe, or the server blocks on a full one
-            for line in self.proc.stdout:  # type: ignore[union-attr]
-                self.lines.append(line)
-                if match := re.search(r"ready: (http://\S+)/v1", line):
-                    self.base = match.group(1)
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(180):
-            self.proc.kill()
-            raise AssertionError("the server did not start:\n" + "".join(self.lines))
+        super().__init__(args, env)
 
     def client(self, **options) -> httpx.Client:
         return httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120, **options)

@@ -36,7 +36,7 @@ def test_scheduled_requests_give_their_single_run_tokens(budget):
     """fp32: six prompts through the scheduler (one flat forward per step mixing decode rows and prompt chunks of at
     most ``budget`` tokens) give the greedy tokens of each prompt run alone, cold and then again with its cache."""
     engine = make_engine("llama", decode="eager")
-    engine.core.scheduler.max_batch_tokens = budget
+    engine.core.scheduler.max_batch_tokens = engine.core.scheduler.idle_prefill_tokens = budget
     prompts = [random_ids(n, seed=n) for n in PROMPT_LENGTHS]
     alone = singles_of(engine, prompts)
     first = run_all(engine, [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts])
@@ -55,13 +55,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
     """Token budget 32: a 300-token prompt takes several steps, and a short request admitted with it produces
     tokens in those steps."""
     engine = make_engine("llama", decode="eager")
-    engine.core.scheduler.max_batch_tokens = 32
+    engine.core.scheduler.max_batch_tokens = engine.core.scheduler.idle_prefill_tokens = 32
     engine.eos_ids = set()
     short = engine.add_request(random_ids(10, seed=1), SamplingParams(max_tokens=6))
     long = engine.add_request(random_ids(300, seed=2), SamplingParams(max_tokens=2))
     engine.step()
     engine.step()
-    assert len(short._seq.request.tokens) >= 2 and not long._seq.request.tokens
+    assert len(short._request.tokens) >= 2 and not long._request.tokens
     run_all(engine, [short, long])
     assert long.result(0).output_ids == singles_of(engine, [random_ids(300, seed=2)], 2)[0]
     engine.close()
@@ -217,8 +217,8 @@ def test_bad_requests_fail_their_caller_at_submit():
     engine.close()
 
 
-def _seq(cached, preempted=False):
-    return SimpleNamespace(cached_prefix=cached, preempted=preempted)
+def _seq(cached, preempted=False, arrival=0):
+    return SimpleNamespace(cached_prefix=cached, preempted=preempted, arrival_step=arrival)
 
 
 def test_waiting_order_is_cache_aware_then_fcfs():
@@ -226,18 +226,31 @@ def test_waiting_order_is_cache_aware_then_fcfs():
     seqs = [_seq(0), _seq(64), _seq(16), _seq(64, preempted=False)]
     for q in seqs:
         s.add(q)
-    s.order_waiting()
+    s.order_waiting(step=0)
     assert list(s.waiting) == [seqs[1], seqs[3], seqs[2], seqs[0]]  # longest cached first, ties by arrival
     preempted = _seq(0, preempted=True)
     s.requeue(preempted)
-    s.order_waiting()
+    s.order_waiting(step=0)
     assert s.waiting[0] is preempted  # beyond the limit (5 > 4): FCFS, the preempted one stays in front
     long_queue = Scheduler(cache_aware_limit=2)
     fcfs = [_seq(0), _seq(10), _seq(20)]
     for q in fcfs:
         long_queue.add(q)
-    long_queue.order_waiting()
+    long_queue.order_waiting(step=0)
     assert list(long_queue.waiting) == fcfs
+
+
+def test_a_request_that_waited_long_enough_goes_first():
+    """Aging (issue 42, D6): past ``aging_steps`` a request is served before every longer cached prefix."""
+    s = Scheduler(cache_aware_limit=8, aging_steps=10)
+    cold = _seq(0, arrival=0)
+    hot = [_seq(64, arrival=step) for step in range(1, 5)]
+    for q in [cold, *hot]:
+        s.add(q)
+    s.order_waiting(step=5)
+    assert s.waiting[-1] is cold  # not old enough: the cached prefixes first
+    s.order_waiting(step=10)
+    assert s.waiting[0] is cold
 
 
 def test_a_failing_request_ends_alone_and_the_loop_keeps_serving(monkeypatch):

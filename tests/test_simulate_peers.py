@@ -22,7 +22,8 @@ from experiments.sims.simulate_peers import (
     summarize,
 )
 from experiments.sims.token_trace import TraceRequest
-from kvboost.cache.memory import MemoryTier
+from kvboost.cache.block_run import BlockRun
+from kvboost.cache.pool_tier import PoolTier
 from kvboost.cache.store import KVStore
 from kvboost.engine import InferenceEngine
 
@@ -88,11 +89,29 @@ def test_lmcache_plain_lru_strands_a_chain():
 
 
 def test_kvboost_evicts_leaves_first():
-    kv = KVBoostStore(40, chunk_size=16)
+    kv = KVBoostStore(40, chunk_size=16)  # two 16-token blocks
+    assert kv.model.capacity_blocks == 2
     a = ids(32, 9)
     kv.serve(a)
-    kv.serve(ids(16, 10))  # evicts a's leaf chunk, keeps its root
+    kv.serve(ids(16, 10))  # a third block: storing it evicts a's leaf chunk, keeps its root
+    assert kv.used_blocks == 2
     assert kv.serve(a + ids(16, 11)) == 16
+
+
+def test_kvboost_capacity_is_whole_blocks():
+    kv = KVBoostStore(64, chunk_size=64)  # four blocks
+    a = ids(40, 30)  # one chunk of 40 tokens: three blocks, the last partial
+    kv.serve(a)
+    assert kv.used_blocks == 3 and len(kv.store) == 1
+    kv.serve(ids(20, 31))  # two more blocks: five idle > four, the LRU entry (a) goes whole
+    assert kv.used_blocks == 2 and kv.serve(a) == 0
+    # a longer prompt sharing a's partial block: the frontier hit copies it on write, the old run is dropped
+    kv = KVBoostStore(10_000)
+    kv.serve(a)
+    assert kv.serve(a + ids(30, 32)) == 40
+    # [0, 64) and [64, 70) in 5 blocks (a's partial third block replaced by its copy); the shorter sibling [0, 40)
+    # went with its blocks
+    assert kv.used_blocks == 5 and len(kv.store) == 2 and kv.model.cached_tokens() == 70
 
 
 def test_sglang_lru_leaf_eviction():
@@ -161,15 +180,20 @@ def test_kvboost_frontier_reuses_a_partial_chunk():
 
 def test_kvboost_simulator_runs_the_real_store_and_engine_code():
     kv = KVBoostStore(1000)
-    assert isinstance(kv.store, KVStore) and isinstance(kv.store.tiers[0], MemoryTier)
-    assert kv.store.tiers[0].eviction.registry_name == "lru" and kv.store.tiers[0].eviction.leaves_first
-    import experiments.sims.simulate_peers as sim
+    tier = kv.store.tiers[0]
+    assert isinstance(kv.store, KVStore) and isinstance(tier, PoolTier) and tier.pool is kv.pool
+    assert tier.eviction.registry_name == "lru" and tier.eviction.leaves_first
+    assert kv.pool.device.type == "meta" and kv.pool.block_size == 16  # no memory; the engine's block size
+    assert tier.capacity_bytes == (1000 // 16) * kv.pool.block_bytes
+    import experiments.sims.pool_model as pm
     from kvboost.cache import sequence_store
 
-    assert sim.store_sequence is sequence_store.store_sequence  # the engine's own store path
+    assert pm.store_sequence is sequence_store.store_sequence  # the engine's own store path
     assert kv.chunker.fingerprint() == "fixed:64"
     kv.serve(ids(100, 25))
-    assert kv.store.tiers[0].used_bytes == 100  # one byte per token: the budget is in tokens
+    assert kv.used_blocks == 7 == kv.pool.num_idle  # 100 tokens: 7 blocks (the last one partial)
+    assert all(isinstance(tier.peek(k).payload, BlockRun) for k in tier.keys())  # noqa: SIM118
+    kv.model.verify()
 
 
 def test_bad_capacities_and_names():
@@ -181,6 +205,8 @@ def test_bad_capacities_and_names():
         LMCacheChunks(100)
     with pytest.raises(ValueError, match="capacity_tokens"):
         KVBoostStore(-5)
+    with pytest.raises(ValueError, match="16-token block"):
+        KVBoostStore(10)
     with pytest.raises(ValueError, match="unknown system 'foo'"):
         build_simulator("foo", 1000)
 
@@ -281,29 +307,70 @@ def test_kvboost_simulation_equals_the_engine(small_trace, capacity_tokens):
     tokenizer, trace = small_trace
     model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
     cfg = model.config
-    # float32 K and V per token over all layers: the engine's payload bytes, so both budgets hold the same tokens
+    # float32 K and V per token over all layers: the engine's memory tier (its pool) keeps capacity // block bytes
+    # idle blocks, the simulator capacity_tokens // 16 (the model's blocks are smaller: compare blocks, not bytes)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
-    sim = KVBoostStore(capacity_tokens, 64, bytes_per_token=bytes_per_token)
     engine = InferenceEngine(
         model, tokenizer, chunker={"name": "fixed", "chunk_size": 64},
         cache={"name": "memory", "capacity": capacity_tokens * bytes_per_token},
         eviction={"name": "lru", "leaves_first": True}, store_generated=False,
     )  # fmt: skip
     with engine:
-        engine_ratios, sim_ratios = [], []
+        tier = engine.store.tiers[0]
+        assert isinstance(tier, PoolTier) and engine.pool.row_bytes == bytes_per_token
+        sim = KVBoostStore(capacity_tokens, 64, num_blocks=engine.pool.num_blocks)  # the engine's pool size
+        assert sim.pool.block_size == engine.pool.block_size
+        assert tier.capacity_bytes // engine.pool.block_bytes == sim.model.capacity_blocks
+        engine_ratios, sim_ratios, engine_blocks, sim_blocks = [], [], [], []
         for r in trace:
             result = engine.generate(list(r.token_ids), max_new_tokens=1)
             engine_ratios.append(result.metrics()["reuse_ratio"])
             sim_ratios.append(sim.serve(r.token_ids) / len(r.token_ids))
-        entry = next(iter(engine.store.tiers[0]._entries.values()))
-        assert entry.nbytes == entry.num_tokens * bytes_per_token
+            engine_blocks.append((engine.pool.num_idle, engine.pool.num_cached, engine.pool.num_referenced))
+            sim_blocks.append((sim.pool.num_idle, sim.pool.num_cached, sim.pool.num_referenced))
         assert sim_ratios == engine_ratios  # exactly, request by request
+        assert sim_blocks == engine_blocks  # cached blocks, request by request
         assert sum(engine_ratios) > 0
         e, s = engine.store.stats, sim.store.stats
         assert (e.exact_hits, e.partial_hits, e.content_hits, e.stored, e.evicted) == (
             s.exact_hits, s.partial_hits, s.content_hits, s.stored, s.evicted)  # fmt: skip
         assert len(engine.store) == len(sim.store) > 0
-        assert engine.store.tiers[0].used_bytes == sim.store.tiers[0].used_bytes
+        assert len(tier) == len(sim.store.tiers[0])
+        assert tier.used_bytes // engine.pool.block_bytes == sim.used_blocks > 0
         if capacity_tokens < 10_000:
-            assert e.evicted > 0  # the tight budget really evicts
+            assert e.evicted > 0 and sim.used_blocks <= capacity_tokens // 16  # the tight budget really evicts
+
+
+def test_pool_model_equals_the_engine_with_stored_answers(small_trace):
+    """The shared pool model (``experiments/sims/pool_model.py``, what ``cache_sim`` runs) with decode rows and
+    ``store_generated``: each request's answer tokens (all but the last have a row) stored after its prompt."""
+    from tiny import tiny_model
+
+    from experiments.sims.pool_model import PoolModel
+
+    tokenizer, trace = small_trace
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
+    cfg = model.config
+    bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    engine = InferenceEngine(
+        model, tokenizer, chunker={"name": "fixed", "chunk_size": 64},
+        cache={"name": "memory", "capacity": 1500 * bytes_per_token},
+        eviction={"name": "lru", "leaves_first": True}, store_generated=True, store_canonical=False,
+    )  # fmt: skip
+    with engine:
+        blocks = engine.store.tiers[0].capacity_bytes // engine.pool.block_bytes
+        sim = PoolModel(blocks, num_blocks=engine.pool.num_blocks)
+        got, want, decoded = [], [], 0
+        for r in trace:
+            result = engine.generate(list(r.token_ids), max_new_tokens=6)
+            decoded += len(result.output_ids) - 1
+            served = sim.serve(r.token_ids, result.output_ids[:-1])
+            want.append((result.exact_hit_tokens, result.content_hit_tokens, engine.pool.num_idle))
+            got.append((served.exact_tokens, served.content_tokens, sim.used_blocks))
+            sim.verify()
+        assert got == want and sum(g[0] for g in got) > 0 and decoded > 0
+        e, s = engine.store.stats, sim.store.stats
+        assert (e.exact_hits, e.partial_hits, e.content_hits, e.stored, e.evicted) == (
+            s.exact_hits, s.partial_hits, s.content_hits, s.stored, s.evicted)  # fmt: skip
+        assert e.evicted > 0

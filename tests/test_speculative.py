@@ -93,10 +93,10 @@ def test_greedy_equals_plain_with_the_compiled_step_in_fp32():
     prompt = quoting_prompt(seed=3)
     expected = plain.generate(prompt, max_new_tokens=20).output_ids
     for name in ("prompt_lookup", "layer_skip"):
-        # the same model: the engines share its pool and runner (one compiled graph)
+        # the same model (its weights and attention backend); a pool, a runner and a request loop of its own
         spec = KVBoost(plain.model, ToyTokenizer(), model_identity="tiny-llama", share_model=True,
                        chunker={"name": "fixed", "chunk_size": 16}, speculative=spec_for(name, "llama"))  # fmt: skip
-        assert spec.runner is plain.runner and spec.pool is plain.pool
+        assert spec.attention is plain.attention and spec.pool is not plain.pool and spec.core is not plain.core
         assert spec.generate(prompt, max_new_tokens=20).output_ids == expected
 
 

@@ -11,7 +11,8 @@ VM) falls on both sides of every pair. Reported: per request, after / before of 
 
 The requests are the runner's workloads (``experiments/workloads``, built here once, with this checkout's code):
 the ShareGPT replay (history from the dataset, so both sides get the same prompts) or rag_reorder (its documents
-warmed in both engines first, as the runner does). Each engine is ``KVBoost.from_pretrained`` (the bundled model)
+warmed in both engines first, as the runner does; the separator chunker, as its config selects, unless ``--engine``
+names a chunker). Each engine is ``KVBoost.from_pretrained`` (the bundled model)
 with ``--engine`` settings, warmed up (``engine.warmup``) and given one unmeasured request before the first pair.
 Only the engine's own modes are compared (``reuse``; ``--cold`` adds the cold path): the HF baselines did not change.
 """
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     requests = list(workload.requests())
     modes = ["reuse", "cold"] if args.cold else ["reuse"]
     options = _settings(args.engine)
+    if args.workload == "rag_reorder" and "chunker" not in options:
+        # as its Hydra config does: content reuse needs the documents as separator-delimited segments
+        options["chunker"] = {"name": "separator", "separator": workload.cfg.separator, "chunk_size": 64}
     sides = {"before": Engine(Path(args.before).resolve()), "after": Engine(ROOT)}
     try:
         init = {"op": "init", "dtype": args.dtype, "options": options, "threads": args.threads,

@@ -1,42 +1,49 @@
 """Cache simulation: token hit ratio vs capacity for every eviction policy, on a ShareGPT trace, without a model.
 
 Replays a request trace (``experiments/sims/token_trace.py``: real ShareGPT conversations, one request per turn,
-``users`` conversations interleaved, token ids only) through the store's real code: ``kvboost.lookup.lookup``
-(exact walk, frontier match, content hits), ``KVStore`` over one ``MemoryTier`` with a byte budget and the
-eviction policy under test, and ``kvboost.cache.sequence_store.store_sequence`` (the engine's own) for
-what a request stores. Only the tensors are fake: a chunk's payload is the real ``RawKV`` of the ``none``
-quantizer holding stride-0 (expanded) zero tensors of the true shape ``[layers, kv_heads, tokens,
-head_dim]`` float32, so ``nbytes`` is the real footprint (46080 B/token for the bundled SmolLM2-135M: 2 (K,V)
-x 30 layers x 3 KV heads x 64 x 4 B, read from its ``config.json``) while using no memory.
+``users`` conversations interleaved, token ids only) through the engine's own memory tier and request path,
+tensor-free (``experiments/sims/pool_model.py``): since issue 42 the memory tier *is* the KV pool, so each run is
+a real ``KVPool`` of ``--block-size``-token blocks on torch's meta device (the true shape ``[layers, kv_heads,
+slots, head_dim]`` float32 of the bundled SmolLM2-135M, read from its ``config.json``: 46080 B/token, 737,280 B per
+16-token block; no memory is used), a real ``PoolTier`` keeping at most ``capacity_bytes // block_bytes`` idle
+cached blocks with the eviction policy under test, and a real ``KVStore`` over it.
 
-Per request, as ``InferenceEngine.generate(mode="reuse")`` does with its defaults (``fixed`` chunker,
-``sha256`` hasher, ``none`` quantizer, ``none`` recompute, a RoPE model so content lookups are on):
+Per request, what the engine core does for ``InferenceEngine.generate(mode="reuse")`` with its defaults
+(``fixed`` chunker, ``sha256`` hasher, ``none`` quantizer, ``none`` recompute, a RoPE model so content lookups are
+on), by ``PoolModel.serve``:
 
-1. spans = ``chunker.split(ids)`` (what the fixed chunker's ``tokenize`` gives for the trace's ids), keys =
-   ``hasher.chunk_keys(ids, spans, fingerprint)``;
-2. ``lookup(ids, spans, keys, store, quantizer, max_reuse=n - 1, content=True)``;
-3. ``approx_from`` = the first content-hit position (the ``none`` strategy recomputes no content hit, so the
-   KV after it is approximate and the engine stores those chunks under their segment key only);
-4. ``store_sequence(prompt ids [+ generated], spans, approx_from=...)``: the engine's own function, with
-   payloads of the expanded zero tensors.
+1. spans = ``chunker.split(ids)``, keys = ``hasher.chunk_keys(ids, spans, fingerprint)``;
+2. ``lookup(ids, spans, keys, store, quantizer, max_reuse=n - 1, content=True)`` (exact hits referenced at once);
+3. ``pool.reclaim(need)``, ``assemble_exact`` (cached blocks by reference, the partial last one copied on
+   write), the prefill's ``prepare_write`` of the rest (rows after the first content hit are approximate: the
+   ``none`` strategy recomputes no content hit);
+4. ``store_sequence(prompt ids [+ generated], ...)`` (the engine's own) over runs of the request's blocks: the pool
+   tier makes room for each chunk's blocks not cached yet by evicting idle entries in the policy's order (or refuses
+   the chunk);
+5. the request's blocks released.
 
-``--generated-tokens G`` appends G synthetic answer tokens per request to what is stored (the engine stores the
-KV of its generated tokens, ``store_generated=True``); the next turn's prompt holds the dataset's answer, not
-the model's, so these only take room. Default 0: prompts only.
+Capacity is therefore whole blocks: a chunk's partial last block costs a whole block, and a block that two
+entries index (a chunk not aligned to the blocks, a redundant sibling) is counted once. Before issue 42 the
+memory tier was a byte budget of token-granular payloads (``MemoryTier``); ``experiments/results/cache_sim/
+pool_tier/`` compares the two at equal bytes.
+
+``--generated-tokens G`` appends G synthetic answer tokens per request (decode rows) to what is stored (the
+engine stores the KV of its generated tokens, ``store_generated=True``); the next turn's prompt holds the
+dataset's answer, not the model's, so these only take room. Default 0: prompts only.
 
 Hit ratios: ``token_hit_ratio`` = exact-hit tokens / prompt tokens (KV equal to a cold prefill's; the metric
 plotted); ``reuse_ratio`` = (exact + content) / prompt tokens, the engine's ``reuse_ratio``. With the fixed
 chunker a segment is the whole prompt, so a content hit is a chunk whose whole prefix is identical but whose
 exact chain has a gap (an ancestor evicted before it: ``leaves_first=false`` strands descendants).
-``ideal`` is the same trace with an unbounded store (no eviction): the upper bound of every curve; its stored
-bytes (the trace's footprint) set the default capacities, log-spaced from a few conversations' worth to 80% of
-the footprint.
+``ideal`` is the same trace with an unbounded tier (a pool that holds the whole trace: no eviction): the upper
+bound of every curve; its cached bytes (the trace's footprint, in blocks) set the default capacities,
+log-spaced from a few conversations' worth to 80% of the footprint.
 
 Usage::
 
     python -m experiments.sims.cache_sim --conversations 1000 --users 16 --out experiments/results/cache_sim
     python -m experiments.sims.cache_sim --conversations 50 --users 8 --out /tmp/sim --capacities 64MiB 1GiB \\
-        --policies lru s3fifo s3fifo:small_ratio=0.3 --leaves-first true
+        --policies lru s3fifo s3fifo:small_ratio=0.3 --leaves-first true --block-size 16
 
 Writes ``cache_sim.json`` (settings, trace summary, one record per run, curves) and ``hit_ratio.png``.
 """
@@ -57,14 +64,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvboost.cache import KVStore, MemoryTier, parse_bytes
-from kvboost.cache.sequence_store import store_sequence
-from kvboost.lookup import lookup
+from experiments.sims import pool_model
+from experiments.sims.pool_model import PoolModel, blocks_to_hold
+from kvboost.cache import parse_bytes
+from kvboost.kv.pool import DEFAULT_BLOCK_SIZE
+from kvboost.kv.sizing import MIN_WORKING_ROWS
 from kvboost.registry import CHUNKERS, EVICTION, HASHERS, KV_QUANT
 
 DEFAULT_POLICIES = ("lru", "lfu", "s3fifo")
-#: A budget no trace reaches: the ``ideal`` run (nothing is ever evicted).
-UNBOUNDED = 1 << 62
 
 
 class SimError(ValueError):
@@ -99,18 +106,9 @@ def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- model shape
-@dataclass(frozen=True)
-class KVShape:
-    """The per-token KV layout of a model: what one cached token costs."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype = torch.float32
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+class KVShape(pool_model.KVShape):
+    """The per-token KV layout of a model: what one cached token costs (``layers``, ``kv_heads``, ``head_dim``,
+    ``dtype``; ``bytes_per_token``)."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> KVShape:
@@ -133,34 +131,6 @@ def bundled_kv_shape() -> tuple[KVShape, str]:
     return KVShape.from_config(json.loads(path.read_text())), str(path)
 
 
-class FakeKV:
-    """The rows ``store_sequence`` stores: ``slice`` gives zero K/V of the true shape and dtype as stride-0 views,
-    so payload sizes are real and memory is not spent."""
-
-    def __init__(self, shape: KVShape) -> None:
-        self.shape = shape
-        self._zero = torch.zeros((), dtype=shape.dtype)
-
-    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.shape
-        k = self._zero.expand(s.layers, s.kv_heads, end - start, s.head_dim)
-        return k, self._zero.expand(s.layers, s.kv_heads, end - start, s.head_dim)
-
-
-class _StoringEngine:
-    """The engine's store path without a model: ``kvboost.cache.sequence_store.store_sequence`` over this store
-    with the engine's plugins, the payloads its quantizer makes of zero rows."""
-
-    def __init__(self, store: KVStore, chunker: Any, hasher: Any, quantizer: Any, fingerprint: str) -> None:
-        self.store, self.chunker, self.hasher, self.quantizer = store, chunker, hasher, quantizer
-        self.fingerprint = fingerprint
-
-    def store_sequence(self, seq: list[int], spans: list, kv: FakeKV, *, approx_from: int | None, salt: str) -> int:
-        return store_sequence(self.store, chunker=self.chunker, hasher=self.hasher, fingerprint=self.fingerprint,
-                              seq=seq, spans=spans, approx_from=approx_from, salt=salt,
-                              payload_of=lambda a, b: self.quantizer.quantize(*kv.slice(a, b)))  # fmt: skip
-
-
 # ---------------------------------------------------------------------------------------------- one run
 @dataclass
 class RunResult:
@@ -168,6 +138,8 @@ class RunResult:
     leaves_first: bool | None  # None: the ideal run
     capacity_bytes: int | None  # None: unbounded
     capacity_tokens: float | None
+    capacity_blocks: int | None = None  # idle cached blocks the tier keeps at most (capacity_bytes // block_bytes)
+    block_size: int = DEFAULT_BLOCK_SIZE
     requests: int = 0
     prompt_tokens: int = 0
     exact_tokens: int = 0
@@ -182,7 +154,11 @@ class RunResult:
     content_hits: int = 0
     misses: int = 0
     entries_at_end: int = 0
-    used_bytes_at_end: int = 0
+    used_blocks_at_end: int = 0  # cached blocks (all idle between requests)
+    used_bytes_at_end: int = 0  # used_blocks_at_end x the model's block bytes
+    cached_tokens_at_end: int = 0  # tokens of the cached entries (their rows' bytes: the pre-pool tier's measure)
+    shared_blocks: int = 0  # blocks taken by reference at assembly, over the run
+    copied_blocks: int = 0  # partial blocks copied on write, over the run
     orphans_at_end: int = 0  # resident exact entries whose parent is gone: unreachable by the exact walk
     seconds: float = 0.0
     us_per_request: float = 0.0
@@ -196,7 +172,8 @@ class RunResult:
 
 
 class Simulator:
-    """The engine's chunk, key, lookup and store path over one store, request by request."""
+    """The engine's chunk, key, lookup, assembly and store path over one pool tier, request by request
+    (``experiments/sims/pool_model.PoolModel``)."""
 
     def __init__(
         self,
@@ -207,12 +184,17 @@ class Simulator:
         content: bool = True,
         vocab_size: int = 49152,
         salt: str = "",
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if generated_tokens < 0:
             raise SimError(f"generated_tokens must be >= 0, got {generated_tokens}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise SimError(f"block_size must be a positive integer, got {block_size!r}")
         self.kv_shape = kv_shape
+        self.block_size = block_size
+        self.chunker_spec = {"name": "fixed", "chunk_size": chunk_size}
         try:
-            self.chunker = CHUNKERS.build({"name": "fixed", "chunk_size": chunk_size})
+            self.chunker = CHUNKERS.build(self.chunker_spec)
         except ValueError as exc:
             raise SimError(str(exc)) from None
         self.hasher = HASHERS.build("sha256")
@@ -223,28 +205,38 @@ class Simulator:
         self.salt = salt
         # The engine's fingerprint has the same parts; the model part only has to be constant here.
         parts = [f"kvq={self.quantizer.fingerprint()}", f"chunk={self.chunker.fingerprint()}",
-                 f"hash={self.hasher.fingerprint()}"]  # fmt: skip
+                 f"hash={self.hasher.fingerprint()}", f"block={block_size}"]  # fmt: skip
         self.fingerprint = "|".join(["cache_sim", *parts])
         self.root_key = self.hasher.root_key(self.fingerprint, salt)
-        self._kv = FakeKV(kv_shape)
 
-    def new_store(self, capacity_bytes: int, policy: str, leaves_first: bool, **policy_args: Any) -> KVStore:
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one pool block of the model (K and V, every layer)."""
+        return self.block_size * self.kv_shape.bytes_per_token
+
+    def capacity_blocks(self, capacity_bytes: int) -> int:
+        """Cached blocks a tier of ``capacity_bytes`` keeps."""
+        return capacity_bytes // self.block_bytes
+
+    def new_model(self, capacity_bytes: int | None, policy: str, leaves_first: bool, *, num_blocks: int | None = None,
+                  working_rows: int = MIN_WORKING_ROWS, **policy_args: Any) -> PoolModel:  # fmt: skip
+        """A fresh pool tier of ``capacity_bytes`` (None: unbounded, a pool of ``num_blocks``)."""
         eviction = EVICTION.build({"name": policy, "leaves_first": leaves_first, **policy_args})
-        return KVStore([MemoryTier(capacity=capacity_bytes, eviction=eviction)])
+        capacity = None if capacity_bytes is None else self.capacity_blocks(capacity_bytes)
+        return PoolModel(capacity, block_size=self.block_size, num_blocks=num_blocks, working_rows=working_rows,
+                         kv_shape=self.kv_shape, chunker=self.chunker_spec, hasher="sha256", eviction=eviction,
+                         content=self.content, salt=self.salt, fingerprint=self.fingerprint)  # fmt: skip
 
-    def request(self, store: KVStore, engine: _StoringEngine, index: int, ids: list[int]) -> tuple[int, int]:
-        """One request: lookup then store, as ``generate`` does; returns (exact tokens, content tokens)."""
-        n = len(ids)
-        spans = self.chunker.split(ids)
-        keys = self.hasher.chunk_keys(ids, spans, self.fingerprint, self.salt)
-        plan = lookup(ids, spans, keys, store, self.quantizer, max_reuse=n - 1, content=self.content)
-        approx_from = next((p.start for p in plan.placements if p.kind == "content"), None)
-        seq = ids
-        if self.generated_tokens:
-            rng = random.Random(index)  # an answer the next turn's prompt (the dataset's answer) does not hold
-            seq = ids + [rng.randrange(self.vocab_size) for _ in range(self.generated_tokens)]
-        engine.store_sequence(seq, spans, self._kv, approx_from=approx_from, salt=self.salt)
-        return plan.exact_tokens, plan.content_tokens
+    def generated(self, index: int) -> list[int]:
+        """Request ``index``'s synthetic answer: ids the next turn's prompt (the dataset's answer) does not hold."""
+        if not self.generated_tokens:
+            return []
+        rng = random.Random(index)
+        return [rng.randrange(self.vocab_size) for _ in range(self.generated_tokens)]
+
+    def request(self, model: PoolModel, index: int, ids: list[int]) -> pool_model.Served:
+        """One request, as the engine core serves it (lookup, assembly, prefill, store, release)."""
+        return model.serve(ids, self.generated(index))
 
     def run(
         self,
@@ -257,41 +249,50 @@ class Simulator:
         progress: Callable[[int], None] | None = None,
         **policy_args: Any,
     ) -> RunResult:
-        """Replay ``trace`` (token ids per request) into a fresh store; ``capacity_bytes=None``: unbounded.
-        ``check`` verifies the store's books after every request (slow; for tests)."""
-        store = self.new_store(UNBOUNDED if capacity_bytes is None else capacity_bytes, policy,
-                               True if leaves_first is None else leaves_first, **policy_args)  # fmt: skip
-        engine = _StoringEngine(store, self.chunker, self.hasher, self.quantizer, self.fingerprint)
+        """Replay ``trace`` (token ids per request) into a fresh pool tier; ``capacity_bytes=None``: unbounded.
+        ``check`` verifies the pool's and the store's books after every request (slow; for tests)."""
+        rows = [len(ids) + self.generated_tokens for ids in trace]
+        working = max([MIN_WORKING_ROWS, *(r + 2 * self.block_size for r in rows)])
+        model = self.new_model(capacity_bytes, policy, True if leaves_first is None else leaves_first,
+                               num_blocks=blocks_to_hold(rows, self.block_size) if capacity_bytes is None else None,
+                               working_rows=working, **policy_args)  # fmt: skip
         bpt = self.kv_shape.bytes_per_token
         result = RunResult(policy if leaves_first is not None else "ideal", leaves_first, capacity_bytes,
-                           None if capacity_bytes is None else capacity_bytes / bpt)  # fmt: skip
+                           None if capacity_bytes is None else capacity_bytes / bpt,
+                           None if capacity_bytes is None else self.capacity_blocks(capacity_bytes),
+                           self.block_size)  # fmt: skip
         start = time.perf_counter()
         for i, ids in enumerate(trace):
             ids = list(ids)
             if len(ids) < 1:
                 raise SimError(f"request {i} of the trace has no tokens")
-            exact, content = self.request(store, engine, i, ids)
+            served = self.request(model, i, ids)
             result.requests += 1
             result.prompt_tokens += len(ids)
-            result.exact_tokens += exact
-            result.content_tokens += content
+            result.exact_tokens += served.exact_tokens
+            result.content_tokens += served.content_tokens
+            result.shared_blocks += served.shared_blocks
+            result.copied_blocks += served.copied_blocks
             if check:
-                store.verify()
+                model.verify()
             if progress is not None:
                 progress(1)
         result.seconds = time.perf_counter() - start
         result.us_per_request = 1e6 * result.seconds / max(result.requests, 1)
+        store = model.store
         stats = store.stats
         for name in ("stored", "rejected", "evicted", "exact_hits", "partial_hits", "content_hits", "misses"):
             setattr(result, name, getattr(stats, name))
         result.token_hit_ratio = result.exact_tokens / max(result.prompt_tokens, 1)
         result.reuse_ratio = (result.exact_tokens + result.content_tokens) / max(result.prompt_tokens, 1)
         result.entries_at_end = len(store)
-        result.used_bytes_at_end = sum(t.used_bytes for t in store.tiers)
+        result.used_blocks_at_end = model.used_blocks
+        result.used_bytes_at_end = model.used_blocks * self.block_bytes
+        result.cached_tokens_at_end = model.cached_tokens()
         result.orphans_at_end = self.orphans(store)
         return result
 
-    def orphans(self, store: KVStore) -> int:
+    def orphans(self, store: Any) -> int:
         """Resident exact entries whose parent is neither the root nor resident (stranded)."""
         count = 0
         for tier in store.tiers:
@@ -362,13 +363,15 @@ def sweep(
             "requests": len(trace),
             "conversations": conversations,
             "prompt_tokens": ideal.prompt_tokens,
-            "footprint_bytes": footprint,
+            "footprint_bytes": footprint,  # the unbounded tier's cached blocks x block bytes
             "footprint_tokens": footprint / bpt,
+            "footprint_blocks": ideal.used_blocks_at_end,
+            "footprint_cached_tokens": ideal.cached_tokens_at_end,  # tokens of its entries (no block rounding)
             "ideal_token_hit_ratio": ideal.token_hit_ratio,
             "ideal_reuse_ratio": ideal.reuse_ratio,
         },
-        "capacities": [{"bytes": c, "tokens": c / bpt, "fraction_of_footprint": c / footprint if footprint else None}
-                       for c in caps],  # fmt: skip
+        "capacities": [{"bytes": c, "tokens": c / bpt, "blocks": sim.capacity_blocks(c),
+                        "fraction_of_footprint": c / footprint if footprint else None} for c in caps],  # fmt: skip
         "ideal": _record(ideal),
         "runs": [_record(r) for r in runs],
         "curves": curves,
@@ -391,8 +394,8 @@ def _record(r: RunResult) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     """Markdown table: token hit ratio per policy (rows) and capacity (columns)."""
     caps = result["capacities"]
-    head = ["policy"] + [f"{c['bytes'] / 2**20:,.0f} MiB ({c['tokens']:,.0f} tok, {c['fraction_of_footprint']:.1%})"
-                         for c in caps]  # fmt: skip
+    head = ["policy"] + [f"{c['bytes'] / 2**20:,.0f} MiB ({c['tokens']:,.0f} tok, {c.get('blocks', 0):,} blocks, "
+                         f"{c['fraction_of_footprint']:.1%})" for c in caps]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, values in result["curves"].items():
         lines.append("| " + " | ".join([label] + [f"{v:.3f}" for v in values]) + " |")
@@ -480,6 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=_positive_int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=_positive_int, default=64, help="the fixed chunker's chunk size")
+    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per KV pool block (the engine's kv.block_size; default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--generated-tokens", type=int, default=0,
                    help="synthetic answer tokens stored after each prompt (store_generated); default 0")  # fmt: skip
     p.add_argument("--no-content", action="store_true", help="exact lookups only (a model without RoPE)")
@@ -518,7 +523,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         raise SimError("the trace is empty (no conversation passed the filters)")
     conversations = len({r.conversation_id for r in trace})
     sim = Simulator(kv_shape=shape, chunk_size=args.chunk_size, generated_tokens=args.generated_tokens,
-                    content=not args.no_content)  # fmt: skip
+                    content=not args.no_content, block_size=args.block_size)  # fmt: skip
     result = sweep([r.token_ids for r in trace], sim, policies=args.policies, leaves_first=args.leaves_first,
                    capacities=args.capacities, conversations=conversations,
                    show_progress=not args.no_progress)  # fmt: skip
@@ -531,6 +536,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         "kv_shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
                      "dtype": str(shape.dtype).removeprefix("torch.")},
         "bytes_per_token": shape.bytes_per_token, "model_config": config_path,
+        "memory_tier": "pool (experiments/sims/pool_model.py)", "block_size": args.block_size,
+        "block_bytes": sim.block_bytes,
         "command": args.command,
     }  # fmt: skip
     result["timing"]["trace_seconds"] = trace_seconds

@@ -37,15 +37,21 @@ Systems (``SYSTEMS``); what each models, and from where:
   previous prompt, capped at ``len - 1`` ("we have to evaluate at least 1 token to generate logits",
   the server's ``server.cpp``); the slot keeps at most ``capacity_tokens`` tokens. ``--cache-reuse`` (KV
   shifting) and the host-memory prompt cache of recent versions are not modelled.
-- ``kvboost``: the real thing, not a re-implementation: a ``KVStore`` over one real ``MemoryTier`` with ``lru``
-  eviction (``leaves_first``), the engine's chunker (``fixed``, ``chunk_size`` 64) and hasher (``sha256``), the
-  real ``kvboost.lookup.lookup`` (exact walk, token-level frontier match, content hits; ``max_reuse = len - 1``
-  like ``InferenceEngine.generate``) and the engine's own ``kvboost.cache.sequence_store.store_sequence`` (partial last
-  chunk stored, a shorter partial sibling dropped), run on payloads that carry no tensors: an entry of ``t``
-  tokens weighs ``t * bytes_per_token`` bytes (default 1 byte per token, so the tier's byte budget is the
-  capacity in tokens). ``recompute=none``: a content hit's successors are stored under segment keys only, as the
-  engine does. ``tests/test_simulate_peers.py`` checks it against ``InferenceEngine.generate`` request by
-  request.
+- ``kvboost``: the real thing, not a re-implementation (``experiments/sims/pool_model.py``): the engine's memory
+  tier is its KV pool (issue 42), so the simulator runs a real ``KVPool`` (16-token blocks, meta tensors: no
+  memory), a real ``PoolTier`` keeping at most ``capacity_tokens // 16`` idle cached blocks with ``lru`` eviction
+  (``leaves_first``), a real ``KVStore`` over it, the engine's chunker (``fixed``, ``chunk_size`` 64) and hasher
+  (``sha256``), and per request the engine core's book operations: the real ``kvboost.lookup.lookup`` (exact
+  walk, token-level frontier match, content hits; ``max_reuse = len - 1``; hits referenced at once),
+  ``pool.reclaim``, ``assemble_exact`` (shared blocks by reference, the partial last block copied on write), the
+  prefill's ``prepare_write``, the engine's own ``kvboost.cache.sequence_store.store_sequence`` over runs of the
+  request's blocks (partial last chunk stored, a shorter partial sibling dropped; the pool tier evicts idle entries
+  in eviction order to make room, or refuses the chunk), then release. Hits are token-level; capacity is counted in whole blocks (a partial last
+  block costs a block, a block two chunks share counts once), like vLLM's. ``recompute=none``: a content hit's
+  successors are stored under segment keys only, as the engine does. ``tests/test_simulate_peers.py`` checks it
+  against ``InferenceEngine.generate`` request by request (reuse, store counters, cached blocks). As in the
+  engine, the capacity bounds the *cached* blocks kept between requests; the running request's own blocks are
+  the pool's working set on top (vLLM's capacity here counts them too: its new blocks evict cached ones).
 
 Common approximations: one request at a time (no batching, so nothing is shared or pinned between concurrent
 requests); prompt tokens only, for every system: with dataset history the generated tokens never appear in a
@@ -75,11 +81,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from kvboost.cache.memory import MemoryTier
-from kvboost.cache.store import KVStore
-from kvboost.cache.sequence_store import store_sequence
-from kvboost.lookup import common_prefix_length, lookup
-from kvboost.registry import CHUNKERS, HASHERS
+from experiments.sims.pool_model import PoolModel
+from kvboost.lookup import common_prefix_length
 
 SYSTEMS: tuple[str, ...] = ("vllm", "sglang", "lmcache", "llamacpp", "kvboost")
 ORDERS: tuple[str, ...] = ("sequential", "interleaved")
@@ -88,6 +91,7 @@ VLLM_BLOCK_SIZE = 16
 LMCACHE_CHUNK_SIZE = 256
 LMCACHE_SAVE_UNFULL_CHUNK = False  # LMCache's default (configurations.rst, lmcache/v1/config.py)
 KVBOOST_CHUNK_SIZE = 64
+KVBOOST_BLOCK_SIZE = 16  # the engine's kv.block_size default
 
 
 class ReuseSimulator(Protocol):
@@ -343,60 +347,19 @@ class LlamaCppSlot:
 
 
 # ------------------------------------------------------------------------------------------------ kvboost
-class _Rows:
-    """Stands in for a KV tensor ``[layers, kv_heads, tokens, head_dim]``: only its token count is real."""
-
-    __slots__ = ("tokens",)
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (1, 1, self.tokens, 0)
-
-    def __getitem__(self, index: Any) -> _Rows:
-        return _Rows(len(range(self.tokens)[index[2]]))
-
-
-class _TokenPayload:
-    """A stored chunk without tensors: ``nbytes`` = tokens x bytes per token."""
-
-    __slots__ = ("nbytes", "num_tokens")
-
-    def __init__(self, num_tokens: int, bytes_per_token: int) -> None:
-        self.num_tokens = num_tokens
-        self.nbytes = num_tokens * bytes_per_token
-
-
-class _TokenCountQuantizer:
-    """The quantizer seam of ``lookup`` and ``store_sequence``: payloads carry token counts only."""
-
-    lossless = True  # lookup "dequantizes" every hit (to row counts) instead of handing the payload on
-
-    def __init__(self, bytes_per_token: int) -> None:
-        self.bytes_per_token = bytes_per_token
-
-    def quantize(self, keys: _Rows, values: _Rows) -> _TokenPayload:
-        return _TokenPayload(keys.tokens, self.bytes_per_token)
-
-    def dequantize(self, payload: _TokenPayload) -> tuple[_Rows, _Rows]:
-        return _Rows(payload.num_tokens), _Rows(payload.num_tokens)
-
-
 class KVBoostStore:
-    """kvboost's real store, lookup and store path on tensor-free payloads (see the module docstring).
-
-    What is stored is decided by the engine's own ``kvboost.cache.sequence_store.store_sequence``, so what is
-    stored is what the engine stores (with token-count payloads).
+    """kvboost's real memory tier, lookup and store path, tensor-free (``experiments/sims/pool_model.py``; see the
+    module docstring): the pool's blocks are the cache, ``capacity_tokens // block_size`` cached blocks at most,
+    made room for in eviction order as each chunk is stored, as the engine does.
 
     Args:
-        capacity_tokens: the tier's budget in tokens (bytes = tokens x ``bytes_per_token``).
+        capacity_tokens: the cache's budget in tokens (whole blocks: ``capacity_tokens // block_size`` of them).
         chunk_size: the ``fixed`` chunker's size (ignored when ``chunker`` is given).
+        block_size: tokens per KV pool block (the engine's ``kv.block_size``, default 16).
         chunker, hasher, eviction: plugin specs as ``InferenceEngine`` takes them.
-        bytes_per_token: bytes one token's payload weighs (1: the budget is in tokens; a model's KV bytes
-            per token reproduces a real engine's byte budget).
         content: look up content hits after the exact frontier (the engine does when the model's RoPE allows).
+        num_blocks: the pool's size (default: the capacity plus the engine's minimum working set); a test passes
+            the engine's own.
     """
 
     name = "kvboost"
@@ -406,34 +369,29 @@ class KVBoostStore:
         capacity_tokens: int,
         chunk_size: int = KVBOOST_CHUNK_SIZE,
         *,
+        block_size: int = KVBOOST_BLOCK_SIZE,
         chunker: Any = None,
         hasher: Any = "sha256",
         eviction: Any = None,
-        bytes_per_token: int = 1,
         content: bool = True,
+        num_blocks: int | None = None,
     ) -> None:
-        self.capacity_tokens = _check_capacity(self.name, capacity_tokens)
-        if not isinstance(bytes_per_token, int) or isinstance(bytes_per_token, bool) or bytes_per_token < 1:
-            raise ValueError(f"kvboost: bytes_per_token must be a positive integer, got {bytes_per_token!r}")
-        self.chunker = CHUNKERS.build(chunker if chunker is not None else {"name": "fixed", "chunk_size": chunk_size})
-        self.hasher = HASHERS.build(hasher)
-        eviction = eviction if eviction is not None else {"name": "lru", "leaves_first": True}
-        self.store = KVStore([MemoryTier(capacity=capacity_tokens * bytes_per_token, eviction=eviction)])
-        self.quantizer = _TokenCountQuantizer(bytes_per_token)
-        self.content = content
-        self.fingerprint = f"simulate_peers|chunk={self.chunker.fingerprint()}|hash={self.hasher.fingerprint()}"
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"kvboost: block_size must be a positive integer, got {block_size!r}")
+        self.capacity_tokens = _check_capacity(self.name, capacity_tokens, block_size,
+                                               f": one {block_size}-token block")  # fmt: skip
+        self.model = PoolModel(capacity_tokens // block_size, block_size=block_size, num_blocks=num_blocks,
+                               chunker=chunker if chunker is not None else {"name": "fixed", "chunk_size": chunk_size},
+                               hasher=hasher, eviction=eviction, content=content)  # fmt: skip
+        self.store, self.pool, self.chunker = self.model.store, self.model.pool, self.model.chunker
+
+    @property
+    def used_blocks(self) -> int:
+        """Idle cached blocks (between requests: every cached block)."""
+        return self.model.used_blocks
 
     def serve(self, token_ids: Sequence[int]) -> int:
-        ids = list(token_ids)
-        spans = self.chunker.split(ids)
-        keys = self.hasher.chunk_keys(ids, spans, self.fingerprint, "")
-        plan = lookup(ids, spans, keys, self.store, self.quantizer, max_reuse=len(ids) - 1, content=self.content)
-        # recompute=none: KV after the first content hit is approximate (the engine's approx_from)
-        approx_from = next((p.start for p in plan.placements if p.kind == "content"), None)
-        store_sequence(self.store, chunker=self.chunker, hasher=self.hasher, fingerprint=self.fingerprint, seq=ids,
-                       spans=spans, approx_from=approx_from,
-                       payload_of=lambda a, b: self.quantizer.quantize(_Rows(b - a), _Rows(b - a)))  # fmt: skip
-        return plan.reused_tokens
+        return self.model.serve(token_ids).reused_tokens
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -663,7 +621,9 @@ def run(
             "max_prompt_tokens": max_prompt_tokens, "capacity_tokens": capacity_tokens, "chunk_size": chunk_size,
             "systems": list(systems), "vllm_block_size": VLLM_BLOCK_SIZE, "lmcache_chunk_size": LMCACHE_CHUNK_SIZE,
             "lmcache_save_unfull_chunk": lmcache_save_unfull_chunk, "kvboost_eviction": "lru (leaves_first)",
-            "kvboost_bytes_per_token": 1, "tokens_simulated": "prompt tokens only",
+            "kvboost_block_size": KVBOOST_BLOCK_SIZE, "kvboost_capacity_blocks": capacity_tokens // KVBOOST_BLOCK_SIZE,
+            "kvboost_memory_tier": "KV pool blocks (experiments/sims/pool_model.py)",
+            "tokens_simulated": "prompt tokens only",
         },  # fmt: skip
         "trace": {order: trace_stats(trace) for order, trace in traces.items()},
         "timings": timings,

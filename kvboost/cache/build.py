@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from kvboost.cache.store import KVStore
+from kvboost.cache.tier_base import CacheTier
 from kvboost.registry import CACHE_TIERS
 
 
-def build_store(cache: Any, eviction: Any = None) -> KVStore:
-    """The store of ``cache``: one tier spec, or a list of tier specs fastest first (default: ``memory``).
+@dataclass
+class TierStack:
+    """The tiers of a store, fastest first, before the store is made (the engine puts its pool tier first)."""
+
+    tiers: list[CacheTier]
+    write_through: list[bool]
+
+    def build(self) -> KVStore:
+        return KVStore(self.tiers, write_through=self.write_through)
+
+
+def build_tiers(cache: Any, eviction: Any = None) -> TierStack:
+    """The tiers of ``cache``: one tier spec, or a list of tier specs fastest first (default: ``memory``).
     A spec's ``write_through`` flag is the store's setting for that tier; ``eviction`` is given to every tier that
     takes one and does not name its own."""
     specs = list(cache) if isinstance(cache, (list, tuple)) else [cache or {"name": "memory"}]
     specs, write_through = zip(*(_split_write_through(spec) for spec in specs))
-    tiers = [CACHE_TIERS.build(_with_eviction(spec, eviction)) for spec in specs]
-    return KVStore(tiers, write_through=write_through)
+    return TierStack([CACHE_TIERS.build(_with_eviction(spec, eviction)) for spec in specs], list(write_through))
 
 
 def _is_mapping(spec: Any) -> bool:

@@ -37,31 +37,27 @@ other paths have ``~`` and ``$VARS`` expanded.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 import uuid
 import weakref
-from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 
 from kvboost.cache import payload as fmt
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.memory import parse_bytes
-from kvboost.cache.record_tier import Loaded, RecordTier, decode_record
-from kvboost.registry import CACHE_TIERS, EVICTION
+from kvboost.cache.record_tier import Loaded, RecordStats, RecordTier, _Job, _Rec, _Writer, decode_record
+from kvboost.registry import CACHE_TIERS
 
 log = logging.getLogger(__name__)
 
@@ -77,215 +73,42 @@ def record_name(key: str) -> str:
     return xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
 
 
-class _MetaPayload:
-    """Stands for a payload that was not loaded (``peek_meta``, entries evicted out of the store)."""
-
-    __slots__ = ("nbytes", "num_tokens")
-
-    def __init__(self, nbytes: int, num_tokens: int) -> None:
-        self.nbytes, self.num_tokens = nbytes, num_tokens
-
-    def __repr__(self) -> str:
-        return f"<payload not loaded: {self.nbytes} bytes, {self.num_tokens} tokens>"
-
-
-@dataclass(slots=True)
-class _Rec:
-    """The index's books on one record (no tensors)."""
-
-    nbytes: int
-    file: Path
-    segment: str
-    parent: str | None
-    exact: bool
-    pinned: bool
-    start: int
-    tokens: array
-
-    def meta_entry(self, key: str) -> KVEntry:
-        ids = tuple(self.tokens)
-        return KVEntry(key, self.segment, self.parent, ids, self.start, _MetaPayload(self.nbytes, len(ids)),
-                       pinned=self.pinned, exact=self.exact)  # fmt: skip
-
-
-@dataclass(eq=False)
-class _Job:
-    kind: str  # "write" | "delete"
-    key: str
-    file: Path
-    entry: KVEntry | None = None
-    fingerprint: str = ""
-    quantizer: dict[str, Any] | None = None
-    nbytes: int = 0
-    cancelled: bool = False
+def record_path(root: Path, key: str) -> Path:
+    """The record file of ``key`` under ``root`` (``<root>/<2 hex>/<32 hex>.kvr``)."""
+    name = record_name(key)
+    return root / name[:2] / name
 
 
 @dataclass
-class DiskStats:
-    writes: int = 0
-    write_bytes: int = 0
-    write_errors: int = 0
-    write_stalls: int = 0
-    deletes: int = 0
-    reads: int = 0
-    read_bytes: int = 0
-    read_ms: float = 0.0
-    served_from_queue: int = 0
-    corrupt_dropped: int = 0
-    missing_dropped: int = 0
-    foreign_skipped: int = 0
-    other_version_skipped: int = 0
-    scanned: int = 0
+class DiskStats(RecordStats):
     scan_evicted: int = 0
     tmp_cleaned: int = 0
 
 
-class _Writer:
-    """The write queue and its thread. Holds no reference to the tier (so the tier can be collected)."""
+class _DiskWriter(_Writer):
+    """The write queue's thread writing record files (atomic renames, fsync)."""
 
-    def __init__(self, fsync: bool, max_pending_bytes: int, stats: DiskStats) -> None:
+    def __init__(self, root: Path, fsync: bool, max_pending_bytes: int, stats: DiskStats) -> None:
+        super().__init__(max_pending_bytes, stats)
+        self.root = root
         self.fsync = fsync
-        self.max_pending_bytes = max_pending_bytes
-        self.stats = stats
-        self._cv = threading.Condition()
-        self._queue: deque[_Job] = deque()
-        self._pending: dict[str, _Job] = {}  # key -> its latest write not yet on disk
-        self._pending_bytes = 0
-        self._busy = False
-        self._stop = False
-        self._thread: threading.Thread | None = None
         self._warned = False
 
-    # ------------------------------------------------------------------ producer side (the tier's thread)
-    def submit_write(self, job: _Job) -> None:
-        with self._cv:
-            self._cancel_locked(job.key)
-            if self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
-                self.stats.write_stalls += 1
-                self._ensure_thread_locked()
-                while self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
-                    if not self._thread_alive():
-                        break
-                    self._cv.wait(0.1)
-            self._pending[job.key] = job
-            self._pending_bytes += job.nbytes
-            self._queue.append(job)
-            self._ensure_thread_locked()
-            self._cv.notify_all()
+    def _store(self, job: _Job, header: dict[str, Any], data: bytes) -> None:
+        atomic_write(record_path(self.root, job.key), data, fsync=self.fsync)
 
-    def submit_delete(self, key: str, file: Path) -> None:
-        with self._cv:
-            self._cancel_locked(key)
-            self._queue.append(_Job("delete", key, file))
-            self._ensure_thread_locked()
-            self._cv.notify_all()
-
-    def pending_entry(self, key: str) -> KVEntry | None:
-        with self._cv:
-            job = self._pending.get(key)
-            return job.entry if job is not None else None
-
-    def pending_count(self) -> tuple[int, int]:
-        with self._cv:
-            return len(self._pending), self._pending_bytes
-
-    def flush(self) -> None:
-        """Return once every queued write and delete is done."""
-        with self._cv:
-            while self._queue or self._busy:
-                if not self._thread_alive():
-                    break
-                self._cv.wait(0.1)
-        self._drain_here()  # no live thread (interpreter exit, or it died): do the rest in this thread
-
-    def close(self, *, discard: bool = False) -> None:
-        if discard:
-            with self._cv:
-                for job in self._queue:
-                    job.cancelled = True
-                self._queue.clear()
-                self._pending.clear()
-                self._pending_bytes = 0
-        self.flush()
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
-
-    # ------------------------------------------------------------------ internals
-    def _cancel_locked(self, key: str) -> None:
-        job = self._pending.pop(key, None)
-        if job is not None:
-            job.cancelled = True
-            self._pending_bytes -= job.nbytes
-
-    def _thread_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _ensure_thread_locked(self) -> None:
-        if self._thread_alive():
-            return
-        self._stop = False
+    def _remove(self, job: _Job) -> bool:
         try:
-            self._thread = threading.Thread(target=self._run, name="kvboost-disk-writer", daemon=True)
-            self._thread.start()
-        except RuntimeError:  # interpreter shutting down: flush() drains in the caller's thread
-            self._thread = None
+            os.unlink(record_path(self.root, job.key))
+            return True
+        except FileNotFoundError:
+            return False
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-                self._busy = True
-            try:
-                self._do(job)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def _drain_here(self) -> None:
-        while True:
-            with self._cv:
-                if not self._queue or self._busy:
-                    return
-                job = self._queue.popleft()
-            self._do(job)
-
-    def _do(self, job: _Job) -> None:
-        try:
-            if job.kind == "delete":
-                try:
-                    os.unlink(job.file)
-                    self.stats.deletes += 1
-                except FileNotFoundError:
-                    pass
-            elif not job.cancelled:
-                assert job.entry is not None
-                header = fmt.build_header(job.entry, fingerprint=job.fingerprint, quantizer_settings=job.quantizer)
-                data = fmt.encode_prepared(header, fmt.prepare_tensors(job.entry.payload))
-                if not job.cancelled:
-                    atomic_write(job.file, data, fsync=self.fsync)
-                    self.stats.writes += 1
-                    self.stats.write_bytes += len(data)
-        except Exception as exc:  # a full disk must not kill the thread: the entry becomes a miss later
-            self.stats.write_errors += 1
-            if not self._warned:
-                self._warned = True
-                log.warning("kvboost disk tier: cannot %s %s: %s (further errors are only counted)", job.kind,
-                            job.file, exc)  # fmt: skip
-        finally:
-            if job.kind == "write":
-                with self._cv:
-                    if self._pending.get(job.key) is job:
-                        del self._pending[job.key]
-                        self._pending_bytes -= job.nbytes
+    def _report(self, job: _Job, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("kvboost disk tier: cannot %s %s: %s (further errors are only counted)", job.kind,
+                        record_path(self.root, job.key), exc)  # fmt: skip
 
 
 def atomic_write(file: Path, data: bytes, *, fsync: bool = True) -> None:
@@ -344,27 +167,6 @@ def _tmp_is_stale(name: str, mtime: float, now: float) -> bool:
     return False
 
 
-def _detach(payload: Any) -> Any:
-    """``payload`` with every tensor that is a view into a larger buffer cloned (so later writes to that buffer
-    cannot reach the queued record); payloads whose tensors own their storage are returned as they are."""
-    if not dataclasses.is_dataclass(payload):
-        return payload
-    changes = {}
-    for f in dataclasses.fields(payload):
-        t = getattr(payload, f.name)
-        if isinstance(t, torch.Tensor) and not _owns_storage(t):
-            changes[f.name] = t.clone(memory_format=torch.contiguous_format)
-    return dataclasses.replace(payload, **changes) if changes else payload
-
-
-def _owns_storage(t: torch.Tensor) -> bool:
-    return (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
-
-
 def resolve_path(path: str | os.PathLike[str] | None) -> tuple[Path, bool]:
     """(folder, private) for the ``path`` option."""
     if path is None:
@@ -403,7 +205,6 @@ class DiskTier(RecordTier):
     See the module docstring for the file layout, crash safety and sharing a folder between processes.
     """
 
-
     def __init__(
         self,
         path: str | os.PathLike[str] | None = None,
@@ -414,156 +215,53 @@ class DiskTier(RecordTier):
         device: str | None = None,
         background_bytes: int | str = "256MiB",
     ) -> None:
-        self.capacity_bytes = parse_bytes(capacity)
-        self.eviction = EVICTION.build("lru" if eviction is None else eviction)
+        self.disk_stats = DiskStats()  # the tier's record_stats
+        super().__init__(capacity=capacity, eviction=eviction, device=device, background_bytes=background_bytes,
+                         stats=self.disk_stats)  # fmt: skip
+        pending = parse_bytes(max_pending_bytes)
         self.root, private = resolve_path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.persistent = not private
-        self.device = device
-        self.background_bytes = parse_bytes(background_bytes, allow_zero=True)
-        self.disk_stats = DiskStats()
-        self._writer = _Writer(bool(fsync), parse_bytes(max_pending_bytes), self.disk_stats)
-        self._index: dict[str, _Rec] = {}
-        self._used = 0
-        self._pinned: set[str] = set()
-        self._fingerprint: Callable[[], str] | None = None
-        self._quantizer: dict[str, Any] | None = None
-        self._last: tuple[str, KVEntry] | None = None  # the last entry read (peek then get; get then remove)
-        self._closed = False
+        self._writer = _DiskWriter(self.root, bool(fsync), pending, self.disk_stats)
         self._finalizer = weakref.finalize(self, _shutdown, self._writer, self.root if private else None)
         self._scan()
 
-    # ------------------------------------------------------------------ contract (put: RecordTier)
+    # ------------------------------------------------------------------ the medium (the rest: RecordTier)
     @property
     def location(self) -> str:
         return str(self.root)
 
-    def _queue_write(self, entry: KVEntry) -> _Rec:
-        """Hand ``entry`` to the writer (a snapshot of its tensors); returns its books."""
-        snapshot = dataclasses.replace(entry, payload=_detach(entry.payload))
-        file = self._file(entry.key)
-        fp = self._current_fingerprint()
-        self._writer.submit_write(_Job("write", entry.key, file, snapshot, fp or "", self._quantizer, entry.nbytes))
-        return _Rec(entry.nbytes, file, entry.segment_key, entry.parent_key, entry.exact, entry.pinned, entry.start,
-                    array("q", entry.token_ids))  # fmt: skip
+    def _stats_place(self) -> dict[str, Any]:
+        return {"path": str(self.root)}
 
-    def remove(self, key: str) -> KVEntry | None:
-        rec = self._index.get(key)
-        if rec is None:
-            return None
-        entry = self._writer.pending_entry(key) or self._cached(key)
-        if entry is None:
-            entry = self._load(key, rec, drop_on_error=False) or rec.meta_entry(key)
-        self._discard(key)
-        return entry
-
-    # ------------------------------------------------------------------ lifecycle and stats
-    def flush(self) -> None:
-        """Wait until every queued write and delete is on disk."""
-        self._writer.flush()
-
-    def close(self) -> None:
-        """Flush and stop the writer (a private folder is deleted instead). Idempotent."""
-        self._closed = True
-        self._stop_background()
-        self._finalizer()
-
-    def stats(self) -> dict[str, Any]:
-        pending, pending_bytes = self._writer.pending_count()
-        out: dict[str, Any] = dataclasses.asdict(self.disk_stats)
-        out.update(self._background_stats())
-        out.update(path=str(self.root), persistent=self.persistent, pending_writes=pending,
-                   pending_bytes=pending_bytes)  # fmt: skip
-        out["read_ms_per_mib"] = out["read_ms"] / (out["read_bytes"] / 2**20) if out["read_bytes"] else None
-        return out
-
-    # ------------------------------------------------------------------ internals
     def _file(self, key: str) -> Path:
-        name = record_name(key)
-        return self.root / name[:2] / name
+        return record_path(self.root, key)
 
-    def _add(self, key: str, rec: _Rec) -> None:
-        self._index[key] = rec
-        self._used += rec.nbytes
-        if rec.pinned:
-            self._pinned.add(key)
-        self.eviction.on_insert(key)
-
-    def _forget(self, key: str) -> _Rec | None:
-        """Drop ``key`` from the books (its file is left as it is)."""
-        rec = self._index.pop(key, None)
-        if rec is not None:
-            self._used -= rec.nbytes
-            self._pinned.discard(key)
-            self.eviction.on_remove(key)
-        if self._last is not None and self._last[0] == key:
-            self._last = None
-        self._drop_ahead(key)
-        return rec
-
-    def _discard(self, key: str) -> None:
-        """Drop ``key`` and delete its record (queued behind any write of it)."""
-        rec = self._forget(key)
-        if rec is not None:
-            self._writer.submit_delete(key, rec.file)
-
-    def _evict(self, key: str) -> KVEntry:
-        """Evict ``key`` during a put: its entry with the payload when a slower tier takes it, else its books."""
-        rec = self._index[key]
-        entry = None
-        if not self.last_in_store:
-            entry = self._writer.pending_entry(key) or self._cached(key) or self._load(key, rec, drop_on_error=False)
-        self._discard(key)
-        return entry if entry is not None else rec.meta_entry(key)
-
-    def _read(self, key: str) -> KVEntry | None:
-        rec = self._index.get(key)
-        if rec is None:
-            return None
-        entry = self._writer.pending_entry(key)
-        if entry is not None:
-            self.disk_stats.served_from_queue += 1
-            return entry
-        entry = self._cached(key)
-        if entry is None:
-            entry = self._load(key, rec, drop_on_error=True)
-            if entry is not None:
-                self._last = (key, entry)
-        return entry
-
-    def _load(self, key: str, rec: _Rec, *, drop_on_error: bool) -> KVEntry | None:
-        """Read (or take the background read of) and check the record of ``key``; on failure None, and
-        (``drop_on_error``) the key forgotten and a damaged file deleted."""
+    def _load(self, key: str, *, drop_on_error: bool, ahead: bool = True) -> KVEntry | None:
         loaded = self._take_ahead(key)
         if loaded is None:
-            loaded = _read_record(rec.file, key, self._current_fingerprint(), self.device)
-        exc = loaded.error
-        if exc is None:
-            self.disk_stats.reads += 1
-            self.disk_stats.read_bytes += loaded.read_bytes
-            self.disk_stats.read_ms += loaded.ms
-            return loaded.entry
-        if isinstance(exc, fmt.CorruptRecord):
-            log.warning("kvboost disk tier: dropping damaged record %s: %s", rec.file, exc)
-            self.disk_stats.corrupt_dropped += 1
-            self._forget(key)
-            _unlink(rec.file, loaded.ino)
-            return None
-        if isinstance(exc, OSError):
-            if not isinstance(exc, FileNotFoundError):
-                log.warning("kvboost disk tier: cannot read %s: %s", rec.file, exc)
-            if drop_on_error:
-                self.disk_stats.missing_dropped += 1
-        elif isinstance(exc, fmt.ForeignRecord):
-            self.disk_stats.foreign_skipped += 1
-        else:  # another format version, an unknown payload type
-            self.disk_stats.other_version_skipped += 1
+            loaded = _read_record(self._file(key), key, self._current_fingerprint(), self.device)
+        return self._settle(key, loaded, drop_on_error=drop_on_error)
+
+    def _drop_damaged(self, key: str, loaded: Loaded) -> None:
+        """Forget ``key`` and delete its file now, if the name still holds the inode read (another process may
+        have renamed a new record over it meanwhile)."""
+        file = self._file(key)
+        log.warning("kvboost disk tier: dropping damaged record %s: %s", file, loaded.error)
+        self._forget(key)
+        _unlink(file, loaded.ino)
+
+    def _read_failed(self, key: str, exc: BaseException, *, drop_on_error: bool) -> bool:
+        if not isinstance(exc, OSError):
+            return False
+        if not isinstance(exc, FileNotFoundError):  # a vanished file (another process deleted it) is routine
+            log.warning("kvboost disk tier: cannot read %s: %s", self._file(key), exc)
         if drop_on_error:
-            self._forget(key)
-        return None
+            self.disk_stats.missing_dropped += 1
+        return True
 
     def _read_job(self, keys: list[str]) -> Iterator[tuple[str, Loaded]]:
-        files = [(k, self._index[k].file) for k in keys]
+        files = [(k, self._file(k)) for k in keys]
 
         def job() -> Iterator[tuple[str, Loaded]]:
             for key, file in files:
@@ -573,7 +271,7 @@ class DiskTier(RecordTier):
 
     def _scan(self) -> None:
         """Index the records under ``root`` from their headers; clean temp files of dead writers."""
-        found: list[tuple[float, str, _Rec, Path]] = []
+        found: list[tuple[float, str, _Rec]] = []
         now = time.time()
         for sub in sorted(self.root.iterdir()) if self.root.is_dir() else []:
             if not sub.is_dir() or len(sub.name) != 2:
@@ -590,8 +288,8 @@ class DiskTier(RecordTier):
                     if _tmp_is_stale(name, st.st_mtime, now) and _unlink(Path(item.path)):
                         self.disk_stats.tmp_cleaned += 1
                     continue
-                if not name.endswith(SUFFIX):
-                    continue
+                if not name.endswith(SUFFIX) or not name.startswith(sub.name):
+                    continue  # not a record, or one out of its place (reads look for it at record_path)
                 file = Path(item.path)
                 try:
                     header, ino = _read_header(file)
@@ -608,18 +306,16 @@ class DiskTier(RecordTier):
                     self.disk_stats.other_version_skipped += 1
                     continue
                 try:
-                    rec = _Rec(int(header["nbytes"]), file, header["segment_key"], header.get("parent_key"),
-                               bool(header["exact"]), bool(header.get("pinned", False)), int(header["start"]),
-                               array("q", header["token_ids"]))  # fmt: skip
+                    rec = _Rec.from_meta(header)
                     rec.meta_entry(header["key"])  # validates (an exact entry has a parent, ...)
                 except (TypeError, ValueError, OverflowError) as exc:
                     log.warning("kvboost disk tier: dropping damaged record %s: %s", file, exc)
                     if _unlink(file, ino):
                         self.disk_stats.corrupt_dropped += 1
                     continue
-                found.append((st.st_mtime, header["key"], rec, file))
+                found.append((st.st_mtime, header["key"], rec))
         found.sort(key=lambda x: (x[0], x[1]))
-        for _, key, rec, _ in found:
+        for _, key, rec in found:
             if key in self._index:  # the same key twice cannot happen (the name is the key's hash)
                 continue
             self._add(key, rec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,3 +59,12 @@ class KVEntry:
 def segment_only_key(segment_key: str) -> str:
     """Primary key of a repaired entry stored under its segment key only."""
     return SEGMENT_ONLY_PREFIX + segment_key
+
+
+def approximate_segment_key(segment_key: str, strategy: str) -> str:
+    """The segment key of KV computed with repair by the recompute strategy whose fingerprint is ``strategy``.
+
+    Repaired KV is approximate and depends on the strategy and its settings (a CacheBlend ratio): entries of one
+    strategy are never served to another (a ratio sweep sharing a disk tier would otherwise feed one arm's KV into
+    the next). Exact entries keep the content segment key: they serve content hits under any strategy."""
+    return hashlib.sha256(f"{segment_key}|approx={strategy}".encode()).hexdigest()

@@ -1,12 +1,22 @@
-"""In-memory tier (device or host memory, wherever the tensors live) with a byte budget."""
+"""In-memory tier of standalone payloads (wherever their tensors live) with a byte budget.
+
+With a lossless KV quantizer the engine serves ``cache: memory`` from its KV pool instead (``PoolTier``: entries
+are runs of pool blocks, the pool is the budget). This tier holds what is not rows of the pool: quantized payloads
+(``quant=kivi*``: the pool then caches nothing and hits are dequantized into fresh blocks), a host-memory tier below
+the pool on a GPU (``kv.host_bytes``: ``device="cpu"``; a hit is copied into the request's fresh blocks), and the
+cache simulators' payloads.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
 from typing import Any
 
-from kvboost.cache.entry import SEGMENT_ONLY_PREFIX, KVEntry
-from kvboost.cache.tier_base import CacheTier, choose_victims
+import torch
+
+from kvboost.cache.entry import KVEntry
+from kvboost.cache.payload import payload_to_device
+from kvboost.cache.tier_base import DictTier, choose_victims
 from kvboost.registry import CACHE_TIERS, EVICTION
 
 
@@ -35,12 +45,9 @@ def parse_bytes(value: float | str, *, allow_zero: bool = False) -> int:
     return out
 
 
-_NO_KEY = SEGMENT_ONLY_PREFIX + "<pool pressure>"
-
-
 @CACHE_TIERS.register("memory")
-class MemoryTier(CacheTier):
-    """A dict of entries under a byte budget, evicting by the given policy.
+class MemoryTier(DictTier):
+    """A dict of entries (standalone payloads) under a byte budget, evicting by the given policy.
 
     ``put`` chooses all its victims before evicting any (each chosen victim counts as gone for the
     leaves-first guard, so its parent may be chosen next): if they cannot free enough room, the entry is
@@ -50,12 +57,12 @@ class MemoryTier(CacheTier):
         capacity: byte budget (int or a string such as ``"2GiB"``).
         eviction: eviction policy: a name, a config mapping (``{"name": "lru", "leaves_first": true}``) or
             an ``EvictionPolicy`` instance not shared with another tier (default ``lru``).
+        device: where its payloads live (``"cpu"``: a host-memory tier below a GPU's pool); None: where they come.
     """
 
-    holds_references = True
-
-    def __init__(self, capacity: int | str = "2GiB", eviction: Any = "lru") -> None:
+    def __init__(self, capacity: int | str = "2GiB", eviction: Any = "lru", device: str | None = None) -> None:
         self.capacity_bytes = parse_bytes(capacity)
+        self.device = torch.device(device) if device is not None else None
         self.eviction = EVICTION.build("lru" if eviction is None else eviction)
         self._entries: dict[str, KVEntry] = {}
         self._used = 0
@@ -72,6 +79,8 @@ class MemoryTier(CacheTier):
             victims = choose_victims(self, self.eviction, self._pinned, entry, need, self._entries.get)
             if victims is None:  # everything left is protected: reject, evict nothing
                 return [entry]
+        if self.device is not None:
+            entry = dataclasses.replace(entry, payload=payload_to_device(entry.payload, self.device))
         evicted = [e for e in (self.remove(k) for k in victims) if e is not None]
         if old is not None:
             self.remove(entry.key)
@@ -82,24 +91,6 @@ class MemoryTier(CacheTier):
         self.eviction.on_insert(entry.key)
         return evicted
 
-    def evict_one(self) -> KVEntry | None:
-        if not self._entries:
-            return None
-        # A stand-in for the incoming entry of a put: it has no parent, so only pins and children protect.
-        incoming = KVEntry(key=_NO_KEY, segment_key=_NO_KEY, parent_key=None, token_ids=(), start=0, payload=None,
-                           exact=False)  # fmt: skip
-        victims = choose_victims(self, self.eviction, self._pinned, incoming, 1, self._entries.get)
-        return self.remove(victims[0]) if victims else None
-
-    def get(self, key: str) -> KVEntry | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self.eviction.on_access(key)
-        return entry
-
-    def peek(self, key: str) -> KVEntry | None:
-        return self._entries.get(key)
-
     def remove(self, key: str) -> KVEntry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
@@ -107,15 +98,6 @@ class MemoryTier(CacheTier):
             self._pinned.discard(key)
             self.eviction.on_remove(key)
         return entry
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def keys(self) -> Iterator[str]:
-        return iter(list(self._entries))
 
     @property
     def used_bytes(self) -> int:

@@ -142,6 +142,14 @@ def payload_from_tensors(type_name: str, tensors: dict[str, torch.Tensor], field
     return cls(**tensors, **fields)
 
 
+def payload_to_device(payload: Any, device: torch.device) -> Any:
+    """``payload`` with its tensors on ``device`` (the payload itself when they are there already)."""
+    tensors, fields = payload_to_tensors(payload)
+    if all(t.device == device for t in tensors.values()):
+        return payload
+    moved = {name: t.to(device) for name, t in tensors.items()}
+    return payload_from_tensors(payload_type_name(payload), moved, fields)
+
 # ---------------------------------------------------------------------------------------------- encode
 def prepare_tensors(payload: Any) -> dict[str, torch.Tensor]:
     """The payload's tensors as standalone CPU tensors (what ``encode`` will write)."""

@@ -61,24 +61,21 @@ entry as soon as the writer has sent it (every hit then pays a network load).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
 import time
 import weakref
-from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvboost.cache import payload as fmt
-from kvboost.cache.disk import _detach, _Job, _MetaPayload, _Writer
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.memory import parse_bytes
-from kvboost.cache.record_tier import Loaded, RecordTier, decode_record
-from kvboost.registry import CACHE_TIERS, EVICTION
+from kvboost.cache.record_tier import Loaded, RecordStats, RecordTier, _Job, _Rec, _Writer, decode_record
+from kvboost.registry import CACHE_TIERS
 
 log = logging.getLogger(__name__)
 
@@ -120,25 +117,11 @@ return seq
 
 
 @dataclass
-class RedisStats:
-    writes: int = 0
-    write_bytes: int = 0
-    write_errors: int = 0
-    write_stalls: int = 0
-    deletes: int = 0
-    reads: int = 0
-    read_bytes: int = 0
-    read_ms: float = 0.0
+class RedisStats(RecordStats):
     read_errors: int = 0
     round_trips: int = 0  # network calls made for reads (a pipeline counts once)
-    served_from_queue: int = 0
     prefetched: int = 0  # records loaded by prefetch or read-ahead
     prefetch_hits: int = 0  # gets served from the prefetch buffer
-    corrupt_dropped: int = 0
-    missing_dropped: int = 0
-    foreign_skipped: int = 0
-    other_version_skipped: int = 0
-    scanned: int = 0  # entries indexed at start
     stale_index_dropped: int = 0  # index entries whose record was gone
     rebuilt_from_records: int = 0  # records indexed by SCAN (the index hash was missing)
     skipped_over_capacity: int = 0  # entries in Redis not indexed here: this process's budget was full
@@ -203,44 +186,27 @@ class _Link:
 
 
 class _RedisWriter(_Writer):
-    """The disk tier's write queue and thread, writing to Redis instead of files."""
+    """The record tiers' write queue and thread, writing to Redis (one Lua script a write or delete)."""
 
     def __init__(self, link: _Link, max_pending_bytes: int, stats: RedisStats) -> None:
-        super().__init__(False, max_pending_bytes, stats)
+        super().__init__(max_pending_bytes, stats)
         self.link = link
 
-    def _do(self, job: _Job) -> None:
-        link = self.link
-        try:
-            if job.cancelled and job.kind == "write":
-                return
-            if not link.available():
-                self.stats.write_errors += 1
-                return
-            if job.kind == "delete":
-                link.delete(job.key)
-                self.stats.deletes += 1
-            else:
-                assert job.entry is not None
-                header = fmt.build_header(job.entry, fingerprint=job.fingerprint, quantizer_settings=job.quantizer)
-                data = fmt.encode_prepared(header, fmt.prepare_tensors(job.entry.payload))
-                if job.cancelled:
-                    return
-                link.put(job.key, _meta_json(header), data)
-                self.stats.writes += 1
-                self.stats.write_bytes += len(data)
-        except link.errors as exc:  # the server is gone or refuses: the entry becomes a miss later
-            self.stats.write_errors += 1
-            link.failed(job.kind, exc)
-        except Exception as exc:  # never kill the thread
-            self.stats.write_errors += 1
+    def _ready(self) -> bool:
+        return self.link.available()  # a server just found down is not tried again for retry_after_s
+
+    def _store(self, job: _Job, header: dict[str, Any], data: bytes) -> None:
+        self.link.put(job.key, _meta_json(header), data)
+
+    def _remove(self, job: _Job) -> bool:
+        self.link.delete(job.key)
+        return True
+
+    def _report(self, job: _Job, exc: Exception) -> None:
+        if isinstance(exc, self.link.errors):  # the server is gone or refuses: the entry becomes a miss later
+            self.link.failed(job.kind, exc)
+        else:
             log.warning("kvboost redis tier: cannot %s %s: %s", job.kind, job.key[:16], exc)
-        finally:
-            if job.kind == "write":
-                with self._cv:
-                    if self._pending.get(job.key) is job:
-                        del self._pending[job.key]
-                        self._pending_bytes -= job.nbytes
 
 
 def _meta_json(header: dict[str, Any]) -> bytes:
@@ -248,29 +214,6 @@ def _meta_json(header: dict[str, Any]) -> bytes:
     meta = {name: header.get(name) for name in ("nbytes", "segment_key", "parent_key", "exact", "pinned",
                                                    "start", "token_ids", "fingerprint")}  # fmt: skip
     return json.dumps(meta, separators=(",", ":")).encode()
-
-
-@dataclass(slots=True)
-class _Rec:
-    """The index's books on one entry (no tensors)."""
-
-    nbytes: int
-    segment: str
-    parent: str | None
-    exact: bool
-    pinned: bool
-    start: int
-    tokens: array
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> _Rec:
-        return cls(int(meta["nbytes"]), str(meta["segment_key"]), meta.get("parent_key"), bool(meta["exact"]),
-                   bool(meta.get("pinned", False)), int(meta["start"]), array("q", meta["token_ids"]))  # fmt: skip
-
-    def meta_entry(self, key: str) -> KVEntry:
-        ids = tuple(self.tokens)
-        return KVEntry(key, self.segment, self.parent, ids, self.start, _MetaPayload(self.nbytes, len(ids)),
-                       pinned=self.pinned, exact=self.exact)  # fmt: skip
 
 
 class _Missing:
@@ -286,10 +229,6 @@ class _Unavailable(Exception):
 
 class _RecordGone(Exception):
     """An indexed key whose record was not in Redis (evicted by the server, or deleted by another process)."""
-
-
-def _shutdown(writer: _Writer) -> None:
-    writer.close()
 
 
 @CACHE_TIERS.register("redis")
@@ -338,30 +277,21 @@ class RedisTier(RecordTier):
     ) -> None:
         if not namespace or any(c in namespace for c in ":#"):
             raise ValueError(f"redis tier namespace must be non-empty without ':' or '#', got {namespace!r}")
-        self.capacity_bytes = parse_bytes(capacity)
-        self.eviction = EVICTION.build("lru" if eviction is None else eviction)
+        self.redis_stats = RedisStats()  # the tier's record_stats
+        super().__init__(capacity=capacity, eviction=eviction, device=device, background_bytes=background_bytes,
+                         stats=self.redis_stats)  # fmt: skip
         self.namespace = namespace
         self.readahead = max(0, int(readahead))
         self.prefetch_bytes = parse_bytes(prefetch_bytes)
         self.pipeline_bytes = parse_bytes(pipeline_bytes)
         self.delete_on_remove = bool(delete_on_remove)
-        self.device = device
-        self.background_bytes = parse_bytes(background_bytes, allow_zero=True)
-        self.redis_stats = RedisStats()
         self._link = _Link(url, namespace, float(socket_timeout_s), float(retry_after_s), self.redis_stats)
         self._writer = _RedisWriter(self._link, parse_bytes(max_pending_bytes), self.redis_stats)
-        self._index: dict[str, _Rec] = {}
         self._children: dict[str, dict[str, None]] = {}  # parent -> exact children in this tier (read-ahead)
-        self._used = 0
-        self._pinned: set[str] = set()
-        self._fingerprint: Callable[[], str] | None = None
-        self._quantizer: dict[str, Any] | None = None
-        self._last: tuple[str, KVEntry] | None = None  # the last entry read (peek then get; get then remove)
         self._buffer: OrderedDict[str, bytes | _Missing] = OrderedDict()  # prefetched records
         self._buffer_bytes = 0
         self._seq = 0  # the highest ns#log sequence number this process has indexed
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._writer)
+        self._finalizer = weakref.finalize(self, self._writer.close)
         self._load_index()
 
     @property
@@ -378,27 +308,8 @@ class RedisTier(RecordTier):
     def location(self) -> str:
         return f"{self.namespace} at {self.url}"
 
-    def _queue_write(self, entry: KVEntry) -> _Rec:
-        """Hand ``entry`` to the writer (a snapshot of its tensors); returns its books."""
-        snapshot = dataclasses.replace(entry, payload=_detach(entry.payload))
-        fp = self._current_fingerprint()
-        self._writer.submit_write(_Job("write", entry.key, self._link.record_key(entry.key), snapshot,  # type: ignore[arg-type]
-                                       fp or "", self._quantizer, entry.nbytes))  # fmt: skip
-        return _Rec(entry.nbytes, entry.segment_key, entry.parent_key, entry.exact, entry.pinned, entry.start,
-                    array("q", entry.token_ids))  # fmt: skip
-
-    def remove(self, key: str) -> KVEntry | None:
-        rec = self._index.get(key)
-        if rec is None:
-            return None
-        entry = self._writer.pending_entry(key) or self._cached(key)
-        if entry is None:
-            entry = self._load(key, drop_on_error=False, ahead=False) or rec.meta_entry(key)
-        if self.delete_on_remove:
-            self._discard(key)
-        else:
-            self._forget(key)
-        return entry
+    def _stats_place(self) -> dict[str, Any]:
+        return {"url": _redact(self.url), "namespace": self.namespace}
 
     # ------------------------------------------------------------------ pipelined reads, other processes' writes
     def prefetch(self, keys: Iterable[str]) -> int:
@@ -427,39 +338,20 @@ class RedisTier(RecordTier):
         self.redis_stats.refreshed += len(added)
         return [self._index[k].meta_entry(k) for k in added if k in self._index]
 
-    # ------------------------------------------------------------------ lifecycle and stats
-    def flush(self) -> None:
-        """Wait until every queued write and delete has been sent (or failed and been counted)."""
-        self._writer.flush()
-
+    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Flush and stop the writer; close the connections. Idempotent."""
-        self._closed = True
-        self._stop_background()
-        self._finalizer()
+        super().close()
         try:
             self._link.client.close()
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
 
-    def stats(self) -> dict[str, Any]:
-        pending, pending_bytes = self._writer.pending_count()
-        out: dict[str, Any] = dataclasses.asdict(self.redis_stats)
-        out.update(self._background_stats())
-        out.update(url=_redact(self.url), namespace=self.namespace, persistent=self.persistent,
-                   pending_writes=pending, pending_bytes=pending_bytes)  # fmt: skip
-        out["read_ms_per_mib"] = out["read_ms"] / (out["read_bytes"] / 2**20) if out["read_bytes"] else None
-        return out
-
-    # ------------------------------------------------------------------ books
+    # ------------------------------------------------------------------ books (the children and the buffer too)
     def _add(self, key: str, rec: _Rec) -> None:
-        self._index[key] = rec
-        self._used += rec.nbytes
-        if rec.pinned:
-            self._pinned.add(key)
+        super()._add(key, rec)
         if rec.exact and rec.parent is not None:
             self._children.setdefault(rec.parent, {})[key] = None
-        self.eviction.on_insert(key)
 
     def forget(self, key: str) -> None:
         """Drop ``key`` from this process's books, leaving the record in Redis for the others."""
@@ -467,38 +359,15 @@ class RedisTier(RecordTier):
 
     def _forget(self, key: str) -> _Rec | None:
         """Drop ``key`` from the books (the record in Redis is left as it is)."""
-        rec = self._index.pop(key, None)
-        if rec is not None:
-            self._used -= rec.nbytes
-            self._pinned.discard(key)
-            self.eviction.on_remove(key)
-            if rec.exact and rec.parent is not None:
-                kids = self._children.get(rec.parent)
-                if kids is not None:
-                    kids.pop(key, None)
-                    if not kids:
-                        del self._children[rec.parent]
-        if self._last is not None and self._last[0] == key:
-            self._last = None
+        rec = super()._forget(key)
+        if rec is not None and rec.exact and rec.parent is not None:
+            kids = self._children.get(rec.parent)
+            if kids is not None:
+                kids.pop(key, None)
+                if not kids:
+                    del self._children[rec.parent]
         self._unbuffer(key)
-        self._drop_ahead(key)
         return rec
-
-    def _discard(self, key: str) -> None:
-        """Drop ``key`` and delete its record (queued behind any write of it)."""
-        rec = self._forget(key)
-        if rec is not None:
-            self._writer.submit_delete(key, self._link.record_key(key))  # type: ignore[arg-type]
-
-    def _evict(self, key: str) -> KVEntry:
-        """Evict ``key`` during a put: its entry with the payload when a slower tier takes it, else its books."""
-        rec = self._index[key]
-        entry = None
-        if not self.last_in_store:
-            entry = (self._writer.pending_entry(key) or self._cached(key)
-                     or self._load(key, drop_on_error=False, ahead=False))  # fmt: skip
-        self._discard(key)
-        return entry if entry is not None else rec.meta_entry(key)
 
     def _unbuffer(self, key: str) -> bytes | _Missing | None:
         data = self._buffer.pop(key, None)
@@ -510,20 +379,6 @@ class RedisTier(RecordTier):
         return key not in self._buffer and super()._needs_fetch(key)
 
     # ------------------------------------------------------------------ reads
-    def _read(self, key: str) -> KVEntry | None:
-        if key not in self._index:
-            return None
-        entry = self._writer.pending_entry(key)
-        if entry is not None:
-            self.redis_stats.served_from_queue += 1
-            return entry
-        entry = self._cached(key)
-        if entry is None:
-            entry = self._load(key, drop_on_error=True)
-            if entry is not None:
-                self._last = (key, entry)
-        return entry
-
     def _chain_after(self, key: str) -> list[str]:
         """Up to ``readahead`` descendants of ``key`` along its only-child chain, not at hand yet, as long as they
         fit with ``key`` in one pipeline (``pipeline_bytes``): read-ahead saves round trips, which only matter
@@ -598,9 +453,9 @@ class RedisTier(RecordTier):
         self._buffer_put(keys, self._fetch(keys))
 
     def _load(self, key: str, *, drop_on_error: bool, ahead: bool = True) -> KVEntry | None:
-        """Read (from a background read, the prefetch buffer, or Redis reading ahead along the chain) and check the
-        record of ``key``; on failure None, and (``drop_on_error``) the key forgotten and a damaged record
-        deleted."""
+        """Read (from a background read, the prefetch buffer, or Redis reading ahead along the chain: ``ahead``)
+        and check the record of ``key``; on failure None, and (``drop_on_error``) the key forgotten and a damaged
+        record deleted."""
         loaded = self._take_ahead(key)
         if loaded is None:
             data = self._unbuffer(key)
@@ -624,37 +479,30 @@ class RedisTier(RecordTier):
         return self._settle(key, loaded, drop_on_error=drop_on_error)
 
     def _settle(self, key: str, loaded: Loaded, *, drop_on_error: bool) -> KVEntry | None:
-        """Count a read and act on its outcome (on the caller's thread: the books change here only)."""
+        """``RecordTier._settle``; the bytes moved and the round trips count whether or not the record is served
+        (the network carried them)."""
         stats = self.redis_stats
         stats.round_trips += loaded.round_trips
-        stats.read_bytes += loaded.read_bytes
-        stats.read_ms += loaded.ms
-        exc = loaded.error
-        if exc is None:
-            stats.reads += 1
-            return loaded.entry
+        if loaded.error is not None:
+            stats.read_bytes += loaded.read_bytes
+            stats.read_ms += loaded.ms
+        return super()._settle(key, loaded, drop_on_error=drop_on_error)
+
+    def _drop_damaged(self, key: str, loaded: Loaded) -> None:
+        """Forget ``key`` and delete its record (DEL + index, queued behind any write of it)."""
+        log.warning("kvboost redis tier: dropping damaged record %s:%s: %s", self.namespace, key[:16], loaded.error)
+        self._discard(key)
+
+    def _read_failed(self, key: str, exc: BaseException, *, drop_on_error: bool) -> bool:
         if isinstance(exc, _Unavailable):  # a background read found the server away (logged by the link)
-            stats.read_errors += 1
+            self.redis_stats.read_errors += 1
+            return True
+        if isinstance(exc, _RecordGone):
             if drop_on_error:
-                self._forget(key)
-        elif isinstance(exc, _RecordGone):
-            if drop_on_error:
-                stats.missing_dropped += 1
-                self._forget(key)
+                self.redis_stats.missing_dropped += 1
                 self._unindex_if_gone(key)
-        elif isinstance(exc, fmt.CorruptRecord):
-            log.warning("kvboost redis tier: dropping damaged record %s:%s: %s", self.namespace, key[:16], exc)
-            stats.corrupt_dropped += 1
-            self._discard(key)
-        elif isinstance(exc, fmt.ForeignRecord):
-            stats.foreign_skipped += 1
-            if drop_on_error:
-                self._forget(key)
-        else:  # another format version, an unknown payload type
-            stats.other_version_skipped += 1
-            if drop_on_error:
-                self._forget(key)
-        return None
+            return True
+        return False
 
     def _read_job(self, keys: list[str]) -> Iterator[tuple[str, Loaded]]:
         groups = self._pipeline_groups(keys)

@@ -2,13 +2,15 @@
 
 Only KV equal to a cold prefill is stored under prefix-chained keys (exact): chunks that end at or before
 ``approx_from`` (the first row computed after approximate, content-hit KV). Later chunks are stored under their
-segment key only (``exact=False``), for content hits, unless that segment key is stored. An exact chunk no tier
-takes breaks the chain: its descendants would be unreachable orphans, so they are not stored either.
+segment key made approximate with the recompute strategy's fingerprint (``exact=False``,
+:func:`~kvboost.cache.entry.approximate_segment_key`), for content hits under that strategy only, unless that key is
+stored. An exact chunk no tier takes breaks the chain: its descendants would be unreachable orphans, so they are
+not stored either.
 
-What an entry holds is the caller's ``payload_of(start, end)``: the engine gives pool block references
-(:class:`~kvboost.cache.pooled.PooledKV`, nothing copied) when the first tier is in memory and the quantizer is
-``none``, else the quantizer's payload of a copy of the rows. The simulators of ``experiments/`` run this very
-function with payloads of the right size and no tensors.
+What an entry holds is the caller's ``payload_of(start, end)``: the engine gives runs of the sequence's pool blocks
+(:class:`~kvboost.cache.block_run.BlockRun`, nothing copied) when the first tier is the pool, else the quantizer's
+payload of a copy of the rows. A chunk held only by a tier below the pool is stored again as a run: that moves it
+up (the request loaded its rows into its own blocks). The simulators of ``experiments/`` run this very function.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvboost.cache.entry import KVEntry, segment_only_key
+from kvboost.cache.block_run import is_pooled
+from kvboost.cache.entry import KVEntry, approximate_segment_key, segment_only_key
 from kvboost.cache.store import KVStore
 from kvboost.lookup import common_prefix_length
 from kvboost.types import ChunkSpan
@@ -34,11 +37,13 @@ def store_sequence(
     approx_from: int | None,
     salt: str = "",
     pin: bool = False,
+    approx_tag: str = "",
 ) -> int:
     """Store the chunks of ``seq`` that the store lacks; returns how many were stored.
 
     ``spans`` are the prompt's (extended over ``seq`` by the chunker when ``seq`` is longer: generated tokens).
     ``payload_of(start, end)`` gives the payload of rows ``[start, end)`` (called only for chunks that are stored).
+    ``approx_tag``: the recompute strategy's fingerprint, in the key of every approximate chunk.
     """
     spans = chunker.extend(seq, spans) if spans and spans[-1].end != len(seq) else spans
     keys = hasher.chunk_keys(seq, spans, fingerprint, salt)
@@ -46,31 +51,26 @@ def store_sequence(
     chain_broken = False  # an exact chunk no tier took: its descendants would be unreachable orphans
     for span, key in zip(spans, keys):
         exact = approx_from is None or span.end <= approx_from
-        if exact and (chain_broken or key.prefix_key in store):
+        segment = key.segment_key if exact else approximate_segment_key(key.segment_key, approx_tag)
+        primary = key.prefix_key if exact else segment_only_key(segment)
+        if exact and chain_broken:
             continue
+        if primary in store and not (store.pool is not None and not store.in_first_tier(primary)):
+            continue  # stored already (a chunk only a tier below the pool holds is stored again: moved up)
         if not exact and store.has_segment(key.segment_key):
-            continue
+            continue  # an exact entry of the same text serves its content hits
         tokens = tuple(seq[span.start : span.end])
-        if exact:
+        if exact and primary not in store:
             drop_redundant_sibling(store, key.parent_key, tokens)
-        entry = KVEntry(
-            key=key.prefix_key if exact else segment_only_key(key.segment_key),
-            segment_key=key.segment_key,
-            parent_key=key.parent_key if exact else None,
-            token_ids=tokens,
-            start=span.start,
-            payload=payload_of(span.start, span.end),
-            pinned=pin,
-            exact=exact,
-        )
+        payload = payload_of(span.start, span.end)
+        if primary in store and not is_pooled(payload):
+            continue
+        entry = KVEntry(key=primary, segment_key=segment, parent_key=key.parent_key if exact else None,
+                        token_ids=tokens, start=span.start, payload=payload, pinned=pin, exact=exact)  # fmt: skip
         if store.put(entry):
             stored += 1
-        else:
-            release = getattr(entry.payload, "release", None)  # no tier took it: its block references go back
-            if release is not None:
-                release()
-            if exact:
-                chain_broken = True
+        elif exact:
+            chain_broken = True
     return stored
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
+from kvboost.cache.block_run import is_pooled
 from kvboost.cache.entry import KVEntry, segment_only_key
-from kvboost.cache.pooled import is_pooled
 from kvboost.cache.tier_base import CacheTier
 
 
@@ -104,6 +104,12 @@ class KVStore:
         self._segment_exact: dict[str, dict[str, None]] = {}  # segment key -> exact entries' keys
         self._segment_only = 0  # how many entries are segment-only
         self.stats = StoreStats()
+        if any(t.holds_blocks for t in self.tiers[1:]):
+            raise ValueError("the pool tier (runs of KV pool blocks) can only be the first tier")
+        #: the KV pool whose blocks the first tier indexes (None: no pool tier); ``alloc`` asks :meth:`reclaim`
+        self.pool = getattr(self.tiers[0], "pool", None) if self.tiers[0].holds_blocks else None
+        if self.pool is not None:
+            self.pool.cache = self
         for i, tier in enumerate(self.tiers):
             tier.bind_store(partial(self._resident_children, i), partial(self._is_copy, i))
             tier.last_in_store = i + 1 == len(self.tiers)
@@ -157,6 +163,10 @@ class KVStore:
             raise RuntimeError(f"tier {self._tier_names[tier_idx]} lost {key[:16]}... behind the store's back")
         name = self._tier_names[tier_idx]
         self.stats.per_tier_hits[name] = self.stats.per_tier_hits.get(name, 0) + 1
+        if tier_idx > 0 and self.pool is not None:
+            # The pool tier holds runs of blocks: the request loads these rows into its own blocks, and storing
+            # its chunks when it finishes moves the entry up (``put`` of a run replaces it wherever it is).
+            return entry
         if tier_idx > 0 and self.write_through[tier_idx]:  # promote, keeping the record as the copy
             node = self._nodes[key]
             self._book(key, 0)
@@ -190,6 +200,11 @@ class KVStore:
 
     def __contains__(self, key: object) -> bool:
         return key in self._nodes
+
+    def in_first_tier(self, key: str) -> bool:
+        """Whether ``key`` lives in the first (fastest) tier."""
+        node = self._nodes.get(key)
+        return node is not None and node.tier == 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -264,7 +279,20 @@ class KVStore:
     def put(self, entry: KVEntry) -> bool:
         """Store ``entry`` in the first tier that takes it (replacing an entry with the same key, wherever it
         is); returns False, with the entry not stored, if no tier could hold it."""
-        if entry.key in self._nodes:
+        node = self._nodes.get(entry.key)
+        promoted = node is not None and node.tier not in (None, 0)
+        if node is not None and self.pool is not None and is_pooled(entry.payload):
+            if node.tier == 0:
+                self.tiers[0].put(entry)  # the pool tier replaces it in place (the new run is marked first)
+                return True
+            if promoted and self.write_through[node.tier]:  # the record below stays, as the entry's copy
+                below = node.tier
+                self._book(entry.key, 0)
+                self._add_copy(node, below)
+                self.tiers[0].put(entry)
+                self.stats.promoted += 1
+                return True
+        if node is not None:
             self.remove(entry.key)
         self._index(entry)
         self._book(entry.key, 0)
@@ -274,6 +302,8 @@ class KVStore:
             self._unindex(entry.key)
             return False
         self.stats.stored += 1
+        if promoted and placed == 0:
+            self.stats.promoted += 1
         for tier_idx in range(placed + 1, len(self.tiers)):
             if self.write_through[tier_idx] and entry.key in self._nodes:
                 self._copy_into(tier_idx, entry)
@@ -283,7 +313,7 @@ class KVStore:
         """Put a write-through copy of ``entry`` (booked in a faster tier) into tier ``tier_idx``."""
         node = self._nodes[entry.key]
         self._add_copy(node, tier_idx)
-        if is_pooled(entry.payload) and not self.tiers[tier_idx].holds_references:
+        if is_pooled(entry.payload) and not self.tiers[tier_idx].holds_blocks:
             entry = dataclasses.replace(entry, payload=entry.payload.detached())  # a copy of the rows
         overflow = self.tiers[tier_idx].put(entry)
         if any(out.key == entry.key for out in overflow):  # refused (too large, or everything protected)
@@ -299,7 +329,8 @@ class KVStore:
 
         Entries in flight are booked at the tier they are headed for before any of them moves on, so the
         parent of each is protected while the others are put (the tiers only see the store's counts)."""
-        self._settle_payload(entry, tier_idx)
+        if is_pooled(entry.payload) and not self.tiers[tier_idx].holds_blocks:
+            entry = dataclasses.replace(entry, payload=entry.payload.detached())  # a copy of the rows
         overflow = self.tiers[tier_idx].put(entry)
         placed = all(out.key != entry.key for out in overflow)
         last = tier_idx + 1 == len(self.tiers)
@@ -320,8 +351,7 @@ class KVStore:
             node = self._nodes[out.key]
             if node.tier != tier_idx:  # a copy (the entry lives in a faster tier)
                 self._drop_copy(node, tier_idx)
-            elif node.copies:
-                self._settle_payload(out, None)  # its copy below is the entry now
+            elif node.copies:  # its copy below is the entry now
                 below = min(node.copies)
                 self._drop_copy(node, below)
                 self._book(out.key, below)
@@ -334,7 +364,6 @@ class KVStore:
             if not last:
                 self.stats.demoted += 1
             if last or self._put_into(tier_idx + 1, out) is None:
-                self._settle_payload(out, None)
                 self.stats.evicted += 1
                 self._unindex(out.key)
 
@@ -357,39 +386,38 @@ class KVStore:
         entry = self.tiers[node.tier].remove(key) if node.tier is not None else None
         self._book(key, None)
         self._unindex(key)  # removes the copies too
-        if entry is not None:
-            self._settle_payload(entry, None)
         return entry
 
-    def _settle_payload(self, entry: KVEntry, tier_idx: int | None) -> None:
-        """Before ``entry`` goes into tier ``tier_idx`` (None: it leaves the store): a payload of pool block
-        references (``kvboost.cache.pooled``) stays as it is in a memory tier, becomes a standalone copy for a
-        tier that serialises it, and gives its references back when it leaves."""
-        payload = entry.payload
-        if not is_pooled(payload) or payload.released:
-            return
-        if tier_idx is not None and self.tiers[tier_idx].holds_references:
-            return
-        if tier_idx is not None:
-            entry.payload = payload.detached()
-        payload.release()
-
-    def free_pool_blocks(self, pool: Any, free_blocks: int) -> int:
-        """Evict entries from the memory tiers, in each tier's eviction order (protected entries stay), until
-        ``pool`` has ``free_blocks`` free blocks or nothing more can go; returns the entries evicted. An evicted
-        entry moves down a tier (as a copy of its rows) or leaves the store; its blocks return to the pool once
-        no running sequence shares them."""
+    def reclaim(self, free_blocks: int) -> int:
+        """Evict idle entries of the pool tier, in its eviction order (pinned, busy and, leaves first, parents of
+        resident children stay), until the pool has ``free_blocks`` free blocks or nothing more can go; returns
+        the entries evicted. An evicted entry moves down a tier (a copy of its rows) or leaves the store."""
         evicted = 0
-        for tier_idx, tier in enumerate(self.tiers):
-            if not tier.holds_references:
-                continue
-            while pool.num_free < free_blocks:
-                victim = tier.evict_one()
-                if victim is None:
-                    break
-                evicted += 1
-                self._evicted_from(tier_idx, [victim])
+        if self.pool is None:
+            return 0
+        while self.pool.num_free < free_blocks:
+            victim = self.tiers[0].evict_one()
+            if victim is None:
+                break
+            evicted += 1
+            self._evicted_from(0, [victim])
         return evicted
+
+    def pinned_keys(self) -> list[str]:
+        """Keys pinned in the pool tier (their blocks are held)."""
+        return self.tiers[0].pinned_keys() if self.pool is not None else []
+
+    def set_pinned(self, key: str, pinned: bool) -> bool:
+        """Pin (never evicted; in the pool tier a pin is a reference to the entry's blocks) or unpin ``key``;
+        False when the store does not hold it."""
+        node = self._nodes.get(key)
+        if node is None or node.tier is None:
+            return False
+        overflow = self.tiers[node.tier].set_pinned(key, pinned)
+        if overflow is None:
+            return False
+        self._evicted_from(node.tier, overflow)
+        return True
 
     # ------------------------------------------------------------------ lifecycle (tiers below memory)
     def bind_context(self, *, fingerprint: Any = None, quantizer_settings: dict[str, Any] | None = None) -> None:
@@ -414,16 +442,17 @@ class KVStore:
             for key in list(tier.keys()):  # oldest first in a memory tier
                 node = self._nodes.get(key)
                 if node is not None and node.tier == i and node.copies:  # already written through below
-                    dropped = tier.remove(key)
-                    if dropped is not None:
-                        self._settle_payload(dropped, None)
+                    tier.remove(key)
                     below = min(node.copies)
                     self._drop_copy(node, below)
                     self._book(key, below)
                     continue
-                entry = tier.remove(key)
+                entry = tier.peek(key)
                 if entry is None or key not in self._nodes:
                     continue
+                if is_pooled(entry.payload):  # its rows, copied before its blocks can go back to the pool
+                    entry = dataclasses.replace(entry, payload=entry.payload.detached())
+                tier.remove(key)
                 self._book(key, i + 1)
                 self.stats.demoted += 1
                 if self._put_into(i + 1, entry) is None:
@@ -432,28 +461,21 @@ class KVStore:
         for tier in self.tiers:
             tier.close()
 
-    def drop_references(self) -> None:
-        """Drop the entries of the tiers that hold references to KV pool blocks (memory), giving the references
-        back; tiers below are left as they are (call after ``close`` spilled what should persist)."""
-        for i, tier in enumerate(self.tiers):
-            if not tier.holds_references:
-                continue
-            for key in list(tier.keys()):
-                node = self._nodes.get(key)
-                entry = tier.remove(key)
-                if entry is not None:
-                    self._settle_payload(entry, None)
-                if node is not None and node.tier == i:
-                    self._unindex(key)
+    def drop_pool_entries(self) -> None:
+        """Drop the pool tier's entries (their pins go back to the pool); tiers below are left as they are (call
+        after ``close`` spilled what should persist)."""
+        if self.pool is None:
+            return
+        tier = self.tiers[0]
+        for key in list(tier.keys()):
+            node = self._nodes.get(key)
+            tier.remove(key)
+            if node is not None and node.tier == 0:
+                self._unindex(key)
 
     def clear(self) -> None:
         """Drop every entry (the stats are kept)."""
         for tier in self.tiers:
-            if tier.holds_references:
-                for key in list(tier.keys()):
-                    entry = tier.remove(key)
-                    if entry is not None:
-                        self._settle_payload(entry, None)
             tier.clear()
         self._nodes.clear()
         self._children.clear()

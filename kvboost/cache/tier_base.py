@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Container, Iterator
@@ -44,9 +45,9 @@ class CacheTier(ABC):
     may_lose_entries: bool = False
     #: True when the entries outlive the process (``KVStore.close`` spills the faster tiers into it).
     persistent: bool = False
-    #: True for a tier that keeps entries as Python objects (memory): it may hold payloads that reference KV
-    #: pool blocks (``kvboost.cache.pooled``); the store gives every other tier a standalone copy.
-    holds_references: bool = False
+    #: True for the tier whose entries are runs of KV pool blocks (``kvboost.cache.pool_tier``); the store gives
+    #: every other tier a standalone copy of the rows.
+    holds_blocks: bool = False
 
     def bind_store(self, resident_children: ResidentChildren | None,
                    is_copy: Callable[[str], bool] | None = None) -> None:  # fmt: skip
@@ -126,9 +127,44 @@ class CacheTier(ABC):
 
     def evict_one(self) -> KVEntry | None:
         """Remove and return the entry the eviction policy would evict next (protected entries stay); None when
-        there is none. Tiers that hold references to KV pool blocks implement it: the store calls it when the
-        pool runs short of free blocks."""
+        there is none. The pool tier implements it: the store calls it when the pool runs short of free blocks."""
         return None
+
+    def set_pinned(self, key: str, pinned: bool) -> list[KVEntry] | None:
+        """Pin (protect from eviction) or unpin ``key``; returns what the tier evicted doing so (a record tier
+        rewrites the record with the flag), or None when it does not hold ``key``."""
+        entry = self.peek(key)
+        if entry is None:
+            return None
+        if entry.pinned == pinned:
+            return []
+        return [out for out in self.put(dataclasses.replace(entry, pinned=pinned)) if out.key != key]
+
+
+class DictTier(CacheTier):
+    """A tier whose entries are Python objects in a dict (memory, the pool): lookups and listing, with accesses told
+    to ``self.eviction``. Subclasses put and remove."""
+
+    eviction: Any
+    _entries: dict[str, KVEntry]
+
+    def get(self, key: str) -> KVEntry | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.eviction.on_access(key)
+        return entry
+
+    def peek(self, key: str) -> KVEntry | None:
+        return self._entries.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self._entries))
 
 
 class EvictionGuard:
@@ -168,7 +204,7 @@ class EvictionGuard:
         return self._tier.resident_children(key) > self._evicted_children.get(key, 0)
 
 
-class _Either:
+class OrSet:
     """``key in guard or key in extra`` (the guard plus the victims already chosen in this put)."""
 
     __slots__ = ("extra", "guard")
@@ -191,7 +227,7 @@ def choose_victims(
     its size and chain links are read); a key the policy names that the tier does not hold is a policy bug.
     """
     guard = EvictionGuard(tier, pinned, getattr(policy, "leaves_first", True), incoming)
-    chosen = _Either(guard, {incoming.key})
+    chosen = OrSet(guard, {incoming.key})
     victims: list[str] = []
     while need > 0:
         key = policy.victim(protected=chosen)

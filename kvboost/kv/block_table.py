@@ -1,9 +1,13 @@
 """One sequence's view of the KV pool: its block ids in logical order and how many rows are filled.
 
 Logical row ``j`` of the sequence lives in block ``blocks[j // block_size]`` at offset ``j % block_size``. Blocks
-may be shared with cache entries and other sequences (reference counts in the pool); a shared block is never
-written: :meth:`BlockTable.prepare_write` copies a shared block before rows are written into it (copy on write;
-in practice only the partial last block of a shared prefix, since the rows after a shared prefix are new).
+may be shared with other sequences (reference counts in the pool) and indexed by cache entries; such a block is
+never written: :meth:`BlockTable.prepare_write` copies it before rows are written into it (copy on write; in
+practice only the partial last block of a shared or cached prefix, since the rows after a shared prefix are new).
+
+The table owns one reference per block in ``blocks`` from the moment the id is appended: code that builds a table
+appends each block as soon as its reference is taken (never through a local list), so an exception between two
+allocations leaves every reference with an owner that ``release`` gives back.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ class BlockTable:
         need = self.pool.blocks_for(rows)
         if need > len(blocks):
             raise ValueError(f"{rows} rows need {need} blocks, {len(blocks)} given")
-        self.pool.incref(blocks[:need])
-        self.blocks = list(blocks[:need])
+        for block in blocks[:need]:
+            self.append_shared(block)
         self.length = rows
 
     def reserve(self, rows: int) -> None:
@@ -57,14 +61,25 @@ class BlockTable:
         if need > 0:
             self.blocks += self.pool.alloc(need, after=self.blocks[-1] if self.blocks else None)
 
+    def append_shared(self, block: int) -> None:
+        """Append ``block`` (held by a cache entry or another table) with one more reference."""
+        self.pool.incref([block])
+        self.blocks.append(block)
+
+    def append_fresh(self) -> int:
+        """Append a newly allocated block (after the last one when free); returns its id."""
+        block = self.pool.alloc(1, after=self.blocks[-1] if self.blocks else None)[0]
+        self.blocks.append(block)
+        return block
+
     def prepare_write(self, start: int, end: int) -> None:
-        """Make rows ``[start, end)`` writable: blocks reserved, and a shared block among them replaced by a
-        private copy of its rows before ``start`` (copy on write)."""
+        """Make rows ``[start, end)`` writable: blocks reserved, and a shared or cached block among them replaced
+        by a private copy of its rows before ``start`` (copy on write)."""
         self.reserve(end)
         bs = self.pool.block_size
         for index in range(start // bs, -(-end // bs)):
             block = self.blocks[index]
-            if self.pool.refcount(block) > 1:
+            if not self.pool.writable(block):
                 fresh = self.pool.alloc(1, after=self.blocks[index - 1] if index else None)[0]
                 keep = min(bs, max(0, min(start, self.length) - index * bs))  # rows already the sequence's
                 if keep:
@@ -96,9 +111,8 @@ class BlockTable:
         if self._released:
             return
         self._released = True
-        self.pool.decref(self.blocks)
-        self.blocks = []
-        self.length = 0
+        blocks, self.blocks, self.length = self.blocks, [], 0
+        self.pool.decref(blocks)
 
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one (one more reference each); writes then copy on write."""

@@ -11,15 +11,26 @@ Books and tensors are apart, in the spirit of vLLM's block pool: this class coun
 tensor movement is a few explicit methods (``write``, ``read``, ``copy_rows``), each counting the bytes it moves in
 :attr:`KVPool.stats` (``copied_bytes`` is what a reuse by reference must keep to a partial block).
 
-Invariants (``verify`` checks them): a block is free iff its reference count is 0; ``alloc`` never returns a block
-in use; ``decref`` of a free block is an error (a double free), never silent.
+The pool is also the prefix cache's memory (``kvboost.cache.pool_tier``): one reference count per block, held by
+the block tables of running requests and by pins, and beside it a *cached* count, how many cache entries index
+rows of the block. Entries hold no references. A block is in one of three states:
+
+- **free**: no reference, not cached; ``alloc`` hands it out first;
+- **idle**: no reference, cached: its contents stay (a later hit takes a reference on it again) until ``alloc``
+  needs it: then the pool's ``cache`` evicts the entries indexing it, in its eviction policy's order;
+- **in use**: referenced. A cached block is never written again (``BlockTable.prepare_write`` copies it).
+
+Invariants (``verify`` checks them): a block is free iff it has no reference and is not cached; ``alloc`` never
+returns a block in use or cached; ``decref`` of an unreferenced block is an error (a double free), never silent;
+``incref`` of a free block is an error (its rows are garbage); only a referenced block becomes cached.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -56,6 +67,13 @@ class PoolExhausted(RuntimeError):
     """The pool has too few free blocks for a request, even after the cache gave back what it could."""
 
 
+class BlockCache(Protocol):
+    """What a pool asks of the cache that indexes its idle blocks (``kvboost.cache.store.KVStore``)."""
+
+    def reclaim(self, free_blocks: int) -> None:
+        """Evict idle cached entries, in eviction order, until ``free_blocks`` blocks are free or none is left."""
+
+
 @dataclass
 class PoolStats:
     """Counters since the pool was made (or ``reset_stats``): blocks handed out and given back, and the bytes
@@ -68,6 +86,7 @@ class PoolStats:
     copied_bytes: int = 0  # rows copied inside the pool (copy on write of a partial block)
     copy_on_write: int = 0  # partial blocks copied
     pressure_calls: int = 0  # times the pool asked the cache to give blocks back
+    reclaimed_blocks: int = 0  # idle cached blocks made free by those calls
 
 
 class KVPool:
@@ -104,12 +123,15 @@ class KVPool:
         self.values = torch.empty(shape, dtype=dtype, device=self.device)
         self.huge_pages = self.device.type == "cpu" and all(_advise_huge_pages(t) for t in (self.keys, self.values))
         self._refs = [0] * num_blocks
+        self._cached = [0] * num_blocks  # cache entries indexing rows of each block (they hold no reference)
         self._free = bytearray(b"\x01") * num_blocks  # 1 = free; bytes.find gives C-speed run searches
         self._num_free = num_blocks
+        self._num_idle = 0  # cached, unreferenced
+        self._num_cached = 0  # cached, referenced or not
         self.stats = PoolStats()
-        #: Called with the number of blocks missing when an allocation cannot be served; the engine's store
-        #: evicts cached entries (their blocks return when no sequence uses them). None: no second chance.
-        self.on_pressure: Callable[[int], None] | None = None
+        #: The cache whose entries index this pool's blocks (set by ``KVStore.attach_pool``): ``alloc`` asks it
+        #: to evict idle entries when free blocks run short. None: the pool caches nothing.
+        self.cache: BlockCache | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -128,7 +150,29 @@ class KVPool:
 
     @property
     def num_used(self) -> int:
+        """Blocks that are not free (referenced, or idle and cached)."""
         return self.num_blocks - self._num_free
+
+    @property
+    def num_idle(self) -> int:
+        """Cached blocks no one references: free to take once the cache evicts their entries."""
+        return self._num_idle
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks some cache entry indexes (referenced or idle)."""
+        return self._num_cached
+
+    @property
+    def num_referenced(self) -> int:
+        """Blocks held by a block table or a pin."""
+        return self.num_blocks - self._num_free - self._num_idle
+
+    @property
+    def num_available(self) -> int:
+        """Free blocks plus idle cached ones: what ``alloc`` can hand out after evicting (an upper bound: an idle
+        entry a leaves-first policy protects stays)."""
+        return self._num_free + self._num_idle
 
     def blocks_for(self, rows: int) -> int:
         """Blocks that hold ``rows`` rows."""
@@ -147,7 +191,7 @@ class KVPool:
         (a sequence's last block): consecutive ids are tried first, then any run of ``count``, then any blocks.
 
         Raises:
-            PoolExhausted: fewer than ``count`` blocks are free after asking ``on_pressure`` for the difference.
+            PoolExhausted: fewer than ``count`` blocks are free after the cache evicted what it could.
         """
         if count < 0:
             raise ValueError(f"cannot allocate {count} blocks")
@@ -158,8 +202,9 @@ class KVPool:
             raise PoolExhausted(
                 f"the KV pool has {self._num_free} free blocks of {self.block_size} tokens, {count} are needed "
                 f"({self.num_blocks} blocks in all, {self.num_blocks * self.block_size} tokens, "
-                f"{self.num_blocks * self.block_bytes / 2**20:.0f} MiB); raise kv.pool_bytes, lower "
-                "max_new_tokens or the batch size, or shorten the prompt"
+                f"{self.num_blocks * self.block_bytes / 2**20:.0f} MiB; {self.num_referenced} held by requests and "
+                f"pins, {self._num_idle} cached and not evictable now); raise kv.pool_bytes, lower max_new_tokens "
+                "or the batch size, or shorten the prompt"
             )
         ids = self._find(count, after)
         for b in ids:
@@ -170,11 +215,13 @@ class KVPool:
         return ids
 
     def reclaim(self, count: int) -> int:
-        """Ask ``on_pressure`` (the cache) to give back blocks until ``count`` are free; returns the free count. A
-        scheduler calls it before admitting work, ``alloc`` before failing."""
-        if self._num_free < count and self.on_pressure is not None:
+        """Have the cache evict idle entries until ``count`` blocks are free; returns the free count. A scheduler
+        calls it before admitting work, ``alloc`` before failing."""
+        if self._num_free < count and self._num_idle and self.cache is not None:
             self.stats.pressure_calls += 1
-            self.on_pressure(count - self._num_free)
+            before = self._num_free
+            self.cache.reclaim(count)
+            self.stats.reclaimed_blocks += self._num_free - before
         return self._num_free
 
     def _find(self, count: int, after: int | None) -> list[int]:
@@ -197,26 +244,71 @@ class KVPool:
         return ids
 
     def incref(self, ids: Iterable[int]) -> None:
-        """One more reference to each block (a sequence or a cache entry that shares it)."""
+        """One more reference to each block (a sequence that shares it, a hit on a cached block, a pin)."""
         for b in ids:
-            if self._refs[b] <= 0:
-                raise RuntimeError(f"KV pool: incref of free block {b}")
-            self._refs[b] += 1
+            refs = self._refs[b]
+            if refs <= 0:
+                if not self._cached[b]:
+                    raise RuntimeError(f"KV pool: incref of free block {b}")
+                self._num_idle -= 1  # a hit on an idle cached block
+            self._refs[b] = refs + 1
 
     def decref(self, ids: Iterable[int]) -> None:
-        """One reference fewer to each block; a block whose count reaches 0 is free again."""
+        """One reference fewer to each block; at 0 a cached block is idle, any other free."""
         for b in ids:
             refs = self._refs[b]
             if refs <= 0:
                 raise RuntimeError(f"KV pool: block {b} released more often than it was referenced (double free)")
             self._refs[b] = refs - 1
             if refs == 1:
-                self._free[b] = 1
-                self._num_free += 1
-                self.stats.freed_blocks += 1
+                if self._cached[b]:
+                    self._num_idle += 1
+                else:
+                    self._release(b)
+
+    def mark_cached(self, ids: Iterable[int]) -> None:
+        """One more cache entry indexes each block (its rows are final: never written again). Only a referenced
+        block can become cached: the entry is registered while a block table still holds its rows."""
+        for b in ids:
+            cached = self._cached[b]
+            if self._refs[b] <= 0 and not cached:
+                raise RuntimeError(f"KV pool: block {b} is free; only a block a request holds can be cached")
+            self._cached[b] = cached + 1
+            self._num_cached += not cached
+
+    def unmark_cached(self, ids: Iterable[int]) -> None:
+        """One cache entry fewer indexes each block; a block neither cached nor referenced is free again."""
+        for b in ids:
+            cached = self._cached[b]
+            if cached <= 0:
+                raise RuntimeError(f"KV pool: block {b} is not cached")
+            self._cached[b] = cached - 1
+            if cached == 1:
+                self._num_cached -= 1
+                if self._refs[b] == 0:
+                    self._num_idle -= 1
+                    self._release(b)
+
+    def _release(self, b: int) -> None:
+        self._free[b] = 1
+        self._num_free += 1
+        self.stats.freed_blocks += 1
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
+
+    def cached_count(self, block: int) -> int:
+        """How many cache entries index rows of ``block``."""
+        return self._cached[block]
+
+    def is_cached(self, block: int) -> bool:
+        """Whether a cache entry indexes rows of ``block`` (its rows are read-only)."""
+        return self._cached[block] > 0
+
+    def writable(self, block: int) -> bool:
+        """Whether one holder may write rows of ``block`` in place: it holds the only reference and no cache
+        entry indexes it."""
+        return self._refs[block] == 1 and not self._cached[block]
 
     # ------------------------------------------------------------------ rows
     def slots(self, blocks: Sequence[int], start: int, end: int) -> torch.Tensor:
@@ -275,9 +367,14 @@ class KVPool:
         """Check the books (AssertionError on a mismatch); for tests."""
         free = sum(self._free)
         assert free == self._num_free, f"free count {self._num_free} != {free} free flags"
-        for b, (refs, flag) in enumerate(zip(self._refs, self._free, strict=True)):
-            assert refs >= 0, f"block {b} has {refs} references"
-            assert (refs == 0) == bool(flag), f"block {b}: {refs} references but free flag {flag}"
+        idle = cached_blocks = 0
+        for b, (refs, cached, flag) in enumerate(zip(self._refs, self._cached, self._free, strict=True)):
+            assert refs >= 0 and cached >= 0, f"block {b} has {refs} references and {cached} cache entries"
+            assert (refs == 0 and cached == 0) == bool(flag), f"block {b}: {refs} refs, {cached} cached, free {flag}"
+            idle += refs == 0 and cached > 0
+            cached_blocks += cached > 0
+        assert idle == self._num_idle, f"idle count {self._num_idle} != {idle} idle blocks"
+        assert cached_blocks == self._num_cached, f"cached count {self._num_cached} != {cached_blocks} cached blocks"
 
     def describe(self) -> dict[str, object]:
         """Size and occupancy, for results."""
@@ -285,6 +382,8 @@ class KVPool:
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "free_blocks": self._num_free,
+            "idle_cached_blocks": self._num_idle,
+            "referenced_blocks": self.num_referenced,
             "pool_bytes": self.num_blocks * self.block_bytes,
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": str(self.device),

@@ -1,10 +1,10 @@
 """How many blocks the engine's KV pool gets (``kv.pool_bytes``, or a share of free memory).
 
-``pool_bytes="auto"``: room for the first memory tier's byte budget (its entries are references to pool blocks
-when the quantizer is ``none``) plus a working set of ``4 * max_positions`` rows (at least 16k) for running
-sequences, capped at ``fraction`` of the device's free memory (CPU: 0.5 of the available memory; CUDA: 0.9 of the
-free memory, vLLM's ``gpu_memory_utilization`` default). CPU pages are mapped on first write, so an idle pool
-costs address space, not memory.
+``pool_bytes="auto"``: room for the memory tier's byte budget (the pool is the memory tier when the quantizer is
+lossless: cached chunks are runs of its blocks) plus a working set of ``4 * max_positions`` rows (at least 16k) for
+running sequences, capped at ``fraction`` of the device's free memory (CPU: 0.5 of the available memory; CUDA: 0.9
+of the free memory, vLLM's ``gpu_memory_utilization`` default, measured once the runner exists). CPU pages are
+mapped on first write, so an idle pool costs address space, not memory.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 def pool_bytes_for(
     pool_bytes: Any, *, row_bytes: int, max_positions: int | None, cache_bytes: int, device: torch.device,
-    fraction: float | None = None,
+    fraction: float | None = None, reserve: int = 0,
 ) -> int:  # fmt: skip
-    """The pool's size in bytes for the ``kv.pool_bytes`` setting (``"auto"``, an int or ``"2GiB"``)."""
+    """The pool's size in bytes for the ``kv.pool_bytes`` setting (``"auto"``, an int or ``"2GiB"``); ``reserve``:
+    bytes of the free memory left to what the pool does not hold (a forward's activations)."""
     if pool_bytes not in (None, "auto"):
         return parse_bytes(pool_bytes)
     share = fraction if fraction is not None else (0.9 if device.type == "cuda" else 0.5)
@@ -47,20 +48,36 @@ def pool_bytes_for(
     wanted = cache_bytes + rows * row_bytes
     free = free_memory_bytes(device)
     if free is not None:
-        wanted = min(wanted, int(free * share))
+        wanted = min(wanted, int(max(0, free - reserve) * share))
     return wanted
 
 
-def make_pool(adapter: Any, store: Any, kv: dict[str, Any]) -> KVPool:
+def row_block_bytes(adapter: Any, kv: dict[str, Any]) -> int:
+    """Bytes of one pool block of this model."""
+    s = adapter.kv_shape
+    element = torch.empty((), dtype=adapter.dtype).element_size()
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * element * kv.get("block_size", DEFAULT_BLOCK_SIZE)
+
+
+def activation_bytes(adapter: Any, tokens: int) -> int:
+    """A bound on the activations of a forward of ``tokens`` rows (hidden states, q/k/v, the gated MLP's two
+    intermediates, fp32 attention scratch), kept free when an ``auto`` pool is sized on a GPU."""
+    cfg = adapter.model.config.get_text_config(decoder=True)
+    element = torch.empty((), dtype=adapter.dtype).element_size()
+    hidden, inter = int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    return tokens * (6 * hidden + 3 * inter) * element + tokens * hidden * 4 * 2
+
+
+def make_pool(adapter: Any, cache_bytes: int, kv: dict[str, Any], *, reserve: int = 0) -> KVPool:
     """The engine's pool for the model ``adapter`` describes and the ``kv`` settings (``block_size``,
-    ``pool_bytes``, ``memory_fraction``), with room for ``store``'s first tier when it holds block references."""
+    ``pool_bytes``, ``memory_fraction``), with room for ``cache_bytes`` of cached chunks; ``reserve`` bytes of the
+    free memory stay free (``pool_bytes_for``)."""
     s, dtype, device = adapter.kv_shape, adapter.dtype, adapter.device
     block_size = kv.get("block_size", DEFAULT_BLOCK_SIZE)
     row_bytes = 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
-    first = store.tiers[0]
-    cache_bytes = first.capacity_bytes if first.holds_references else 0
     nbytes = pool_bytes_for(kv.get("pool_bytes"), row_bytes=row_bytes, max_positions=adapter.max_positions,
-                            cache_bytes=cache_bytes, device=device, fraction=kv.get("memory_fraction"))  # fmt: skip
+                            cache_bytes=cache_bytes, device=device, fraction=kv.get("memory_fraction"),
+                            reserve=reserve)  # fmt: skip
     blocks = KVPool.blocks_in(nbytes, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                               block_size=block_size, dtype=dtype)  # fmt: skip
     if blocks < 2:

@@ -1,8 +1,9 @@
 """Assembly: a :class:`~kvboost.plan.ReusePlan` turned into a sequence's block table.
 
 - **Exact hits by reference.** Each logical block of the exact prefix is, where it can be, the pool block a cached
-  entry already holds (:class:`~kvboost.cache.pooled.PooledKV`): the table takes one more reference and nothing is
-  copied. A block covering rows of two chunks takes the block of the chunk holding its last row: that block was
+  entry indexes (:class:`~kvboost.cache.block_run.BlockRun`): the table takes one more reference and nothing is
+  copied (the lookup referenced those blocks already, so no allocation in between can have evicted them; the
+  plan's own references go back at the end). A block covering rows of two chunks takes the block of the chunk holding its last row: that block was
   written by a sequence that had the same (exact, prefix-chained) rows before it, so its earlier rows are the
   earlier chunk's too. The partial last block of the prefix stays shared until the sequence writes its next row
   there, when it is copied (copy on write, in ``BlockTable.prepare_write``): the one copy an exact hit costs.
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvboost.cache.pooled import is_pooled
+from kvboost.cache.block_run import is_pooled
 from kvboost.kv.block_table import BlockTable
 from kvboost.plan import Placement, ReusePlan
 
@@ -36,32 +37,36 @@ class AssemblyStats:
 
 def assemble_exact(plan: ReusePlan, table: BlockTable, quantizer: Any) -> AssemblyStats:
     """Fill the empty ``table`` with the plan's exact prefix ``[0, plan.exact_prefix)``; ``table.length`` becomes
-    the prefix length."""
+    the prefix length. The plan's references are released whatever happens; each block the table takes is in
+    ``table.blocks`` from the moment its reference is taken, so a failed allocation (``PoolExhausted``) leaves
+    nothing without an owner: the caller releases the table."""
+    try:
+        return _assemble(plan, table, quantizer)
+    finally:
+        plan.release()
+
+
+def _assemble(plan: ReusePlan, table: BlockTable, quantizer: Any) -> AssemblyStats:
     pool = table.pool
     bs = pool.block_size
     frontier = plan.exact_prefix
     stats = AssemblyStats()
     if frontier == 0:
         return stats
+    if table.blocks:
+        raise RuntimeError("assemble_exact fills an empty block table")
     exact = [p for p in plan.placements if p.kind == "exact"]
-    owner: list[Placement] = []  # per logical block: the placement holding the block's last row of the prefix
+    fresh: list[int] = []
     for index in range(pool.blocks_for(frontier)):
         last_row = min((index + 1) * bs, frontier) - 1
-        owner.append(next(p for p in exact if p.start <= last_row < p.end))
-    blocks: list[int] = []
-    fresh: list[int] = []
-    for index, p in enumerate(owner):
-        if is_pooled(p.payload):
-            block = p.payload.block_for_row(min((index + 1) * bs, frontier) - 1)
-            pool.incref([block])
-            blocks.append(block)
+        owner = next(p for p in exact if p.start <= last_row < p.end)  # holds the block's last row of the prefix
+        if is_pooled(owner.payload):
+            table.append_shared(owner.payload.block_for_row(last_row))
             stats.shared_blocks += 1
         else:
-            block = pool.alloc(1, after=blocks[-1] if blocks else None)[0]
-            blocks.append(block)
+            table.append_fresh()
             fresh.append(index)
             stats.fresh_blocks += 1
-    table.blocks = blocks
     table.length = frontier
     for index in fresh:  # rows of fresh blocks: from cached blocks or from payloads
         lo, hi = index * bs, min((index + 1) * bs, frontier)

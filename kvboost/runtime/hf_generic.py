@@ -119,6 +119,10 @@ class HFGenericRunner:
         self.compile_seconds = 0.0
         self.fallback_reason = None
 
+    def bind_pool(self, pool: Any) -> None:
+        """Run over ``pool`` from now on (the engine sizes a GPU pool once the runner exists)."""
+        self.pool = pool
+
     def check_layerwise(self, n: int) -> None:
         """Raise :class:`HFGenericUnsupportedError` when a ``n``-token prompt cannot run layer by layer."""
         if self.layerwise_reason is not None:

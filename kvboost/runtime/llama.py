@@ -268,10 +268,22 @@ class LlamaRunner:
             raise ValueError(f"decode={decode!r} needs plain nn.Linear projections and a backend whose projections "
                              "are the model's own (not AWQ int4, not attn=batch_invariant); use decode='eager'")  # fmt: skip
         self.graphs: Any = None
+        self._graph_options = dict(graph_options or {})
         if decode == "graphed":
             from kvboost.runtime.graphs import GraphRunner
 
-            self.graphs = GraphRunner(self, **(graph_options or {}))
+            self.graphs = GraphRunner(self, **self._graph_options)
+
+    def bind_pool(self, pool: Any) -> None:
+        """Run over ``pool`` from now on (the engine sizes a GPU pool once the runner exists); graphs are captured
+        again over it."""
+        if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (self.num_layers, self.kv_heads, self.head_dim):
+            raise ValueError("the KV pool's shape does not match the model's")
+        self.pool = pool
+        if self.graphs is not None:
+            from kvboost.runtime.graphs import GraphRunner
+
+            self.graphs = GraphRunner(self, **self._graph_options)
 
     # ------------------------------------------------------------------ public
     @property

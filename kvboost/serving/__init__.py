@@ -1,7 +1,9 @@
-"""Serving: the scheduler and engine loop (one engine thread, many clients) and the OpenAI-compatible server.
+"""Serving: the engine core (the one request loop of an engine), its thread (one engine thread, many clients) and
+the OpenAI-compatible server.
 
-``EngineCore`` steps requests on the calling thread (``engine.add_request`` / ``engine.step``); ``EngineLoop`` runs
-it on its own thread for servers; ``kvboost-server`` (``kvboost.serving.cli``) serves it over HTTP.
+``engine.core`` (``EngineCore``) steps requests on whichever thread drives it (``generate``, ``engine.step``);
+``EngineLoop`` drives it from a thread of its own for servers; ``kvboost-server`` (``kvboost.serving.cli``) serves
+it over HTTP. ``kvboost.serving.frontend`` keeps text on the callers' side.
 """
 
 from kvboost.serving.core import EngineCore

@@ -24,10 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvboost.original_api import KV_CACHE_BITS as KV_BITS  # one table of stored KV bits: 16 / 8 / 4 / 2
+from kvboost.serving.loop import DEFAULT_REQUEST_TIMEOUT_S
+
 log = logging.getLogger("kvboost.server")
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-KV_BITS = {16: "none", 8: "kivi8", 4: "kivi4"}
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 #: seconds uvicorn waits for open connections at SIGINT/SIGTERM before cancelling them (streams end at once)
 GRACEFUL_SHUTDOWN_S = 10
@@ -51,10 +53,10 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _non_negative_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-strategy", help="content-reuse repair: none | selective | cacheblend | query_aware | "
                    "full | oracle (= recompute=NAME)")  # fmt: skip
     p.add_argument("--kv-cache-bits", type=int, choices=sorted(KV_BITS), help="stored KV precision: 16 (quant=none), "
-                   "8 (quant=kivi8), 4 (quant=kivi4)")  # fmt: skip
+                   "8 (quant=kivi8), 4 (quant=kivi4), 2 (quant=kivi2)")  # fmt: skip
     p.add_argument("--chunk-size", type=_positive_int, help="tokens per cache chunk (= chunker.chunk_size=N)")
     p.add_argument("--disk-cache-dir", help="add a disk tier below memory in this folder, written through "
                    "(survives restarts and crashes; cache.1.write_through=false: written back at eviction/shutdown "
@@ -104,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step (prefill chunks + decode rows; default 2048)")  # fmt: skip
     p.add_argument("--max-waiting", type=_non_negative_int, default=256,
                    help="queued requests before 429 (default 256; 0 = unbounded)")  # fmt: skip
-    p.add_argument("--request-timeout", type=_positive_float, help="seconds a request may take before 504")
+    p.add_argument("--request-timeout", type=_non_negative_float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help=f"seconds a request may take before 504 (default {DEFAULT_REQUEST_TIMEOUT_S:.0f}; 0 = none)")  # fmt: skip
     p.add_argument("--max-model-len", type=_positive_int, help="context limit below the model's own")
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="accepted for compatibility, no effect: the loop batches whatever is waiting at each step "

@@ -1,427 +1,605 @@
-"""The engine's request loop, one step at a time: ``add`` requests, call ``step`` until ``has_work`` is False.
+"""The engine core: the one request loop of an engine (``engine.core``), one :meth:`EngineCore.step` at a time.
 
-Each step (on one thread; :class:`~kvboost.serving.loop.EngineLoop` runs it on its own thread for servers):
-end cancelled and timed-out requests -> start waiting requests (:class:`~kvboost.serving.scheduler.Scheduler`:
-lookup and assembly of their cached prefix, by reference) -> the step's rows (one token per decoding request, prompt
-chunks under the token budget, preempting when blocks run out) -> one forward of the runner over all of them -> a
-token per finished prefill and per decoding row, sampled with the request's own settings and generator -> finished
-requests store their new chunks and free their blocks. A request whose lookup finds content hits (reordered chunks
-to re-rotate and repair) is prefilled alone when it starts: its recompute strategy runs layer by layer over that
-one sequence. At the end of a step, after the completions were handed out, a finished chat request's answer is
-stored once more as the next turn will tokenize it (``engine.store_canonical``, :mod:`kvboost.reuse.canonical`).
+``generate``, ``generate_batch``, ``generate_many``, ``warm``, ``add_request`` and the HTTP server's loop all submit
+:class:`~kvboost.runtime.sequences.Request` objects to it (thread-safe: an inbox), and every forward of the engine's
+runner happens inside a step: prompt chunks, decode rows, draft verification, content repair, warm, the canonical
+store, the teacher-forced rows of ``score_ids``. Text stays outside (``kvboost.serving.frontend``).
+
+One step: take the inbox -> end cancelled and timed-out requests -> start waiting requests (lookup, which takes its
+references first, then assembly; a request with content hits is repaired here, its tokens counted in the step's
+budget) -> draft proposals -> the step's rows under the token budget and the pool's blocks (preempting the newest
+when blocks run out: its computed rows are cached first, so its resumption hits them) -> one forward over all rows
+-> a token per finished prefill and per decode row (greedy rows picked with one device sync) -> finished requests
+store their chunks and free their blocks.
+
+Containment: a forward that raises is rolled back (every table it touched is cut back to its length before the
+step) and its rows are run again one request at a time, so only the requests whose work raises fail
+(``finish_reason="error"``, the exception kept for ``generate`` to raise); a ``KeyboardInterrupt`` is rolled back and
+re-raised. A request that cannot be admitted while nothing else runs (the pool is too small, or pinned) fails at
+once with the pool's numbers instead of waiting forever.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from kvboost.decoding import Sampling, pick_token
-from kvboost.generation import PhaseClock, ReuseCounts
+from kvboost.decoding import pick_token
+from kvboost.generation import ReuseCounts
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.pool import PoolExhausted
-from kvboost.plan import ReusePlan
-from kvboost.prompts import Prompt, chat_messages
+from kvboost.prompts import Prompt
 from kvboost.reuse.assemble import assemble_exact
 from kvboost.runtime import pipeline
 from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.runtime.sequences import Request
-from kvboost.serving.requests import Completion, RequestHandle, SamplingParams, TokenEvent
-from kvboost.serving.scheduler import Scheduler
+from kvboost.serving import frontend
+from kvboost.serving.requests import Completion, QueueFull, RequestHandle, SamplingParams, TokenEvent
+from kvboost.serving.scheduler import DEFAULT_AGING_STEPS, Scheduler
+from kvboost.speculative import verify as speculation
+from kvboost.types import WarmResult
 
 log = logging.getLogger(__name__)
-_ids = itertools.count()
 
 
-class ServeSeq:
-    """One request inside the loop: the runtime :class:`Request`, what is left to prefill, its client handle."""
+class EngineCore:
+    """Requests in, tokens out, one :meth:`step` at a time; see the module docstring.
 
-    def __init__(self, engine: Any, handle: RequestHandle, params: SamplingParams, ids: list[int], spans: list,
-                 salt: str, clock: PhaseClock, deadline: float | None, max_new: int, *, mode: str = "reuse",
-                 store: bool = True) -> None:  # fmt: skip
-        self.engine, self.handle, self.params, self.salt, self.deadline = engine, handle, params, salt, deadline
-        self.ids, self.spans, self.clock = ids, spans, clock
-        generator = engine.generator
-        if params.seed is not None:
-            generator = torch.Generator(device=engine.adapter.device).manual_seed(params.seed)
-        sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
-                            top_p=params.top_p)  # fmt: skip
-        self.request = Request(ids, spans, BlockTable(engine.pool), sampling, max_new, mode=mode, salt=salt,
-                               store=store, generator=generator, clock=clock)  # fmt: skip
-        self.fed: list[int] = []
-        self.fed_pos = 0
-        self.decoding = False
-        self.started = False
-        self.preempted = False
-        self.preemptions = 0
-        self.admitted_at = 0
-        self.cancelled = False
-        self.finish_reason: str | None = None
-        self.text = ""
-        self.emitted = 0
-        self.detokenize = True
-        self.prefix_offset = self.read_offset = 0
-        self.result: Any = None
-        self.keep_logits = False
-        self.token_times: list[float] = []
-        self.first_token_at: float | None = None
-        self._keys: list | None = None
-        self.score_ids: Sequence[int] | None = None
-        self.messages: list[dict[str, str]] | None = None  # the chat messages of the prompt (None: text or ids)
+    Args:
+        engine: the engine (model runner, pool, store, plugins).
+        max_running: requests computed together.
+        max_batch_tokens: a step's token budget while requests decode (prompt chunks fill what decode rows leave).
+        max_waiting: queued requests before ``submit`` raises :class:`QueueFull` (None: unbounded).
+        request_timeout_s: the default deadline of a request (None: none).
+        cache_aware_limit, aging_steps: the waiting order (``kvboost.serving.scheduler``).
+    """
 
-    # ------------------------------------------------------------------ for the scheduler
-    def pending_tokens(self) -> int:
-        return 1 if self.decoding else len(self.fed) - self.fed_pos
+    def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
+                 max_waiting: int | None = None, request_timeout_s: float | None = None,
+                 cache_aware_limit: int = 64, aging_steps: int = DEFAULT_AGING_STEPS) -> None:  # fmt: skip
+        self.engine = engine
+        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=max_batch_tokens,
+                                   cache_aware_limit=cache_aware_limit, aging_steps=aging_steps)  # fmt: skip
+        self.configure(max_waiting=max_waiting, request_timeout_s=request_timeout_s)
+        self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
+                         "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
+                         "prompt_tokens": 0, "generation_tokens": 0, "canonical_prefill_tokens": 0,
+                         "resumed_hit_tokens": 0, "failed_forwards": 0, "unadmittable": 0}  # fmt: skip
+        # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
+        # thread reads a whole list while the core finishes requests
+        self.recent_latencies: list[float] = []
+        #: called with each finished chat request (on the stepping thread); the engine's stores its canonical turn
+        self.on_finished: Callable[[Request], None] | None = None
+        #: the thread of an EngineLoop that drives the steps (None: whoever calls ``step`` / ``generate``)
+        self.driver: threading.Thread | None = None
+        self._inbox: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._step_lock = threading.RLock()
+        self.steps = 0
+        #: > 0 while a step (or other engine work, :meth:`exclusive`) runs: every forward of the runner happens then
+        self.stepping = 0
 
-    def blocks_needed(self, n: int) -> int:
-        table, pool = self.request.table, self.engine.pool
-        need = max(0, pool.blocks_for(table.length + n) - len(table.blocks))
-        if table.length % pool.block_size and table.blocks and pool.refcount(table.blocks[-1]) > 1:
-            need += 1  # the shared partial last block is copied before it is written
-        return need
+    def configure(self, *, max_waiting: int | None = None, request_timeout_s: float | None = None) -> None:
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s!r}")
+        if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
+            raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
+        self.max_waiting, self.request_timeout_s = max_waiting, request_timeout_s
 
-    def admit_blocks(self) -> int:
-        pool = self.engine.pool
-        rows = len(self.ids) + len(self.request.tokens) + 1
-        return max(1, pool.blocks_for(rows) - self.cached_prefix // pool.block_size + 1)
+    # ------------------------------------------------------------------ requests in (any thread)
+    def prepare(self, prompt: Prompt, params: SamplingParams, **options: Any) -> Request:
+        """A generate request, tokenized and validated on the caller's thread (``kvboost.serving.frontend``)."""
+        return frontend.generate_request(self, prompt, params, **options)
 
-    @property
-    def cached_prefix(self) -> int:
+    def prepare_store(self, ids: list[int], spans: list, **options: Any) -> Request:
+        """A prefill-only request (``warm``, the canonical store): ``kvboost.serving.frontend.store_request``."""
+        return frontend.store_request(self, ids, spans, **options)
+
+    def deadline(self, timeout_s: float | None) -> float | None:
+        """When a request submitted now with ``timeout_s`` (default: the core's) times out."""
+        timeout = timeout_s if timeout_s is not None else self.request_timeout_s
+        return time.perf_counter() + timeout if timeout else None
+
+    def submit(self, request: Request, *, internal: bool = False) -> RequestHandle:
+        """Queue a prepared request (thread-safe); ``QueueFull`` past ``max_waiting`` (``internal``: the engine's own
+        work, a canonical store, is never refused)."""
+        with self._cond:
+            waiting = len(self._inbox) + len(self.scheduler.waiting)
+            if self.max_waiting is not None and waiting >= self.max_waiting and not internal:
+                raise QueueFull(f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry later",
+                                retry_after_s=self.retry_after(waiting))  # fmt: skip
+            self._inbox.append(request)
+            self._cond.notify_all()
+        return request.handle
+
+    def add(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> RequestHandle:
+        """``prepare`` + ``submit`` (``engine.add_request``)."""
+        return self.submit(self.prepare(prompt, params or SamplingParams(), **options))
+
+    def cancel(self, handle: RequestHandle, reason: str = "cancelled") -> None:
+        """End a request at the next step (thread-safe): ``cancelled``, or ``stop`` (a stop string the frontend
+        found: the request finishes normally)."""
+        request = handle._request  # type: ignore[attr-defined]
+        request.cancel_reason = reason
+        request.cancelled = True
+        with self._cond:
+            self._cond.notify_all()
+
+    def retry_after(self, waiting: int) -> float:
+        import math
+        import statistics
+
+        latencies = self.recent_latencies
+        typical = statistics.median(latencies) if latencies else 1.0
+        return max(1.0, math.ceil(typical * max(1, waiting) / self.scheduler.max_running))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def num_waiting(self) -> int:
+        return len(self._inbox) + len(self.scheduler.waiting)
+
+    def wait_for_work(self, timeout: float | None, stop: Callable[[], bool]) -> None:
+        """Block the driving thread until there is work, ``stop()`` is true or ``timeout`` passed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.has_work() or stop(), timeout=timeout)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ driving (the caller's thread)
+    def run_until_done(self, requests: Sequence[Request]) -> None:
+        """Return once every request of ``requests`` finished: step the core on this thread, or, while an
+        EngineLoop drives it from another thread, wait for them."""
+        driver = self.driver
+        if driver is not None and driver.is_alive() and driver is not threading.current_thread():
+            for request in requests:
+                request.handle.wait()
+            return
+        while not all(r.phase == "finished" for r in requests):
+            self.step()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Engine work that is no request's (the runner's warm-up, a look at or a swap of the cache): after the step
+        in flight, before the next one, as the core's own."""
+        with self._step_lock:
+            self.stepping += 1
+            try:
+                yield
+            finally:
+                self.stepping -= 1
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Completion]:
+        """One iteration; returns the completions of the requests that finished in it."""
+        with self.exclusive():
+            with self._cond:
+                incoming, self._inbox = list(self._inbox), deque()
+            for request in incoming:
+                request.arrival_step = self.steps
+                self.scheduler.add(request)
+            finished: list[Completion] = []
+            self._end_expired(finished)
+            with torch.inference_mode():
+                self._admit(finished)
+                self._propose(finished)
+                plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim)
+                for request in plan.preempted:
+                    self._preempt(request)
+                if plan.rows:
+                    self._run(plan.rows, finished)
+            self.steps += 1
+            self.counters["steps"] += 1
+            return finished
+
+    def _end_expired(self, finished: list[Completion]) -> None:
+        now = time.perf_counter()
+        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if request.cancelled:
+                _collect(finished, self._finish(request, request.cancel_reason))
+            elif request.deadline is not None and now > request.deadline:
+                _collect(finished, self._finish(request, "timeout", error="the request ran past its timeout"))
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, finished: list[Completion]) -> None:
+        """Start waiting requests, head first, while ``max_running`` and the pool allow (see the module docstring)."""
+        scheduler, engine = self.scheduler, self.engine
+        if 1 < len(scheduler.waiting) <= scheduler.cache_aware_limit:  # the cache-aware order needs them
+            for request in scheduler.waiting:
+                if request.keys is None and request.mode != "cold":
+                    request.keys = engine.hasher.chunk_keys(request.ids, request.spans, engine.fingerprint,
+                                                            request.salt)  # fmt: skip
+                request.cached_prefix = self._cached_prefix(request)
+        scheduler.order_waiting(self.steps)
+        budget = scheduler.budget()
+        while scheduler.waiting and len(scheduler.running) < scheduler.max_running:
+            request = scheduler.waiting[0]
+            try:
+                outcome = self._start(request, budget)
+            except Exception as exc:
+                if request.plan is not None:
+                    request.plan.release()
+                _collect(finished, self._fail(request, exc))
+                continue
+            if isinstance(outcome, int):
+                budget -= outcome
+                if request.phase != "finished":
+                    self._emit(request)
+                    if request.done:
+                        _collect(finished, self._finish(request, request.finish_reason or "length"))
+                else:
+                    _collect(finished, request.handle.completion)
+                continue
+            if outcome == "budget":
+                break
+            if scheduler.running or self._inbox:
+                break  # blocks come back as running requests finish
+            self.counters["unadmittable"] += 1
+            _collect(finished, self._fail(request, PoolExhausted(self._unadmittable(request))))
+
+    def _cached_prefix(self, request: Request) -> int:
         """Tokens of the prompt's leading chunks in the store now (no access counted), for the queue order."""
-        engine = self.engine
-        if self._keys is None:  # hashed once, when the queue is first ordered with this request in it
-            self._keys = engine.hasher.chunk_keys(self.ids, self.spans, engine.fingerprint, self.salt)
         cached = 0
-        store = engine.store
-        for key, span in zip(self._keys, self.spans, strict=False):
+        store = self.engine.store
+        for key, span in zip(request.keys or (), request.spans, strict=False):
             if key.prefix_key not in store:
                 break
             cached = span.end
         return cached
 
-
-class EngineCore:
-    """Requests in, tokens out, one :meth:`step` at a time (single-threaded; see :class:`EngineLoop` for threads)."""
-
-    def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
-                 max_waiting: int | None = 256, request_timeout_s: float | None = None,
-                 cache_aware_limit: int = 64, isolate_errors: bool = False) -> None:  # fmt: skip
-        if request_timeout_s is not None and not request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s!r}")
-        self.engine = engine
-        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=max_batch_tokens, max_waiting=max_waiting,
-                                   cache_aware_limit=cache_aware_limit)  # fmt: skip
-        self.request_timeout_s = request_timeout_s
-        # A server ends only the request that failed (finish_reason "error") and keeps serving the others;
-        # generate() / generate_batch() let the exception reach their caller.
-        self.isolate_errors = isolate_errors
-        self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
-                         "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
-                         "prompt_tokens": 0, "generation_tokens": 0, "canonical_prefill_tokens": 0}  # fmt: skip
-        # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
-        # thread reads a whole list while the loop thread finishes requests
-        self.recent_latencies: list[float] = []
-        # finished chat requests whose answer is stored again as the next turn tokenizes it, at the end of the step:
-        # (seq, a fork of its block table)
-        self._canonical: list[tuple[ServeSeq, BlockTable]] = []
-
-    # ------------------------------------------------------------------ requests in
-    def prepare(self, prompt: Prompt, params: SamplingParams, *, cache_salt: str = "", chat: bool | None = None,
-                request_id: str | None = None, timeout_s: float | None = None, canceller=None, mode: str = "reuse",
-                store: bool = True, clock: PhaseClock | None = None) -> ServeSeq:  # fmt: skip
-        """Tokenize and validate a request (no engine state changes; any thread that holds the tokenizer).
-        ``mode``/``store`` as ``engine.generate``'s; ``clock``: where the request's TTFT starts (default: now)."""
+    def _start(self, request: Request, budget: int) -> int | str:
+        """Lookup (references first), then assembly, or the repair of a plan with content hits. Returns the tokens
+        of the step's budget it used, ``"wait"`` (its blocks cannot be had now) or ``"budget"`` (a repair that does
+        not fit this step's budget)."""
         engine = self.engine
-        if engine._closed:
-            raise RuntimeError("this engine is closed")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if mode not in pipeline.MODES:
-            raise ValueError(f"unknown mode {mode!r}; use one of {pipeline.MODES}")
-        clock = clock or PhaseClock(engine.adapter.device)
-        ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
-        n = len(ids)
-        max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
-        pipeline.check_memory(engine, n + max_new)
-        clock.mark("tokenized")
-        timeout = timeout_s if timeout_s is not None else self.request_timeout_s
-        handle = RequestHandle(request_id or f"req-{next(_ids)}", n, canceller or self._cancel)
-        deadline = time.perf_counter() + timeout if timeout else None
-        seq = ServeSeq(engine, handle, params, ids, spans, cache_salt, clock, deadline, max_new, mode=mode, store=store)
-        seq.messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
-        handle._seq = seq  # type: ignore[attr-defined]
-        return seq
-
-    def add(self, seq: ServeSeq) -> RequestHandle:
-        self.scheduler.add(seq)
-        return seq.handle
-
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> RequestHandle:
-        """``prepare`` + ``add`` (single-threaded use: ``engine.add_request``)."""
-        return self.add(self.prepare(prompt, params or SamplingParams(), **options))
-
-    @staticmethod
-    def _cancel(handle: RequestHandle) -> None:
-        handle._seq.cancelled = True  # type: ignore[attr-defined]
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    # ------------------------------------------------------------------ one step
-    def step(self) -> list[Completion]:
-        """One iteration; returns the requests that finished in it."""
-        finished: list[Completion] = []
-        self._end_expired(finished)
-        pool = self.engine.pool
-        free = lambda: pool.num_free
-        with torch.inference_mode():
-            self.scheduler.admit(free, self._make_room, lambda seq: self._guarded(seq, finished, self._start, seq,
-                                                                                  finished))  # fmt: skip
-            plan = self.scheduler.plan_step(free, self._make_room)
-            for seq in plan.preempted:
-                self._preempt(seq)
-            if plan.rows:
-                try:
-                    self._forward(plan.rows, finished)
-                except Exception as exc:
-                    if not self.isolate_errors:
-                        raise
-                    for seq, _ in plan.rows:  # the forward itself failed: each of its rows ends with the error
-                        if seq in self.scheduler.running:
-                            self._fail(seq, exc, finished)
-            self._store_canonical()
-        self.counters["steps"] += 1
-        return finished
-
-    def _guarded(self, seq: ServeSeq, finished: list[Completion], fn, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            if not self.isolate_errors:
-                raise
-            self._fail(seq, exc, finished)
-
-    def _fail(self, seq: ServeSeq, exc: Exception, finished: list[Completion]) -> None:
-        log.exception("kvboost: request %s failed", seq.handle.request_id, exc_info=exc)
-        if not seq.handle.done:
-            finished.append(self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}"))
-
-    def _make_room(self, blocks: int) -> None:
-        self.engine.pool.reclaim(blocks)
-
-    def _end_expired(self, finished: list[Completion]) -> None:
-        now = time.perf_counter()
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if seq.cancelled:
-                finished.append(self._finish(seq, "cancelled"))
-            elif seq.deadline is not None and now > seq.deadline:
-                finished.append(self._finish(seq, "timeout", error="the request ran past its timeout"))
-
-    def _start(self, seq: ServeSeq, finished: list[Completion]) -> None:
-        """Lookup and assembly (exact hits by reference); a request with content hits is prefilled here, alone."""
-        engine, request = self.engine, seq.request
-        resumed = seq.started
-        seq.started, seq.preempted = True, False
         plan = pipeline.plan_for(engine, request)
-        request.clock.mark("looked_up")
-        if plan.content_tokens and resumed:
-            plan = ReusePlan.cold(request.ids, request.spans)  # a resumed request recomputes what it cannot share
-        request.plan = plan
+        try:
+            return self._start_planned(request, plan, budget)
+        except BaseException:
+            plan.release()  # idempotent: the references the lookup took, if assembly did not take them over
+            raise
+
+    def _start_planned(self, request: Request, plan: Any, budget: int) -> int | str:
+        engine, pool = self.engine, self.engine.pool
+        prefill = len(plan) - plan.exact_prefix
+        if plan.content_tokens and prefill > budget and budget < self.scheduler.budget():
+            plan.release()
+            return "budget"
+        # new blocks for its rows (one more for the first decoded token's row), the partial shared block copied
+        rows = len(plan) + (request.kind == "generate")
+        need = pool.blocks_for(rows) - plan.exact_prefix // pool.block_size + bool(plan.exact_prefix % pool.block_size)
+        if pool.num_available < need or pool.reclaim(need) < need:  # (nothing is evicted for a request that waits)
+            plan.release()
+            return "wait"
+        resumed = request.started
         if not resumed:
-            self.counters["prefix_query_tokens"] += len(seq.ids)
-            self.counters["prompt_tokens"] += len(seq.ids)
+            request.clock.mark("looked_up")
+        request.started, request.preempted, request.plan = True, False, plan
+        self.scheduler.admitted(request)
+        if not resumed:
+            self.counters["prefix_query_tokens"] += len(request.ids)
+            self.counters["prompt_tokens"] += len(request.ids)
+        else:
+            self.counters["resumed_hit_tokens"] += plan.exact_prefix
         if plan.content_tokens:
-            try:
-                pipeline.prefill(engine, request, looked_up=True)
-            except PoolExhausted as exc:
-                finished.append(self._finish(seq, "error", error=str(exc)))
-                return
-            self._count_reuse(seq)
-            self._after_first_token(seq, finished)
-            seq.decoding = not request.done
-            return
-        assembly = assemble_exact(plan, request.table, engine.quantizer)
-        request.clock.mark("assembled")
-        seq.fed = request.ids[plan.exact_prefix :] + (list(request.tokens) if resumed else [])
-        seq.fed_pos = 0
+            logits = pipeline.prefill_with_repair(engine, request)
+            self._count_reuse(request)
+            self._prefilled(request, logits)
+            return prefill
+        try:
+            assembly = assemble_exact(plan, request.table, engine.quantizer)
+        except PoolExhausted:  # the pool's reckoning was short (blocks cached but protected): wait, at the head
+            request.table.release()
+            request.table = BlockTable(pool)
+            self.scheduler.running.remove(request)
+            self.scheduler.waiting.appendleft(request)
+            request.started = resumed
+            return "wait"
+        if not resumed:
+            request.clock.mark("assembled")
+        seq, _ = pipeline.sequence_of(engine, request)
+        request.fed, request.fed_pos, request.phase = seq[plan.exact_prefix :], 0, "prefill"
         if not resumed:
             request.counts = ReuseCounts(cached_tokens=plan.reused_tokens, exact_tokens=plan.exact_tokens,
                                          content_tokens=0, extra={"prefill_tokens": len(plan) - plan.exact_prefix,
                                                                   "shared_blocks": assembly.shared_blocks,
                                                                   "loaded_rows": assembly.loaded_rows})  # fmt: skip
-            self._count_reuse(seq)
+            self._count_reuse(request)
+        if not request.fed:  # a warm / store request whose every token is cached already
+            self._prefilled(request, None)
+        return 0
 
-    def _count_reuse(self, seq: ServeSeq) -> None:
-        counts = seq.request.counts
+    def _unadmittable(self, request: Request) -> str:
+        pool = self.engine.pool
+        rows = len(request.ids) + len(request.tokens) + 1
+        return (f"request {request.request_id} cannot start: its {rows} rows need {pool.blocks_for(rows) + 1} "
+                f"blocks of {pool.block_size} tokens and nothing else runs to give blocks back; the KV pool has "
+                f"{pool.num_blocks} blocks ({pool.num_blocks * pool.block_bytes / 2**20:.1f} MiB), {pool.num_free} "
+                f"free, {pool.num_idle} cached and not evictable, {pool.num_referenced} held (pins: "
+                f"{len(self.engine.store.pinned_keys())} pinned entries); unpin entries, raise kv.pool_bytes or "
+                "shorten the request")  # fmt: skip
+
+    def _count_reuse(self, request: Request) -> None:
+        counts = request.counts
         self.counters["prefix_hit_tokens"] += counts.exact_tokens
         self.counters["content_hit_tokens"] += counts.content_tokens
         self.counters["recompute_pairs"] += counts.recomputed_pairs
 
-    def _preempt(self, seq: ServeSeq) -> None:
-        """Free the request's blocks and queue it again; it is recomputed (prompt + tokens so far) when it restarts."""
-        seq.request.table.release()
-        seq.request.table = BlockTable(self.engine.pool)
-        seq.decoding, seq.preempted = False, True
-        seq.preemptions += 1
-        self.counters["preemptions"] += 1
-        self.scheduler.requeue(seq)
+    # ------------------------------------------------------------------ drafts, blocks, preemption
+    def _propose(self, finished: list[Completion]) -> None:
+        """Each speculative decoding request's draft for this step (a layer-skip draft runs the runner's first
+        layers over the request's table and leaves it as it was)."""
+        for request in list(self.scheduler.running):
+            if request.draft is not None and request.phase == "decode" and request.proposal is None:
+                length = request.table.length
+                try:
+                    request.proposal = speculation.propose(request, self.engine.adapter.max_positions)
+                except Exception as exc:
+                    self._rollback([(request, length)])
+                    _collect(finished, self._fail(request, exc))
 
-    def _forward(self, rows: Sequence[tuple[ServeSeq, int]], finished: list[Completion]) -> None:
-        inputs = []
-        for seq, n in rows:
-            if seq.decoding:
-                inputs.append(SeqInput(seq.request.table, [seq.request.tokens[-1]]))
-            else:
-                inputs.append(SeqInput(seq.request.table, seq.fed[seq.fed_pos : seq.fed_pos + n]))
-        first_chunks = [seq for seq, _ in rows if not seq.decoding and seq.fed_pos == 0 and not seq.request.tokens]
-        for seq in first_chunks:
-            seq.request.counts.extra.update(batched_prefill=len(first_chunks), layerwise=False)
-        logits = self.engine.runner.run(ForwardBatch.build(inputs))
-        for row, (seq, n) in enumerate(rows):
-            self._guarded(seq, finished, self._after_forward, seq, n, logits[row], finished)
+    def _blocks_needed(self, request: Request, n: int) -> int:
+        table, pool = request.table, self.engine.pool
+        need = max(0, pool.blocks_for(table.length + n) - len(table.blocks))
+        if table.length % pool.block_size and table.blocks and not pool.writable(table.blocks[-1]):
+            need += 1  # the shared or cached partial last block is copied before it is written
+        return need
 
-    def _after_forward(self, seq: ServeSeq, n: int, logits: torch.Tensor, finished: list[Completion]) -> None:
-        """The row's new token (a decode row, or a prefill whose last chunk ran), or nothing (a prompt chunk)."""
-        engine, request = self.engine, seq.request
-        if not seq.decoding:
-            seq.fed_pos += n
-            if seq.fed_pos < len(seq.fed):
-                return  # a prompt chunk: the next one comes next step
-            if not request.tokens:  # the prompt's last chunk: the first token (TTFT)
-                pipeline.first_token(engine, request, logits, request.counts, None)
-                self._after_first_token(seq, finished)
-                seq.decoding = not request.done and seq.finish_reason is None
-                return
-            seq.decoding = True  # a resumed request: its prefill's logits give its next token
-        request.accept(pick_token(logits, request.sampling, request.generator), engine.eos_ids,
-                       engine.adapter.max_positions)  # fmt: skip
-        self._emit(seq, finished)
-
-    def _after_first_token(self, seq: ServeSeq, finished: list[Completion]) -> None:
-        seq.first_token_at = time.perf_counter()
-        self._emit(seq, finished)
-        if self.engine.speculative.enabled and not seq.request.done and seq.finish_reason is None:
-            pipeline.decode_speculatively(self.engine, seq.request)
-            self._emit(seq, finished)
-
-    # ------------------------------------------------------------------ tokens out
-    def _emit(self, seq: ServeSeq, finished: list[Completion]) -> None:
-        """Events for the tokens not yet sent; stop strings end the request; a done request finishes."""
-        request = seq.request
-        now = time.perf_counter()
-        new = request.tokens[len(seq.token_times) :]
-        seq.token_times.extend([now] * len(new))
-        if seq.detokenize:
-            self._detokenize(seq)
-        stop_at = min((i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-        if stop_at >= 0:
-            seq.text = seq.text[:stop_at]
-            seq.finish_reason = "stop"
-        done = request.done or seq.finish_reason is not None
-        if done and seq.detokenize:
-            self._detokenize(seq, final=True)
-            if stop_at >= 0:
-                seq.text = seq.text[:stop_at]
-        # hold back what could still become a stop string
-        hold = 0 if done else max((len(s) - 1 for s in seq.params.stop), default=0)
-        upto = max(seq.emitted, len(seq.text) - hold)
-        for i, token in enumerate(new):
-            last = i == len(new) - 1
-            delta = seq.text[seq.emitted : upto] if last else ""
-            seq.handle._push(TokenEvent(token, delta, len(request.tokens) - len(new) + i))
-        seq.emitted = upto
-        if done:
-            reason = seq.finish_reason or ("stop" if request.tokens and request.tokens[-1] in self.engine.eos_ids
-                                           else "length")  # fmt: skip
-            finished.append(self._finish(seq, reason))
-
-    def _detokenize(self, seq: ServeSeq, *, final: bool = False) -> None:
-        """Incremental detokenization (a window of tokens per call, not the whole answer): the text of
-        ``tokens[prefix:]`` minus that of ``tokens[prefix:read]`` is what the new tokens add, once it does not end
-        in an incomplete character."""
-        tokens, decode = seq.request.tokens, self.engine.tokenizer.decode
-        before = decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-        after = decode(tokens[seq.prefix_offset :], skip_special_tokens=True)
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            seq.text += after[len(before) :]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
-
-    def _finish(self, seq: ServeSeq, reason: str, *, error: str | None = None) -> Completion:
-        """Store (a request that ended normally), free the blocks, hand the completion to the client."""
-        request = seq.request
-        self.scheduler.remove(seq)
+    def _preempt(self, request: Request) -> None:
+        """Cache the request's computed rows (exact ones under their keys), free its blocks, queue it again: its
+        resumption finds those rows in the cache unless the pool needed them meanwhile."""
+        request.proposal = None
         try:
-            if reason in ("stop", "length") and request.tokens:
+            pipeline.store_rows(self.engine, request, resume=True)
+        except Exception:
+            log.exception("kvboost: caching the rows of preempted request %s failed", request.request_id)
+        request.table.release()
+        request.table = BlockTable(self.engine.pool)
+        request.phase, request.preempted = "waiting", True
+        request.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.scheduler.requeue(request)
+
+    # ------------------------------------------------------------------ the step's forward
+    def _run(self, rows: list[tuple[Request, int]], finished: list[Completion]) -> None:
+        """One forward over ``rows``; on an exception, roll back and find the requests whose work raises."""
+        before = [(request, request.table.length) for request, _ in rows]
+        inputs = [self._input(request, n) for request, n in rows]
+        first_chunks = [r for r, _ in rows if r.phase == "prefill" and r.fed_pos == 0 and not r.tokens]
+        for request in first_chunks:
+            request.counts.extra.update(batched_prefill=len(first_chunks), layerwise=False)
+        try:
+            logits = self.engine.runner.run(ForwardBatch.build(inputs))
+        except BaseException as exc:
+            self._rollback(before)
+            self.counters["failed_forwards"] += 1
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the tables are consistent again; the caller decides
+            if len(rows) == 1:
+                _collect(finished, self._fail(rows[0][0], exc))
+                return
+            for row in rows:  # one request at a time: the ones whose work raises again fail, alone
+                if row[0] in self.scheduler.running:
+                    self._run([row], finished)
+            return
+        offset, per_row = 0, []
+        for inp in inputs:
+            k = len(inp.logits) if inp.logits is not None else 1
+            per_row.append(logits[offset : offset + k])
+            offset += k
+        greedy = self._greedy_tokens(rows, per_row)
+        for (request, n), out in zip(rows, per_row, strict=True):
+            try:
+                self._after_forward(request, n, out, greedy.get(id(request)))
+            except Exception as exc:
+                _collect(finished, self._fail(request, exc))
+                continue
+            if request.phase == "finished":
+                _collect(finished, request.handle.completion)
+                continue
+            self._emit(request)
+            if request.done and request.phase == "decode":
+                _collect(finished, self._finish(request, request.finish_reason or "length"))
+
+    def _input(self, request: Request, n: int) -> SeqInput:
+        if request.phase == "decode":
+            feed = [request.tokens[-1], *(request.proposal.tokens if request.proposal is not None else [])]
+            return SeqInput(request.table, feed, logits=list(range(len(feed))) if len(feed) > 1 else None)
+        chunk = request.fed[request.fed_pos : request.fed_pos + n]
+        return SeqInput(request.table, chunk, logits=list(range(len(chunk))) if request.phase == "score" else None)
+
+    def _greedy_tokens(self, rows: list[tuple[Request, int]], per_row: list[torch.Tensor]) -> dict[int, int]:
+        """The next token of every plain greedy decode row, from one argmax over their logits (one device sync)."""
+        picks = [(r, out) for (r, _), out in zip(rows, per_row, strict=True)
+                 if r.phase == "decode" and r.proposal is None and not r.sampling.do_sample]  # fmt: skip
+        if not picks:
+            return {}
+        tokens = torch.argmax(torch.cat([out for _, out in picks]), dim=-1).tolist()
+        return {id(r): int(t) for (r, _), t in zip(picks, tokens, strict=True)}
+
+    def _rollback(self, before: list[tuple[Request, int]]) -> None:
+        """Cut every table back to its length before the step (blocks past it go back; a block copied on write
+        keeps the rows the table had)."""
+        for request, length in before:
+            table = request.table
+            if table.length > length:
+                table.truncate(length)
+
+    def _after_forward(self, request: Request, n: int, logits: torch.Tensor, greedy: int | None) -> None:
+        engine = self.engine
+        if request.phase == "decode":
+            if request.proposal is not None:
+                tokens = speculation.verify(request, logits, engine.eos_ids)
+            else:
+                tokens = [greedy if greedy is not None else pick_token(logits[0], request.sampling, request.generator)]
+            request.finish_reason = request.accept(tokens, engine.eos_ids, engine.adapter.max_positions)
+            return
+        request.fed_pos += n
+        if request.phase == "score":
+            request.score_logits.append(logits)
+        if request.fed_pos < len(request.fed):
+            return  # more chunks next step
+        self._prefilled(request, logits[-1])
+
+    def _prefilled(self, request: Request, logits: torch.Tensor | None) -> None:
+        """The request's rows are all computed: its first (or, resumed, next) token; or it is done (warm, store,
+        score)."""
+        engine = self.engine
+        if request.kind != "generate":
+            self._finish(request, "stop")
+            return
+        if request.phase == "score":
+            self._finish_score(request)
+            return
+        if not request.tokens:  # the first token: TTFT stops here
+            request.first_logits = logits
+            token = pick_token(logits, request.sampling, request.generator)
+            request.clock.mark("first")
+            request.first_token_at = time.perf_counter()
+            request.start_decoding()
+        else:  # resumed after a preemption: its prefill's logits give its next token
+            token = pick_token(logits, request.sampling, request.generator)
+        request.phase = "decode"
+        request.finish_reason = request.accept([token], engine.eos_ids, engine.adapter.max_positions)
+        if engine.speculative.enabled and not request.done and request.draft is None:
+            speculation.begin(request, engine.speculative, engine.runner)
+
+    def _finish_score(self, request: Request) -> None:
+        """The teacher-forced log-probability of ``score_ids`` (after the prompt), into ``result.extra``."""
+        from kvboost.quality import continuation_logprob
+
+        rows = torch.cat(request.score_logits) if request.score_logits else None
+        request.result.extra["answer_logprob"] = continuation_logprob(request.first_logits, list(request.score_ids),
+                                                                      lambda _: rows)  # fmt: skip
+        request.score_logits = []
+        request.phase = "decode"
+        self._complete(request, "stop" if request.tokens[-1] in self.engine.eos_ids else "length")
+
+    # ------------------------------------------------------------------ tokens and requests out
+    def _emit(self, request: Request) -> None:
+        """Token events for the tokens not yet handed out (ids only: the frontend makes the text)."""
+        handle = request.handle
+        sent = handle.num_events
+        for i, token in enumerate(request.tokens[sent:], start=sent):
+            handle._push(TokenEvent(token, "", i))
+
+    def _fail(self, request: Request, exc: BaseException) -> Completion:
+        log.warning("kvboost: request %s failed: %r", request.request_id, exc)
+        request.error = exc
+        return self._finish(request, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _finish(self, request: Request, reason: str, *, error: str | None = None) -> Completion | None:
+        """End a request: store what it computed (a request that ended normally), build its result, free its
+        blocks, hand the completion to its handle. A ``score_ids`` request goes on to its score rows first (None:
+        not finished yet)."""
+        engine = self.engine
+        if request.phase == "finished":
+            return request.handle.completion
+        request.finish_reason = reason
+        normal = reason == "stop" or (reason == "length" and request.kind == "generate")
+        try:
+            if request.draft is not None:
+                speculation.end(request)
+            if normal and request.kind == "generate" and request.tokens and request.phase != "score":
                 request.finish_decoding()
-                seq.result = pipeline.finish(self.engine, request, keep_logits=seq.keep_logits, score_ids=seq.score_ids)
-                self._queue_canonical(seq)
-        finally:
-            request.table.release()
+                request.clock.mark("decoded")
+                request.stored_chunks = pipeline.store_rows(engine, request)
+                request.clock.mark("stored")
+                request.result = pipeline.generation_result(engine, request)
+                engine._requests += 1
+                engine._prompt_tokens += request.prompt_len
+                engine._cached_tokens += request.counts.cached_tokens
+                if request.score_ids is not None:
+                    request.table.truncate(request.prompt_len)
+                    request.fed, request.fed_pos, request.phase = list(request.score_ids[:-1]), 0, "score"
+                    request.score_logits = []
+                    if request.fed:
+                        return None  # finishes when its score rows ran
+                    self._finish_score(request)
+                    return request.handle.completion
+            elif normal and request.kind in ("warm", "store"):
+                reused = request.plan.reused_tokens if request.plan is not None else 0
+                request.stored_chunks = pipeline.store_rows(engine, request, pin=request.pin)
+                if request.pin:
+                    pipeline.pin_prefix(engine, request)
+                request.clock.mark("end")
+                request.result = WarmResult(prompt_tokens=len(request.ids), chunks_stored=request.stored_chunks,
+                                            tokens_stored=len(request.ids) - reused, already_cached_tokens=reused,
+                                            elapsed_ms=request.clock.ms("start", "end"))  # fmt: skip
+        except Exception as exc:  # storing failed: the request still ends, with the error
+            log.exception("kvboost: finishing request %s failed", request.request_id)
+            reason, error, request.error = "error", f"{type(exc).__name__}: {exc}", exc
+        return self._complete(request, reason, error=error)
+
+    def _complete(self, request: Request, reason: str, *, error: str | None = None) -> Completion:
+        self.scheduler.remove(request)
+        request.table.release()
+        request.phase, request.finish_reason = "finished", reason
         now = time.perf_counter()
         completion = Completion(
-            request_id=seq.handle.request_id, prompt_tokens=len(seq.ids), output_ids=list(request.tokens),
-            text=seq.text, finish_reason=reason, cached_tokens=request.counts.cached_tokens,
-            content_tokens=request.counts.content_tokens, error=error, arrival=seq.handle.arrival,
-            first_token_at=seq.first_token_at, finished_at=now, token_times=list(seq.token_times),
-            preemptions=seq.preemptions,
+            request_id=request.request_id, prompt_tokens=len(request.ids), output_ids=list(request.tokens),
+            text="", finish_reason=reason, cached_tokens=request.counts.cached_tokens,
+            content_tokens=request.counts.content_tokens, error=error, arrival=request.handle.arrival,
+            first_token_at=request.first_token_at, finished_at=now, token_times=list(request.token_times),
+            preemptions=request.preemptions,
         )  # fmt: skip
         self.counters["requests_finished"] += 1
         self.counters["generation_tokens"] += len(request.tokens)
-        self.recent_latencies = [*self.recent_latencies[-63:], now - seq.handle.arrival]
-        seq.handle._push(completion=completion)
+        if request.kind == "store" and reason == "stop" and getattr(request, "parent", None) is not None:
+            self.counters["canonical_prefill_tokens"] += len(request.ids) - (request.plan.reused_tokens
+                                                                             if request.plan is not None else 0)
+        self.recent_latencies = [*self.recent_latencies[-63:], now - request.handle.arrival]
+        parent = getattr(request, "parent", None)
+        if parent is not None and parent.result is not None:  # a canonical store: its figures go to the turn's result
+            computed = len(request.ids) - (request.plan.reused_tokens if request.plan is not None else 0)
+            parent.result.extra.update(canonical_prefill_tokens=computed if reason == "stop" else 0,
+                                       canonical_chunks_stored=request.stored_chunks,
+                                       canonical_store_ms=(now - request.handle.arrival) * 1e3,
+                                       **({} if reason == "stop" else {"canonical_skipped": error or reason}))
+        request.handle._push(completion=completion)
+        if self.on_finished is not None and request.kind == "generate":
+            try:
+                self.on_finished(request)
+            except Exception:
+                log.exception("kvboost: after request %s", request.request_id)
         return completion
 
-    # ------------------------------------------------------------------ the answer as the next turn sees it
-    def _queue_canonical(self, seq: ServeSeq) -> None:
-        """Keep the blocks of a finished chat request (by reference) for its canonical store at the end of the step.
-        Only requests that stored their generated tokens (not ``cold``, ``store=False`` or ``store_generated=False``);
-        a ``score_ids`` request's table was cut back to its prompt."""
-        engine, request = self.engine, seq.request
-        if (getattr(engine, "store_canonical", False) and engine.store_generated and seq.messages
-                and request.mode != "cold" and request.store and seq.score_ids is None):  # fmt: skip
-            self._canonical.append((seq, request.table.fork()))
-
-    def _store_canonical(self) -> None:
-        """Store the queued answers as the next turns will tokenize them (after the step's completions went out):
-        a failure there is logged, never the request's (it has finished)."""
-        from kvboost.reuse.canonical import canonical_turn, store_canonical
-
-        queued, self._canonical = self._canonical, []
-        for i, (seq, table) in enumerate(queued):
-            request, extra = seq.request, seq.result.extra if seq.result is not None else {}
-            try:
-                turn = canonical_turn(self.engine, seq.messages, request.ids, request.tokens)
-                if turn is None:
-                    extra["canonical_skipped"] = "the chat template cannot render the answered turn"
-                    continue
-                done = store_canonical(self.engine, turn, table, approx_from=request.approx_from, salt=seq.salt)
-            except Exception:
-                if not self.isolate_errors:
-                    for _, rest in queued[i + 1 :]:
-                        rest.release()
-                    raise
-                log.exception("kvboost: canonical store of request %s failed", seq.handle.request_id)
-                continue
-            finally:
-                table.release()
-            self.counters["canonical_prefill_tokens"] += done.prefilled_tokens
-            extra.update(done.as_extra())
-
     def abort_all(self, reason: str = "shutdown") -> None:
-        """End every request (the loop stops)."""
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self._finish(seq, reason, error=f"the engine loop stopped ({reason})")
-        queued, self._canonical = self._canonical, []
-        for _, table in queued:  # canonical stores not made: their block references go back
-            table.release()
+        """End every request, queued or running (its blocks go back)."""
+        with self.exclusive():
+            with self._cond:
+                incoming, self._inbox = list(self._inbox), deque()
+            for request in incoming:
+                self.scheduler.add(request)
+            for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+                self._complete(request, reason, error=f"the engine loop stopped ({reason})")
+
+    def abort(self, requests: Sequence[Request], reason: str = "cancelled") -> None:
+        """End ``requests`` now (those not finished), e.g. when their caller was interrupted."""
+        with self.exclusive():
+            with self._cond:
+                self._inbox = deque(r for r in self._inbox if r not in requests)
+            for request in requests:
+                if request.phase != "finished":
+                    self._complete(request, reason, error=f"the request was aborted ({reason})")
 
     def stats(self) -> dict[str, Any]:
         pool = self.engine.pool
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_usage": pool.num_used / pool.num_blocks if pool.num_blocks else 0.0,
-                "num_preempted_total": self.counters["preemptions"], **self.counters}  # fmt: skip
+        return {"num_running": len(self.scheduler.running), "num_waiting": self.num_waiting(),
+                "kv_usage": pool.num_referenced / pool.num_blocks if pool.num_blocks else 0.0,
+                "kv_cached_blocks": pool.num_cached, "num_preempted_total": self.counters["preemptions"],
+                **self.counters}  # fmt: skip
+
+
+def _collect(finished: list[Completion], completion: Completion | None) -> None:
+    if completion is not None:
+        finished.append(completion)

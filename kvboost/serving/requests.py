@@ -1,19 +1,21 @@
 """What a client of the engine loop holds: sampling settings in, a handle out (token events, then a completion).
 
-A :class:`RequestHandle` is filled by the loop's thread and read from any thread or event loop: iterate it (blocking)
-or ``async for`` over :meth:`RequestHandle.stream`; :meth:`~RequestHandle.result` / :meth:`~RequestHandle.aresult`
-wait for the :class:`Completion`. ``cancel()`` is safe from anywhere; the loop frees the request's blocks at its next
-step.
+A :class:`RequestHandle` is filled by the engine core (token ids) and read from any thread or event loop: iterate it
+(blocking) or ``async for`` over :meth:`RequestHandle.stream`; :meth:`~RequestHandle.result` /
+:meth:`~RequestHandle.aresult` wait for the :class:`Completion`. The text is made on the reading side.
+``cancel()`` is safe from anywhere; the core frees the request's blocks at its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Why a request ended: ``stop`` (end-of-sequence or a stop string), ``length`` (``max_tokens`` or the model's
 #: context), ``cancelled`` (the client), ``timeout`` (the request's deadline), ``error`` (see ``Completion.error``),
@@ -105,26 +107,40 @@ class Completion:
 
 
 class RequestHandle:
-    """The client's side of one request (filled by the loop thread)."""
+    """The client's side of one request: the engine core pushes token ids and the completion; the handle makes the
+    text on the reading thread (``kvboost.serving.frontend.Detokenizer``: incremental, stop strings; a stop string
+    ends the request through ``cancel(reason="stop")``)."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, canceller) -> None:
+    def __init__(self, request_id: str, prompt_tokens: int, canceller, *, detokenizer: Any = None) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.arrival = time.perf_counter()
-        self._events: list[TokenEvent] = []
+        self._ids: list[int] = []  # token ids pushed by the core
+        self._events: list[TokenEvent] = []  # with their text, made by the first reader that gets there
+        self._raw: Completion | None = None  # the core's completion (no text)
         self._completion: Completion | None = None
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._canceller = canceller
+        self._detok = detokenizer
         self.cancel_requested = False
 
-    # ------------------------------------------------------------------ loop side
+    # ------------------------------------------------------------------ core side
+    @property
+    def num_events(self) -> int:
+        return len(self._ids)
+
+    @property
+    def completion(self) -> Completion | None:
+        """The core's completion (token ids; ``text`` empty): what ``engine.step()`` returns."""
+        return self._raw
+
     def _push(self, event: TokenEvent | None = None, completion: Completion | None = None) -> None:
         with self._cond:
             if event is not None:
-                self._events.append(event)
+                self._ids.append(event.token_id)
             if completion is not None:
-                self._completion = completion
+                self._raw = completion
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
         for loop, ev in waiters:
@@ -133,28 +149,81 @@ class RequestHandle:
             except RuntimeError:  # that event loop is closed: its reader is gone
                 pass
 
+    # ------------------------------------------------------------------ text (the reader's thread)
+    def _process(self) -> None:
+        """Text for the token ids pushed so far (under the handle's lock); a stop string cancels the request; with
+        the core's completion in, the final completion (text, ids and reason cut at a stop string)."""
+        detok = self._detok
+        new = self._ids[len(self._events) :]
+        raw = self._raw
+        if detok is None:
+            self._events += [TokenEvent(t, "", len(self._events) + i) for i, t in enumerate(new)]
+        else:
+            for token in new:
+                if detok.stopped_at is not None:
+                    break
+                final = raw is not None and len(self._events) + 1 == len(self._ids)
+                self._events.append(TokenEvent(token, detok.feed([token], final=final), len(self._events)))
+            if detok.stopped_at is not None and raw is None and not self.cancel_requested:
+                self.cancel_requested = True
+                self._canceller(self, "stop")
+        if raw is not None and self._completion is None and (len(self._events) == len(self._ids) or
+                                                             (detok is not None and detok.stopped_at is not None)):
+            self._completion = self._final(raw)
+
+    def _final(self, raw: Completion) -> Completion:
+        detok = self._detok
+        if detok is None:
+            return raw
+        if not raw.output_ids:
+            return dataclasses.replace(raw, text=detok.text)
+        if detok.stopped_at is None:
+            if len(detok.tokens) < len(raw.output_ids):
+                detok.feed(raw.output_ids[len(detok.tokens) :], final=True)
+            return dataclasses.replace(raw, text=detok.text)
+        kept = detok.stopped_at
+        reason = "stop" if raw.finish_reason in ("stop", "length") else raw.finish_reason
+        return dataclasses.replace(raw, text=detok.text, output_ids=list(raw.output_ids[:kept]), finish_reason=reason,
+                                   token_times=list(raw.token_times[:kept]))  # fmt: skip
+
+    def _ready(self, index: int) -> tuple[list[TokenEvent], bool]:
+        """Events from ``index`` on that carry text, and whether the stream ended (under the lock)."""
+        self._process()
+        pending = self._events[index:]
+        if self._detok is not None and self._detok.stopped_at is not None:
+            pending = [e for e in pending if e.index < self._detok.stopped_at]
+        return pending, self._completion is not None
+
     # ------------------------------------------------------------------ client side
     @property
     def done(self) -> bool:
-        return self._completion is not None
+        return self._raw is not None
 
-    def cancel(self) -> None:
-        """Ask the loop to stop this request and free its blocks (idempotent; a finished request stays finished)."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the core to stop this request and free its blocks (idempotent; a finished request stays finished)."""
         if not self.done and not self.cancel_requested:
             self.cancel_requested = True
-            self._canceller(self)
+            self._canceller(self, reason)
+
+    def wait(self, timeout: float | None = None) -> Completion:
+        """Wait for the core's completion (token ids, no text)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._raw is not None, timeout=timeout):
+                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+            return self._raw  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[TokenEvent]:
         index = 0
         while True:
             with self._cond:
-                while index >= len(self._events) and self._completion is None:
+                while True:
+                    pending, finished = self._ready(index)
+                    if pending or finished:
+                        break
                     self._cond.wait()
-                pending = self._events[index:]
-                finished = self._completion is not None
             yield from pending
             index += len(pending)
-            if finished and index >= len(self._events):
+            if finished and not pending:
                 return
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
@@ -163,8 +232,7 @@ class RequestHandle:
         index = 0
         while True:
             with self._cond:
-                pending = self._events[index:]
-                finished = self._completion is not None
+                pending, finished = self._ready(index)
                 waiter = None
                 if not pending and not finished:
                     waiter = asyncio.Event()
@@ -178,11 +246,17 @@ class RequestHandle:
                 await waiter.wait()
 
     def result(self, timeout: float | None = None) -> Completion:
-        """Wait for the completion (``TimeoutError`` after ``timeout`` seconds of waiting)."""
+        """Wait for the completion, with its text (``TimeoutError`` after ``timeout`` seconds of waiting)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if not self._cond.wait_for(lambda: self._completion is not None, timeout=timeout):
-                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
-            return self._completion  # type: ignore[return-value]
+            while True:
+                self._process()
+                if self._completion is not None:
+                    return self._completion
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+                self._cond.wait(left)
 
     async def aresult(self) -> Completion:
         async for _ in self.stream():

@@ -1,20 +1,21 @@
 """The iteration-level scheduler's policy: which waiting requests start, in which order, and what each running one
 computes this step, under a token budget and the KV pool's free blocks.
 
-Pure bookkeeping over :class:`ScheduledSeq`-like objects (no model, no engine): :mod:`kvboost.serving.core`
-executes what it decides. The rules, after SGLang's cache-aware scheduling and vLLM's v1 scheduler:
+Pure bookkeeping over request objects (no model, no engine): :mod:`kvboost.serving.core` executes what it decides.
+The rules, after SGLang's cache-aware scheduling and vLLM's v1 scheduler:
 
-- Waiting order: while at most ``cache_aware_limit`` requests wait, the one with the longest cached prefix first
+- Waiting order: a request that has waited ``aging_steps`` steps or more goes first, oldest first (nothing
+  starves); then, while at most ``cache_aware_limit`` requests wait, the one with the longest cached prefix first
   (ties: arrival order), so a request whose prefix is cached starts while its blocks are still cached; past that
-  queue size, first come first served (sorting a long queue costs more than it saves, and no request starves).
-- Admission: a request starts when ``max_running`` allows and the pool has the blocks for its uncached prompt
-  plus one for its first decoded tokens (asking the cache to give back blocks first).
-- Per step: every decoding request gets one token, then prefilling requests get chunks of their prompts in
-  admission order until ``max_batch_tokens`` (a long prompt is prefilled over several steps, so decoding requests
-  keep getting tokens while it runs).
-- Preemption: when the step's rows need more blocks than are free (after the cache gave back what it could), the
-  most recently admitted running request is preempted (its blocks freed; it goes back to the front of the queue
-  and is recomputed later, its generated tokens appended to its prompt), never a crash.
+  queue size, first come first served. Preempted requests keep their place in front.
+- Admission (the core's): the head of the queue starts when ``max_running`` allows and its blocks can be had; it
+  blocks the ones behind it (no request overtakes an aged one).
+- Per step: every decoding request gets its row(s) (one token, or a draft to verify), then prefilling requests
+  get chunks of their prompts in admission order until ``max_batch_tokens``. While no request decodes, nothing
+  waits on a prefill: the budget is then ``max(max_batch_tokens, idle_prefill_tokens)`` (a ``generate_batch`` of
+  many prompts prefills them in one forward).
+- Preemption: when the step's rows need more blocks than can be had, the most recently admitted running request
+  is preempted (the core caches its computed rows, frees its blocks and queues it again in front), never a crash.
 """
 
 from __future__ import annotations
@@ -24,10 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Steps a request may wait before it goes ahead of every request with a longer cached prefix.
+DEFAULT_AGING_STEPS = 32
+#: A step's prefill tokens while no request decodes (no inter-token latency to protect).
+DEFAULT_IDLE_PREFILL_TOKENS = 16384
+
 
 @dataclass
 class StepPlan:
-    """What one step computes: ``(seq, token count)`` per sequence (decode rows have 1), and who was preempted."""
+    """What one step computes: ``(request, token count)`` per request (decode rows have 1, or ``k + 1`` with a
+    draft), and who was preempted."""
 
     rows: list[tuple[Any, int]] = field(default_factory=list)
     preempted: list[Any] = field(default_factory=list)
@@ -40,100 +47,98 @@ class StepPlan:
 class Scheduler:
     """Waiting and running queues and the per-step decision (see the module docstring).
 
-    Each sequence object provides: ``pending_tokens()`` (tokens to compute before its next logits: the rest of its
-    prefill, or 1 when decoding), ``decoding`` (bool), ``blocks_needed(n)`` (new pool blocks to compute ``n`` more
-    tokens, copy-on-write included), ``admit_blocks()`` (blocks its admission needs), ``cached_prefix`` (the tokens
-    a lookup would serve, for ordering) and ``admitted_at`` (set here).
+    Each request provides ``pending_tokens()``, ``decoding``, ``preempted``, ``arrival_step`` and
+    ``cached_prefix`` (set by the core before ordering); ``admitted_at`` is set here. ``blocks_needed(request,
+    n)`` (the core's) tells the new pool blocks ``n`` more rows of a request take, copy on write included.
     """
 
-    def __init__(self, *, max_running: int = 64, max_batch_tokens: int = 2048, max_waiting: int | None = 256,
-                 cache_aware_limit: int = 64) -> None:  # fmt: skip
-        for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
-            if not isinstance(value, int) or value < 1:
+    def __init__(self, *, max_running: int = 64, max_batch_tokens: int = 2048, cache_aware_limit: int = 64,
+                 aging_steps: int = DEFAULT_AGING_STEPS,
+                 idle_prefill_tokens: int = DEFAULT_IDLE_PREFILL_TOKENS) -> None:  # fmt: skip
+        for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
+                            ("aging_steps", aging_steps), ("idle_prefill_tokens", idle_prefill_tokens)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
-            raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
-        self.max_running, self.max_batch_tokens, self.max_waiting = max_running, max_batch_tokens, max_waiting
-        self.cache_aware_limit = cache_aware_limit
+        self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
+        self.cache_aware_limit, self.aging_steps, self.idle_prefill_tokens = cache_aware_limit, aging_steps, idle_prefill_tokens
         self.waiting: deque[Any] = deque()
         self.running: list[Any] = []
         self._admissions = 0
 
     # ------------------------------------------------------------------ queues
-    @property
-    def full(self) -> bool:
-        return self.max_waiting is not None and len(self.waiting) >= self.max_waiting
+    def add(self, request: Any) -> None:
+        self.waiting.append(request)
 
-    def add(self, seq: Any) -> None:
-        self.waiting.append(seq)
-
-    def remove(self, seq: Any) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+    def remove(self, request: Any) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def order_waiting(self) -> None:
-        """Cache-aware order while the queue is short (longest cached prefix first, stable), FCFS past it;
-        preempted requests stay in front."""
-        if 1 < len(self.waiting) <= self.cache_aware_limit:
-            ranked = sorted(enumerate(self.waiting), key=lambda p: (not p[1].preempted, -p[1].cached_prefix, p[0]))
-            self.waiting = deque(seq for _, seq in ranked)
+    def requeue(self, request: Any) -> None:
+        """Put a preempted request back at the front of the queue."""
+        self.waiting.appendleft(request)
+
+    def order_waiting(self, step: int) -> None:
+        """Preempted requests first, then aged ones (oldest first), then cache-aware (longest cached prefix first,
+        stable) while the queue is short, else arrival order."""
+        if len(self.waiting) < 2:
+            return
+        queue = list(self.waiting)
+        aged = [r for r in queue if r.preempted or step - r.arrival_step >= self.aging_steps]
+        rest = [r for r in queue if not (r.preempted or step - r.arrival_step >= self.aging_steps)]
+        aged.sort(key=lambda r: (not r.preempted, r.arrival_step))
+        if 1 < len(rest) <= self.cache_aware_limit:
+            rest = [r for _, r in sorted(enumerate(rest), key=lambda p: (-p[1].cached_prefix, p[0]))]
+        self.waiting = deque(aged + rest)
+
+    def admitted(self, request: Any) -> None:
+        """``request`` leaves the queue's head for the running set."""
+        self.waiting.remove(request)
+        self._admissions += 1
+        request.admitted_at = self._admissions
+        self.running.append(request)
 
     # ------------------------------------------------------------------ one step
-    def admit(self, free_blocks: Callable[[], int], make_room: Callable[[int], None], start: Callable[[Any], None]) -> None:
-        """Start waiting requests while ``max_running`` and the free blocks allow. ``make_room(n)`` asks the cache
-        to give back blocks until ``n`` are free; ``start(seq)`` does the lookup and assembly."""
-        self.order_waiting()
-        while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            need = seq.admit_blocks()
-            if free_blocks() < need:
-                make_room(need)
-            if free_blocks() < need:
-                break  # wait for running requests to finish (a request that fits no pool is refused at submit)
-            self.waiting.popleft()
-            self._admissions += 1
-            seq.admitted_at = self._admissions
-            self.running.append(seq)  # before start(): a request that ends at its first token leaves through remove()
-            start(seq)
+    def budget(self) -> int:
+        """This step's token budget: ``max_batch_tokens``, or more while no request decodes."""
+        if any(r.decoding for r in self.running):
+            return self.max_batch_tokens
+        return max(self.max_batch_tokens, self.idle_prefill_tokens)
 
-    def plan_step(self, free_blocks: Callable[[], int], make_room: Callable[[int], None]) -> StepPlan:
-        """The rows of this step; preempts (newest first) while their blocks cannot be had."""
+    def plan_step(self, blocks_needed: Callable[[Any, int], int], make_room: Callable[[int], int]) -> StepPlan:
+        """The rows of this step; preempts (newest first) while their blocks cannot be had. ``make_room(n)`` frees
+        cached blocks until ``n`` are free and returns the free count."""
         plan = StepPlan()
         while True:
             rows = self._rows()
-            need = sum(seq.blocks_needed(n) for seq, n in rows)
-            if free_blocks() < need:
-                make_room(need)
-            if free_blocks() >= need or not rows:
+            need = sum(blocks_needed(r, n) for r, n in rows)
+            if not rows or make_room(need) >= need:
                 plan.rows = rows
                 return plan
-            victim = max(self.running, key=lambda s: s.admitted_at)
+            victim = max(self.running, key=lambda r: r.admitted_at)
             self.running.remove(victim)
             plan.preempted.append(victim)
-            if not self.running:  # the last one alone does not fit: its rows are refused by the caller
+            if not self.running:
                 plan.rows = []
                 return plan
 
-    def requeue(self, seq: Any) -> None:
-        """Put a preempted request back at the front of the queue."""
-        self.waiting.appendleft(seq)
-
     def _rows(self) -> list[tuple[Any, int]]:
         rows: list[tuple[Any, int]] = []
-        budget = self.max_batch_tokens
-        for seq in self.running:  # decode rows first: one token each, whatever the budget
-            if seq.decoding:
-                rows.append((seq, 1))
-                budget -= 1
-        for seq in sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted_at):
-            if budget <= 0:
-                break
-            n = min(seq.pending_tokens(), budget)
-            rows.append((seq, n))
+        budget = self.budget()
+        for request in self.running:  # decode rows first, whatever the budget
+            if request.decoding:
+                n = request.pending_tokens()
+                rows.append((request, n))
+                budget -= n
+        for request in sorted((r for r in self.running if not r.decoding), key=lambda r: r.admitted_at):
+            pending = request.pending_tokens()
+            if budget <= 0 or pending <= 0:
+                continue
+            n = pending if request.phase == "score" else min(pending, budget)  # score rows are not cut
+            rows.append((request, n))
             budget -= n
         return rows

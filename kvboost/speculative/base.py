@@ -6,9 +6,11 @@ for strategies that sample from a distribution of their own, that distribution `
 rejection sampling). Deterministic strategies (``prompt_lookup``, and every strategy under greedy decoding) leave
 ``q`` as ``None``: a one-hot distribution on the drafted token.
 
-The engine (``kvboost.speculative.verify.speculative_decode``) owns everything else: the target's cache, the
-verification forward, the rollback past the first rejected token, the stats, and the draft length, which adapts
-per request (:class:`DraftLength`). A strategy keeps whatever state of its own it needs (a draft model's KV
+The engine core (``kvboost.serving.core``, with ``kvboost.speculative.verify``) owns everything else: the target's
+cache, the verification rows (in the step's one forward), the rollback past the first rejected token, the stats, and
+the draft length, which adapts per request (:class:`DraftLength`). Each request gets its own shallow copy of the
+strategy (``copy.copy``: per-request state such as a draft model's block table is its own; the draft model and its
+runner are shared), so requests decoding together do not disturb each other's drafts. A strategy keeps whatever state of its own it needs (a draft model's KV
 cache) in sync by comparing the context it is given with the one it saw last: a rejected suffix simply does not
 come back in the next call's ``context``.
 

@@ -15,21 +15,20 @@ request served from reused chunks verifies over them), which writes rows ``L..L+
   a bonus token from ``p`` at ``zk``. Each emitted token is distributed exactly as the target's sample.
 
 Then the cache is cut to the accepted context (``table.truncate(L + 1 + a)``: blocks past it go back to the pool),
-so what the engine stores after decoding holds exactly the accepted tokens' K/V. With nothing drafted the step is a plain one-token step (the engine's fused step where it
-has one).
+so what the engine stores after decoding holds exactly the accepted tokens' K/V. The engine core does this per step
+for each decoding request with a draft (``kvboost.serving.core``: the draft's rows are that request's rows of the
+step's one forward, beside the other requests'); with nothing drafted the row is a plain one-token decode row.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvboost.decoding import DecodeOutput, Sampling, pick_token
-from kvboost.speculative.base import Draft, DraftRequest, DraftStrategy, draft_distribution
+from kvboost.decoding import Sampling
+from kvboost.speculative.base import Draft, draft_distribution
 
 
 def accept_or_resample(
@@ -105,71 +104,62 @@ class SpeculativeStats:
         }
 
 
-def speculative_decode(
-    strategy: DraftStrategy,
-    *,
-    prompt_ids: Sequence[int],
-    first_token: int,
-    table: Any,
-    runner: Any,
-    max_new_tokens: int,
-    eos_ids: set[int],
-    sampling: Sampling,
-    generator: torch.Generator | None = None,
-    max_total_tokens: int | None = None,
-) -> tuple[DecodeOutput, SpeculativeStats]:
-    """Generate after ``first_token`` with ``strategy`` drafting and the target verifying; same stopping rules
-    as :func:`kvboost.decoding.decode_loop` (EOS, ``max_new_tokens``, the context end).
+# ---------------------------------------------------------------------------------------------- per request
+# What the engine core does for a decoding request with a draft strategy (``kvboost.serving.core``): each step, a
+# proposal; the request's row of the step's forward is ``[last, d1..dk]``; then the verification below.
 
-    ``table`` (a :class:`~kvboost.kv.block_table.BlockTable`) holds the prompt's ``len(prompt_ids)`` rows; every
-    target forward goes through ``runner.run``: a plain one-token step when nothing was drafted, else the
-    ``k + 1`` rows ``[c, d1..dk]`` with their logits. ``decode_seconds`` covers drafting, verification and
-    rollback. On return the table holds exactly the rows of ``prompt_ids + tokens[:-1]``, as after plain decoding.
-    """
-    from kvboost.runtime.batch import ForwardBatch, SeqInput
 
-    n = len(prompt_ids)
-    limit = max_new_tokens
-    if max_total_tokens is not None:
-        limit = min(limit, max_total_tokens - n)
-    stats = SpeculativeStats()
-    length = strategy.new_length()
-    tokens = [first_token]
-    context = list(prompt_ids) + tokens
-    start = time.perf_counter()
-    strategy.begin(DraftRequest(prompt_len=n, table=table, runner=runner))
-    try:
-        while len(tokens) < limit and tokens[-1] not in eos_ids:
-            k = min(length.current, limit - len(tokens) - 1)  # all accepted + 1 bonus must fit the limit
-            draft = strategy.propose(context, k, sampling, generator) if k > 0 else Draft()
-            if len(draft) > k:
-                raise ValueError(f"speculative {strategy.registry_name!r} proposed {len(draft)} tokens, asked for {k}")
-            if table.length != n + len(tokens) - 1:
-                raise RuntimeError(f"speculative {strategy.registry_name!r} left the target's cache at "
-                                   f"{table.length} rows; it must hold {n + len(tokens) - 1}")  # fmt: skip
-            stats.target_forwards += 1
-            if not draft.tokens:
-                logits = runner.run(ForwardBatch.build([SeqInput(table, [tokens[-1]])]))[0]
-                new = [pick_token(logits, sampling, generator)]
-            else:
-                feed = [tokens[-1], *draft.tokens]
-                batch = ForwardBatch.build([SeqInput(table, feed, logits=list(range(len(feed))))])
-                logits = runner.run(batch)
-                accepted, nxt = verify_draft(logits, draft, sampling, generator)
-                stats.drafted_tokens += len(draft)
-                stats.accepted_tokens += accepted
-                stats.draft_lengths.append(len(draft))
-                length.update(len(draft), accepted)
-                new = draft.tokens[:accepted] + [nxt]
-            for i, token in enumerate(new):  # plain decoding stops at the first EOS: so do we
-                if token in eos_ids:
-                    new = new[: i + 1]
-                    break
-            tokens.extend(new)
-            context.extend(new)
-            # Rollback: rows past the accepted context are rejected drafts' (or, after an EOS, unused) K/V.
-            table.truncate(n + len(tokens) - 1)
-    finally:
-        strategy.end()
-    stats.generated_after_first = len(tokens) - 1
-    return DecodeOutput(tokens, time.perf_counter() - start), stats
+def begin(request: Any, strategy: Any, runner: Any) -> None:
+    """A per-request copy of the engine's draft strategy (its own state; models and runners shared), started."""
+    import copy
+
+    from kvboost.speculative.base import DraftRequest
+
+    request.draft = copy.copy(strategy)
+    request.draft_length = strategy.new_length()
+    request.spec_stats = SpeculativeStats()
+    request.draft.begin(DraftRequest(prompt_len=request.prompt_len, table=request.table, runner=runner))
+
+
+def propose(request: Any, max_positions: int | None) -> Draft:
+    """This step's draft: at most the adaptive length, and what still fits ``max_new_tokens`` and the context once
+    every drafted token and the bonus one are accepted."""
+    out = len(request.tokens)
+    room = min(request.max_new_tokens, (max_positions or 1 << 62) - request.prompt_len)
+    k = min(request.draft_length.current, room - out - 1)
+    if k <= 0:
+        return Draft()
+    draft = request.draft.propose(request.ids + request.tokens, k, request.sampling, request.generator)
+    if len(draft) > k:
+        raise ValueError(f"speculative {request.draft.registry_name!r} proposed {len(draft)} tokens, asked for {k}")
+    return draft
+
+
+def verify(request: Any, logits: torch.Tensor, eos_ids: set[int]) -> list[int]:
+    """The tokens this step adds: the longest acceptable prefix of the request's draft and the one after it (cut
+    at an end-of-sequence token); the table is cut back past the rows of rejected tokens."""
+    from kvboost.decoding import cut_at_stop, pick_token
+
+    draft, stats = request.proposal, request.spec_stats
+    request.proposal = None
+    stats.target_forwards += 1
+    if not draft.tokens:
+        tokens = [pick_token(logits[0], request.sampling, request.generator)]
+    else:
+        accepted, nxt = verify_draft(logits, draft, request.sampling, request.generator)
+        stats.drafted_tokens += len(draft)
+        stats.accepted_tokens += accepted
+        stats.draft_lengths.append(len(draft))
+        request.draft_length.update(len(draft), accepted)
+        tokens = draft.tokens[:accepted] + [nxt]
+    tokens = cut_at_stop(tokens, eos_ids)
+    request.table.truncate(request.prompt_len + len(request.tokens) + len(tokens) - 1)
+    return tokens
+
+
+def end(request: Any) -> None:
+    """The request is done with its draft: the strategy's state goes, its stats go to the result's extra."""
+    request.draft.end()
+    request.spec_stats.generated_after_first = len(request.tokens) - 1
+    request.extra.update(request.spec_stats.as_extra(request.draft.registry_name))
+    request.draft = None

@@ -1,0 +1,172 @@
+"""The engine's frontend: text in and out, on the callers' threads (never on the engine core's).
+
+After vLLM v1's split of a frontend (tokenize, detokenize, stop strings) from the engine core (schedule, forward,
+sample): the core sees token ids only. A :class:`Detokenizer` turns a request's token ids into text incrementally
+(a window of tokens per call, not the whole answer), holds back what could still become a stop string, and reports
+a stop string so that the request is ended (the client's thread cancels it with ``reason="stop"``; the core may have
+produced a token or two more, which the text and the token ids returned leave out).
+
+HF's fast tokenizers are not safe to use from two threads at once: every use goes through the engine's
+``tokenizer_lock``, which the engine core's thread never takes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvboost.decoding import Sampling
+from kvboost.generation import PhaseClock
+from kvboost.kv.block_table import BlockTable
+from kvboost.prompts import Prompt, chat_messages
+from kvboost.runtime import pipeline
+from kvboost.runtime.sequences import Request
+from kvboost.serving.requests import RequestHandle, SamplingParams
+
+_ids = itertools.count()
+
+
+def generate_request(core: Any, prompt: Prompt, params: SamplingParams, *, cache_salt: str = "",
+                     chat: bool | None = None, request_id: str | None = None, timeout_s: float | None = None,
+                     mode: str = "reuse", store: bool = True, clock: PhaseClock | None = None) -> Request:  # fmt: skip
+    """A generate request for ``core``, tokenized and validated on the caller's thread (nothing of the engine
+    changes). ``mode``/``store`` as ``engine.generate``'s; ``clock``: where the request's TTFT starts (default: now)."""
+    engine = core.engine
+    if engine._closed:
+        raise RuntimeError("this engine is closed")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if mode not in pipeline.MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {pipeline.MODES}")
+    clock = clock or PhaseClock(engine.adapter.device)
+    with engine.tokenizer_lock:
+        ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
+        messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
+    n = len(ids)
+    max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
+    pipeline.check_memory(engine, n + max_new)
+    clock.mark("tokenized")
+    generator = engine.generator
+    if params.seed is not None:
+        generator = torch.Generator(device=engine.adapter.device).manual_seed(params.seed)
+    sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
+                        top_p=params.top_p)  # fmt: skip
+    request = Request("generate", ids, spans, BlockTable(engine.pool), sampling=sampling, max_new_tokens=max_new,
+                      mode=mode, salt=cache_salt, store=store, generator=generator, clock=clock,
+                      deadline=core.deadline(timeout_s))  # fmt: skip
+    request.messages = messages
+    _attach_handle(core, request, request_id, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop))
+    return request
+
+
+def store_request(core: Any, ids: list[int], spans: list, *, salt: str = "", pin: bool = False, kind: str = "store",
+                  timeout_s: float | None = None) -> Request:  # fmt: skip
+    """A prefill-only request that computes (reusing exact cached prefixes) and stores the KV of ``ids``: ``warm``
+    (``kind="warm"``, optionally pinned) and the canonical store (``kind="store"``)."""
+    engine = core.engine
+    if engine._closed:
+        raise RuntimeError("this engine is closed")
+    request = Request(kind, list(ids), list(spans), BlockTable(engine.pool), salt=salt, pin=pin,
+                      clock=PhaseClock(engine.adapter.device), deadline=core.deadline(timeout_s))  # fmt: skip
+    request.clock.mark("tokenized")
+    _attach_handle(core, request, None, None)
+    return request
+
+
+def _attach_handle(core: Any, request: Request, request_id: str | None, detokenizer: Any) -> None:
+    handle = RequestHandle(request_id or f"req-{next(_ids)}", len(request.ids), core.cancel, detokenizer=detokenizer)
+    handle._request = request  # type: ignore[attr-defined]
+    request.handle = handle
+
+
+class Detokenizer:
+    """Incremental text of one request's tokens, with its stop strings.
+
+    Args:
+        tokenizer: the engine's tokenizer.
+        lock: the lock every use of ``tokenizer`` takes.
+        stop: stop strings (the text ends before the first one; the request finishes with ``"stop"``).
+    """
+
+    def __init__(self, tokenizer: Any, lock: threading.RLock, stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.lock, self.stop = tokenizer, lock, tuple(stop)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of ``text`` handed out
+        self.stopped_at: int | None = None  # tokens kept when a stop string ended the text
+        self._prefix = self._read = 0
+
+    def feed(self, tokens: Sequence[int], *, final: bool = False) -> str:
+        """Add generated ``tokens``; returns the text they add that can be sent now (empty while a character is
+        incomplete or the text could still become a stop string). ``final``: no more tokens come (flush)."""
+        if self.stopped_at is not None:
+            return ""
+        for token in tokens:
+            self.tokens.append(int(token))
+            self._decode(final=False)
+            if self._find_stop() is not None:
+                break
+        if final:
+            self._decode(final=True)
+        cut = self._find_stop()
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.stopped_at = len(self.tokens)
+        done = final or self.stopped_at is not None
+        hold = 0 if done else max((len(s) - 1 for s in self.stop), default=0)
+        upto = max(self.emitted, len(self.text) - hold)
+        delta, self.emitted = self.text[self.emitted : upto], upto
+        return delta
+
+    def _find_stop(self) -> int | None:
+        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _decode(self, *, final: bool) -> None:
+        """The text of ``tokens[prefix:]`` minus that of ``tokens[prefix:read]`` is what the new tokens add, once it
+        does not end in an incomplete character."""
+        with self.lock:
+            decode = self.tokenizer.decode
+            before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
+            after = decode(self.tokens[self._prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.tokens)
+
+
+def canonical_store_request(engine: Any, request: Any) -> Any | None:
+    """The ``store`` request that stores a finished chat request's answer as the next turn will tokenize it
+    (``kvboost.reuse.canonical``), or None when there is nothing to store (no chat messages, nothing stored, the
+    generated ids are already the canonical ones). Runs on the frontend: it decodes and tokenizes."""
+    from kvboost.reuse.canonical import canonical_turn
+
+    if not wants_canonical(engine, request):
+        return None
+    with engine.tokenizer_lock:
+        turn = canonical_turn(engine, request.messages, request.ids, request.tokens)
+    extra = request.result.extra if request.result is not None else request.extra
+    if turn is None:
+        extra["canonical_skipped"] = "the chat template cannot render the answered turn"
+        return None
+    if turn.shared >= len(turn.ids):
+        extra.update(canonical_prefill_tokens=0, canonical_chunks_stored=0, canonical_store_ms=0.0,
+                     canonical_skipped="the generated ids are the canonical ones")  # fmt: skip
+        return None
+    job = store_request(engine.core, turn.ids, turn.spans, salt=request.salt)
+    job.parent = request
+    return job
+
+
+def wants_canonical(engine: Any, request: Any) -> bool:
+    """Whether a finished request gets a canonical store: a chat request that stored its generated tokens (not
+    ``cold``, ``store=False``, ``store_generated=False``, a ``score_ids`` request), whose rows were all exact (the
+    canonical prefill runs on the exact prefix; a content-hit request's approximate rows are its own)."""
+    return bool(
+        getattr(engine, "store_canonical", False) and engine.store_generated and request.messages
+        and request.kind == "generate" and request.mode != "cold" and request.store and request.score_ids is None
+        and request.approx_from is None and request.finish_reason in ("stop", "length") and request.tokens
+    )  # fmt: skip
