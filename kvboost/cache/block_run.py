@@ -12,6 +12,7 @@ entry moves to a tier that serialises it (disk, Redis, host memory).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -91,3 +92,11 @@ class BlockRun:
 def is_pooled(payload: Any) -> bool:
     """Whether ``payload`` is a run of pool blocks (and so must be detached before a non-pool tier takes it)."""
     return bool(getattr(payload, "pooled", False))
+
+
+def standalone(entry: Any) -> Any:
+    """``entry`` itself, or, when its payload is a run of pool blocks, a copy of it whose payload is a copy of the
+    rows (``BlockRun.detached``): what a tier that does not hold pool blocks takes, made before the blocks can go."""
+    if not is_pooled(entry.payload):
+        return entry
+    return dataclasses.replace(entry, payload=entry.payload.detached())

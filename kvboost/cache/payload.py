@@ -150,6 +150,7 @@ def payload_to_device(payload: Any, device: torch.device) -> Any:
     moved = {name: t.to(device) for name, t in tensors.items()}
     return payload_from_tensors(payload_type_name(payload), moved, fields)
 
+
 # ---------------------------------------------------------------------------------------------- encode
 def prepare_tensors(payload: Any) -> dict[str, torch.Tensor]:
     """The payload's tensors as standalone CPU tensors (what ``encode`` will write)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvboost.cache.block_run import BlockRun
+from kvboost.cache.block_run import BlockRun, standalone
 from kvboost.cache.entry import SEGMENT_ONLY_PREFIX, KVEntry
 from kvboost.cache.tier_base import DictTier, EvictionGuard, OrSet, choose_victims
 from kvboost.kv.pool import KVPool
@@ -145,7 +145,7 @@ class PoolTier(DictTier):
         self.eviction.on_remove(key)
         blocks = entry.payload.blocks
         if not self.last_in_store:
-            entry.payload = entry.payload.detached()
+            entry = standalone(entry)
         self.pool.unmark_cached(blocks)  # a victim is never pinned; its blocks a request holds stay with it
         return entry
 

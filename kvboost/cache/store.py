@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
-from kvboost.cache.block_run import is_pooled
+from kvboost.cache.block_run import is_pooled, standalone
 from kvboost.cache.entry import KVEntry, segment_only_key
 from kvboost.cache.tier_base import CacheTier
 
@@ -313,8 +312,8 @@ class KVStore:
         """Put a write-through copy of ``entry`` (booked in a faster tier) into tier ``tier_idx``."""
         node = self._nodes[entry.key]
         self._add_copy(node, tier_idx)
-        if is_pooled(entry.payload) and not self.tiers[tier_idx].holds_blocks:
-            entry = dataclasses.replace(entry, payload=entry.payload.detached())  # a copy of the rows
+        if not self.tiers[tier_idx].holds_blocks:
+            entry = standalone(entry)  # a copy of the rows
         overflow = self.tiers[tier_idx].put(entry)
         if any(out.key == entry.key for out in overflow):  # refused (too large, or everything protected)
             self._drop_copy(node, tier_idx)
@@ -329,8 +328,8 @@ class KVStore:
 
         Entries in flight are booked at the tier they are headed for before any of them moves on, so the
         parent of each is protected while the others are put (the tiers only see the store's counts)."""
-        if is_pooled(entry.payload) and not self.tiers[tier_idx].holds_blocks:
-            entry = dataclasses.replace(entry, payload=entry.payload.detached())  # a copy of the rows
+        if not self.tiers[tier_idx].holds_blocks:
+            entry = standalone(entry)  # a copy of the rows
         overflow = self.tiers[tier_idx].put(entry)
         placed = all(out.key != entry.key for out in overflow)
         last = tier_idx + 1 == len(self.tiers)
@@ -450,8 +449,7 @@ class KVStore:
                 entry = tier.peek(key)
                 if entry is None or key not in self._nodes:
                     continue
-                if is_pooled(entry.payload):  # its rows, copied before its blocks can go back to the pool
-                    entry = dataclasses.replace(entry, payload=entry.payload.detached())
+                entry = standalone(entry)  # its rows, copied before its blocks can go back to the pool
                 tier.remove(key)
                 self._book(key, i + 1)
                 self.stats.demoted += 1
