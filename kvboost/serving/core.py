@@ -554,13 +554,12 @@ class EngineCore:
         )  # fmt: skip
         self.counters["requests_finished"] += 1
         self.counters["generation_tokens"] += len(request.tokens)
-        if request.kind == "store" and reason == "stop" and getattr(request, "parent", None) is not None:
-            self.counters["canonical_prefill_tokens"] += len(request.ids) - (request.plan.reused_tokens
-                                                                             if request.plan is not None else 0)
+        parent = getattr(request, "parent", None)  # set on a canonical store: the chat turn it stores
+        computed = len(request.ids) - (request.plan.reused_tokens if request.plan is not None else 0)
+        if request.kind == "store" and reason == "stop" and parent is not None:
+            self.counters["canonical_prefill_tokens"] += computed
         self.recent_latencies = [*self.recent_latencies[-63:], now - request.handle.arrival]
-        parent = getattr(request, "parent", None)
         if parent is not None and parent.result is not None:  # a canonical store: its figures go to the turn's result
-            computed = len(request.ids) - (request.plan.reused_tokens if request.plan is not None else 0)
             parent.result.extra.update(canonical_prefill_tokens=computed if reason == "stop" else 0,
                                        canonical_chunks_stored=request.stored_chunks,
                                        canonical_store_ms=(now - request.handle.arrival) * 1e3,
