@@ -115,7 +115,8 @@ CONDITIONAL: tuple[Conditional, ...] = (
     Conditional(
         "engine.prefill_weights=auto; tests/test_model_runner.py prepacked bf16 tests (needs_onednn_bf16)",
         "amx_bf16 or avx512_bf16", "prepacked oneDNN bf16 weights for multi-row forwards (kvboost's bf16 prefill "
-        "then has other bits than HF's)", "plain weights (tests skip)", _native_bf16,
+        "then has other bits than HF's)", "plain weights (the tests skip where oneDNN refuses to pack bf16: no AVX-512 "
+        "BW/VL/DQ and no AVX-NE-CONVERT, e.g. an AVX2-only AMD EPYC)", _native_bf16,
     ),
     Conditional(
         "bf16 figures in README / experiments/results (speeds, greedy-match counts)", "amx_bf16",

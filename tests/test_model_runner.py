@@ -223,8 +223,11 @@ def _assembled(pool: KVPool, ref_k, ref_v, n: int, garbage: list[int]) -> BlockT
 ], ids=["llama-fp32", "qwen2-fp32", "mistral-fp32", "llama-bf16", "llama-fp32-eager", "llama-fp32-triton"])  # fmt: skip
 def test_subset_rows_agree_between_runners_and_with_a_full_recompute(arch, dtype, attn):
     """Rows at arbitrary positions over an assembled prompt (content repair's forward): the Llama runner and the
-    HF-generic runner (layer by layer) give the same bits; in fp32 both are a full recompute within 1e-5. Under
-    the sdpa, eager and triton backends, whose kernel really runs (one call per layer)."""
+    HF-generic runner (layer by layer) give the same bits under sdpa and eager, where both call the same kernel;
+    in fp32 both are a full recompute within 1e-5. Under triton the Llama runner calls the paged kernel and the
+    generic runner the flash kernel over gathered K/V: two kernels, equal only up to rounding (bit-equal on AVX-512
+    CPUs, 1 ulp apart on an AVX2-only AMD EPYC, where the interpreter's numpy dot rounds by block shape). Each
+    backend's kernel really runs (one call per layer)."""
     model = tiny_model(arch).to(dtype)
     backend = serve(model, attn)
     pool = make_pool(model)
@@ -244,7 +247,10 @@ def test_subset_rows_agree_between_runners_and_with_a_full_recompute(arch, dtype
         table.release()
     assert generic.forwards["layerwise"] == 1
     for a, b in zip(results["llama"], results["hf"], strict=True):
-        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+        if attn == "triton":
+            assert float((a.float() - b.float()).abs().max()) <= 1e-6
+        else:
+            assert torch.equal(a, b), (a.float() - b.float()).abs().max()
     if dtype == torch.float32:
         logits, keys, values = results["llama"]
         assert float((logits - full_logits).abs().max()) <= 1e-5

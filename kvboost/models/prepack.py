@@ -18,6 +18,7 @@ the machine's memory. fp32 packs for MKL (:mod:`kvboost.models.mkl_pack`, 4 byte
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -65,6 +66,20 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"prepacked weights serve bf16 and fp32 (the model is {str(dtype).replace('torch.', '')})"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no oneDNN linear"
+    return onednn_bf16_refusal()
+
+
+@functools.cache
+def onednn_bf16_refusal() -> str | None:
+    """oneDNN's own answer on whether it packs bf16 weights on this CPU (None: it does).
+
+    Asked by packing a tiny weight: oneDNN needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for its bf16 path and
+    raises otherwise (seen on an AVX2-only AMD EPYC), and no public torch probe names that condition.
+    """
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError as error:
+        return f"oneDNN cannot pack bf16 weights on this CPU ({str(error).splitlines()[0]})"
     return None
 
 
