@@ -35,11 +35,18 @@ class RecomputeStrategy(ABC):
     Set ``needs_reader_attention = True`` to receive ``plan.reader_attention`` (what the prompt's closing
     tokens attend to, at the layers ``reader_layers`` names) from a probe pass the engine runs first: only the
     new tokens computed, every content hit reused as re-rotated; its time is inside TTFT.
+
+    Set ``oracle_agreement = True`` (an instance attribute; the built-in strategies take it as a config field,
+    ``recompute.oracle_agreement=true``) to have the engine judge the selection against the oracle's per request:
+    ``oracle_recall`` and ``oracle_rank_corr`` (:mod:`kvboost.recompute.agreement`) in the result's ``extra``.
+    It costs a full prefill after the strategy's (kept out of TTFT, reported as ``oracle_agreement_ms``); with
+    ``needs_reference`` the oracle's scores exist anyway and the agreement is always recorded.
     """
 
     registry_name: str = "?"
     needs_reference: ClassVar[bool] = False
     needs_reader_attention: ClassVar[bool] = False
+    oracle_agreement: bool = False
 
     def check_model(self, num_layers: int) -> None:
         """Raise ValueError if this strategy cannot run on a model with ``num_layers`` decoder layers (called by
@@ -64,6 +71,14 @@ class RecomputeStrategy(ABC):
         """
         raise NotImplementedError(f"recompute strategy {self.registry_name!r} declared check layers but no select()")
 
+    def token_scores(self, plan: ReusePlan, check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+                     ) -> torch.Tensor | None:  # fmt: skip
+        """The score this strategy ranked the content positions by (one per ``plan.positions("content")``, higher:
+        recomputed first), to compare with the oracle's (``oracle_rank_corr``); None when it has none.
+        ``check``: ``(candidates, deviation)`` as ``select`` saw them at the last check layer (positions dropped
+        at an earlier check layer score ``-inf``)."""
+        return None
+
     def fingerprint(self) -> str:
         return self.registry_name
 
@@ -77,6 +92,12 @@ def top_fraction(candidates: torch.Tensor, scores: torch.Tensor, fraction: float
         return candidates
     idx = torch.topk(scores.float(), k).indices
     return torch.sort(candidates[idx.to(candidates.device)]).values
+
+
+def check_flag(owner: str, name: str, value: object) -> bool:
+    if value is not True and value is not False:
+        raise ValueError(f"recompute strategy {owner!r}: {name} must be true or false, got {value!r}")
+    return value
 
 
 def check_fraction(owner: str, name: str, value: object) -> float:

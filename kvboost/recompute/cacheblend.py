@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy, check_fraction, top_fraction
+from kvboost.recompute.base import RecomputeStrategy, check_flag, check_fraction, top_fraction
 from kvboost.registry import RECOMPUTE
 
 DEVIATIONS = ("kv", "key", "value")
@@ -33,6 +33,8 @@ class CacheBlend(RecomputeStrategy):
         ratios: optional per-check-layer fractions (non-increasing, the last equal to ``ratio``) for gradual
             filtering; default: ``ratio`` at every check layer.
         deviation: what is compared: ``kv`` (squared error of keys plus values), ``key`` or ``value``.
+        oracle_agreement: also judge each selection against the oracle's (``oracle_recall``,
+            ``oracle_rank_corr`` of the deviation at the last check layer; costs a full prefill, kept out of TTFT).
     """
 
     def __init__(
@@ -41,7 +43,9 @@ class CacheBlend(RecomputeStrategy):
         check_layers: list[int] | tuple[int, ...] = (1,),
         ratios: list[float] | None = None,
         deviation: str = "kv",
+        oracle_agreement: bool = False,
     ) -> None:
+        self.oracle_agreement = check_flag("cacheblend", "oracle_agreement", oracle_agreement)
         self.ratio = check_fraction("cacheblend", "ratio", ratio)
         layers = tuple(int(x) for x in check_layers)
         if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
@@ -78,11 +82,20 @@ class CacheBlend(RecomputeStrategy):
     ) -> torch.Tensor:
         # Fractions are of the prompt's content tokens, not of the candidate set (which shrinks when filtering).
         fraction = self.ratios[layer] * plan.content_tokens / max(1, candidates.numel())
-        if self.deviation == "kv":
-            score = deviation["key"] + deviation["value"]
-        else:
-            score = deviation[self.deviation]
-        return top_fraction(candidates, score, min(1.0, fraction))
+        return top_fraction(candidates, self._score(deviation), min(1.0, fraction))
+
+    def _score(self, deviation: dict[str, torch.Tensor]) -> torch.Tensor:
+        return deviation["key"] + deviation["value"] if self.deviation == "kv" else deviation[self.deviation]
+
+    def token_scores(self, plan: ReusePlan, check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+                     ) -> torch.Tensor | None:  # fmt: skip
+        if check is None:
+            return None
+        candidates, deviation = check
+        content = plan.positions("content")
+        scores = torch.full((content.numel(),), float("-inf"))
+        scores[torch.searchsorted(content, candidates.cpu())] = self._score(deviation).float().cpu()
+        return scores
 
     def fingerprint(self) -> str:
         return f"cacheblend:{self.ratio}:{list(self.check_layers)}:{self.deviation}"

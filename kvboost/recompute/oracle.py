@@ -37,5 +37,8 @@ class OracleRecompute(RecomputeStrategy):
         keep[chosen] = True
         return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten(), full_prefill_cost=True)
 
+    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor | None:
+        return plan.reference_deviation
+
     def fingerprint(self) -> str:
         return f"oracle:{self.ratio}"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy, check_fraction, top_fraction
+from kvboost.recompute.base import RecomputeStrategy, check_flag, check_fraction, top_fraction
 from kvboost.registry import RECOMPUTE
 
 HEAD_REDUCTIONS = ("mean", "max")
@@ -40,12 +40,15 @@ class QueryAware(RecomputeStrategy):
             The probe pass stops after the last probed layer, so probing lower layers costs less.
         heads: how a layer's heads are combined: ``mean`` (the average reader) or ``max`` (any head that
             reads the token strongly, e.g. a retrieval head).
+        oracle_agreement: also judge each selection against the oracle's (``oracle_recall``,
+            ``oracle_rank_corr`` of the reader attention; costs a full prefill, kept out of TTFT).
     """
 
     needs_reader_attention = True
 
     def __init__(self, ratio: float = 0.2, from_layer: float = 0.5, heads: str = "max",
-                 to_layer: float = 1.0) -> None:  # fmt: skip
+                 to_layer: float = 1.0, oracle_agreement: bool = False) -> None:  # fmt: skip
+        self.oracle_agreement = check_flag("query_aware", "oracle_agreement", oracle_agreement)
         self.ratio = check_fraction("query_aware", "ratio", ratio)
         self.from_layer = check_fraction("query_aware", "from_layer", from_layer)
         self.to_layer = check_fraction("query_aware", "to_layer", to_layer)
@@ -66,16 +69,19 @@ class QueryAware(RecomputeStrategy):
         content = plan.positions("content")
         keep = plan.kinds == KIND_CODES["new"]
         if content.numel():
-            attention = plan.reader_attention
-            if attention is None or attention.dim() != 3 or attention.shape[2] != content.numel():
-                raise ValueError(
-                    "recompute strategy 'query_aware' needs plan.reader_attention [layers, heads, content] for "
-                    "every content position (the engine's probe pass provides it)"
-                )
-            per_head = attention.float()
-            score = (per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)).sum(dim=0)
-            keep[top_fraction(content, score, self.ratio)] = True
+            keep[top_fraction(content, self.token_scores(plan), self.ratio)] = True
         return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
+
+    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor:
+        """The reader attention per content position: summed over the probed layers, heads reduced by ``heads``."""
+        attention = plan.reader_attention
+        if attention is None or attention.dim() != 3 or attention.shape[2] != plan.content_tokens:
+            raise ValueError(
+                "recompute strategy 'query_aware' needs plan.reader_attention [layers, heads, content] for "
+                "every content position (the engine's probe pass provides it)"
+            )
+        per_head = attention.float()
+        return (per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)).sum(dim=0)
 
     def fingerprint(self) -> str:
         return f"query_aware:{self.ratio}:{self.from_layer}:{self.to_layer}:{self.heads}"

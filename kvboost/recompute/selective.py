@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy
+from kvboost.recompute.base import RecomputeStrategy, check_flag
 from kvboost.registry import RECOMPUTE
 
 
@@ -22,24 +22,36 @@ class SelectiveRecompute(RecomputeStrategy):
         r: tokens recomputed at the start of each run of consecutive content-hit positions.
         sink: also recompute the first ``sink`` positions of the prompt that are not exact hits (the real
             sequence start, when the prompt itself begins with a content hit).
+        oracle_agreement: also judge each selection against the oracle's (``oracle_recall``; ``oracle_rank_corr``
+            of the score "earlier in its run first"; costs a full prefill, kept out of TTFT).
     """
 
-    def __init__(self, r: int = 16, sink: int = 0) -> None:
+    def __init__(self, r: int = 16, sink: int = 0, oracle_agreement: bool = False) -> None:
+        self.oracle_agreement = check_flag("selective", "oracle_agreement", oracle_agreement)
         for name, value in (("r", r), ("sink", sink)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"recompute strategy 'selective': {name} must be a non-negative integer, got {value!r}")
         self.r, self.sink = r, sink
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        n = len(plan)
-        pos = torch.arange(n)
+    @staticmethod
+    def _offsets(plan: ReusePlan) -> torch.Tensor:
+        """Each position's offset from the start of its run of content hits (meaningful at content positions)."""
+        pos = torch.arange(len(plan))
         content = plan.kinds == KIND_CODES["content"]
         previous_content = torch.cat([torch.zeros(1, dtype=torch.bool), content[:-1]])
         run_start = torch.where(content & ~previous_content, pos, torch.zeros_like(pos)).cummax(0).values
-        keep = (plan.kinds == KIND_CODES["new"]) | (content & (pos - run_start < self.r))
+        return pos - run_start
+
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        content = plan.kinds == KIND_CODES["content"]
+        keep = (plan.kinds == KIND_CODES["new"]) | (content & (self._offsets(plan) < self.r))
         if self.sink:
             keep[torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten()[: self.sink]] = True
         return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
+
+    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor:
+        """Earlier in its run of content hits first (the order ``r`` cuts; ``sink`` is not scored)."""
+        return -self._offsets(plan)[plan.positions("content")].float()
 
     def fingerprint(self) -> str:
         return f"selective:{self.r}:{self.sink}"

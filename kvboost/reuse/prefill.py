@@ -5,7 +5,9 @@ schedule through the runner, return the last logits and what was reused and reco
 - a plan with content hits asks the strategy for a schedule (validated); the reader probe runs first for
   strategies that need it; a schedule that recomputes every row after the exact prefix is a plain suffix
   prefill; any other runs layer by layer with :class:`~kvboost.reuse.repair.CheckLayerHook`;
-- recompute ratios are measured from what the layers ran (DESIGN.md invariant 6).
+- recompute ratios are measured from what the layers ran (DESIGN.md invariant 6);
+- with the oracle's scores at hand (``needs_reference``) or asked for (the strategy's ``oracle_agreement``), the
+  selection is judged against the oracle's (``oracle_recall``, ``oracle_rank_corr``: :mod:`kvboost.recompute.agreement`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from kvboost.generation import PhaseClock, ReuseCounts
 from kvboost.kv.block_table import BlockTable
 from kvboost.plan import ReusePlan, validate_schedule, validate_selection
+from kvboost.recompute.agreement import selector_agreement
 from kvboost.reuse.assemble import assemble_content, assemble_exact
 from kvboost.reuse.repair import CheckLayerHook, ReaderProbeHook
 from kvboost.runtime.batch import ForwardBatch, SeqInput
@@ -79,6 +82,8 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
         counts.extra.update(prefill_tokens=n - frontier, layerwise=False)
         if schedule is not None and schedule.full_prefill_cost and plan.content_tokens:
             counts.recomputed_pairs = plan.reused_tokens * num_layers  # it ran a full prefill to decide
+        if schedule is not None:
+            record_agreement(ctx, plan, plan.positions("content"), None, clock, counts)
         return PrefillOutcome(logits, counts, approx_from=None)
 
     if not probed:
@@ -92,8 +97,10 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
         positions = positions[positions >= first_content]
     content_mask = plan.kinds == 1
     strategy = recompute
+    last_check: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
 
     def on_check(layer: int, candidates: torch.Tensor, deviation: dict[str, torch.Tensor]) -> torch.Tensor:
+        last_check[:] = [(candidates, deviation)]
         chosen = strategy.select(plan, layer, candidates, deviation)
         return validate_selection(chosen, candidates, strategy.registry_name, layer)
 
@@ -119,7 +126,32 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
     final = hook.final_positions if hook.final_positions is not None else positions
     approx = content_mask & ~torch.isin(torch.arange(n), final)
     hits = torch.nonzero(approx, as_tuple=False)
+    record_agreement(ctx, plan, final[content_mask[final]], last_check[0] if last_check else None, clock, counts)
     return PrefillOutcome(logits, counts, approx_from=int(hits[0]) if hits.numel() else None)
+
+
+def record_agreement(ctx: ReuseContext, plan: ReusePlan, selected: torch.Tensor,
+                     check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None, clock: PhaseClock,
+                     counts: ReuseCounts) -> None:  # fmt: skip
+    """``oracle_recall`` / ``oracle_rank_corr`` of the content positions the strategy computed in the last layer
+    (``selected``) into ``counts.extra``, when the oracle's scores exist (``needs_reference``) or the strategy's
+    ``oracle_agreement`` asks for them. Asked for, the reference prefill runs here, after the strategy's, and its
+    time (``oracle_agreement_ms``) is taken out of the request's clock: TTFT stays the strategy's."""
+    recompute = ctx.recompute
+    if not plan.content_tokens or not (recompute.needs_reference or getattr(recompute, "oracle_agreement", False)):
+        return
+    began = clock.mark("agreement")
+    if plan.reference_deviation is None:
+        plan.reference_deviation = reference_deviation(ctx, plan)
+    content = plan.positions("content")
+    counts.extra.update(selector_agreement(content, selected.cpu(), plan.reference_deviation,
+                                           recompute.token_scores(plan, check)))  # fmt: skip
+    elapsed = clock.mark("agreement_end") - began
+    for name in ("agreement", "agreement_end"):
+        del clock.marks[name]
+    for name in clock.marks:  # as if everything so far had happened ``elapsed`` later
+        clock.marks[name] += elapsed
+    counts.extra["oracle_agreement_ms"] = elapsed * 1e3
 
 
 def reader_attention(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, ids: torch.Tensor) -> torch.Tensor:
