@@ -31,7 +31,7 @@ LOGGERS = ("none", "wandb")
 MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "weights", "random_init", "random_seed")
 ENGINE_OPTIONS = (
     "store_generated", "store_canonical", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill",
-    "prefill_weights", "kv", "core",
+    "prefill_weights", "kv", "core", "kv_events",
 )  # fmt: skip
 
 

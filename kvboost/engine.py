@@ -89,6 +89,9 @@ class InferenceEngine:
             memory tier (``kvboost.cache.pool_tier``): cached chunks are runs of its blocks. ``host_bytes`` adds a
             host-memory tier right below it (entries the pool evicts are copied to the CPU; a hit is copied back).
         core: the request loop (``{"max_running": 64, "max_batch_tokens": 2048, "aging_steps": 32}``).
+        kv_events: publish the KV store's movements in vLLM's KV-event schema (msgpack over ZMQ) for routers outside
+            kvboost; off by default. ``{"enabled": True, "endpoint": "tcp://*:5557", "replay_endpoint": None,
+            "topic": "", "buffer_steps": 10000, ...}``: ``kvboost.cache.events.KVEventsConfig``.
         keep_buffer_bytes: accepted for compatibility; the pool replaced per-request buffers.
     """
 
@@ -99,7 +102,7 @@ class InferenceEngine:
         share_model: bool = False,
         max_kv_bytes: int | str | None = None, keep_buffer_bytes: int | str | None = None, decode: str = "auto",
         speculative: Any = "none", prefill: str = "auto", prefill_weights: str = "auto", kv: dict | None = None,
-        store_canonical: bool = True, core: dict | None = None,
+        store_canonical: bool = True, core: dict | None = None, kv_events: Any = None,
     ) -> None:  # fmt: skip
         from kvboost.rope import RopeRotator, check_rope_reusable
 
@@ -114,6 +117,9 @@ class InferenceEngine:
         unknown = sorted(set(core) - set(CORE_OPTIONS))
         if unknown:
             raise ValueError(f"unknown core option(s) {unknown}; accepted: {list(CORE_OPTIONS)}")
+        from kvboost.cache.events import KVEventsConfig, KVEventSink
+
+        events_config = KVEventsConfig.from_options(kv_events)
         chunker, hasher = CHUNKERS.build(chunker), HASHERS.build(hasher)
         recompute = RECOMPUTE.build(recompute)
         recompute.check_model(model.config.get_text_config(decoder=True).num_hidden_layers)
@@ -209,7 +215,17 @@ class InferenceEngine:
             quantizer_settings={"name": quantizer.registry_name, "fingerprint": quantizer.fingerprint(),
                                 "lossless": bool(getattr(quantizer, "lossless", False))},
         )  # fmt: skip
+        # KV events: last, so that the snapshot a publisher opens with holds what the tiers already have.
+        publisher = events_config.build_publisher()
+        self.kv_events: KVEventSink | None = None
+        self._events_finalizer = None
+        if publisher is not None:
+            self.kv_events = KVEventSink(publisher, block_hash=events_config.block_hash, hasher=hasher)
+            self._events_finalizer = weakref.finalize(self, publisher.shutdown)
+            hasher.root_key(self.fingerprint, "")  # the untenanted root: its first chunks publish parent None
         self._store_finalizer = weakref.finalize(self, store.close)
+        if self.kv_events is not None:
+            store.attach_events(self.kv_events)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -252,6 +268,8 @@ class InferenceEngine:
                 delattr(self.model, OWNER_ATTR)
             self._store_finalizer()  # store.close(): spill into a persistent tier, flush pending writes
             self.store.drop_pool_entries()  # pins go back to the pool
+            if self._events_finalizer is not None:  # after the spill's events: the publisher sends what is queued
+                self._events_finalizer()
 
     def warmup(self, max_tokens: int | None = None) -> dict[str, Any]:
         """Build what the first request would otherwise build inside its timings: the compiled decode forward

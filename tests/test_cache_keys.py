@@ -55,6 +55,7 @@ UNKEYED = {
     "share_model": "the weights are the same tensors",
     "max_kv_bytes": "a request size limit",
     "keep_buffer_bytes": "accepted for compatibility, no effect",
+    "kv_events": "publishes the store's movements (kvboost.cache.events), changes none",
     "speculative": "verification runs the same kernels on k + 1 rows (rounding of the call's shape: tested below)",
     "kv.pool_bytes": "the pool's size",
     "kv.memory_fraction": "the pool's size",

@@ -295,14 +295,46 @@ def test_group_by_prefix_groups_by_the_first_chunks():
 def test_check_model_compatibility():
     from transformers import GPT2Config
 
-    from kvboost.compat import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, check_model_compatibility
+    from kvboost.compat import (
+        SUPPORTED_ARCHITECTURES,
+        SUPPORTED_MODEL_TYPES,
+        UNSUPPORTED_ARCHITECTURES,
+        UNSUPPORTED_MODEL_TYPES,
+        UnsupportedArchitectureError,
+        check_model_compatibility,
+    )
 
-    assert "llama" in SUPPORTED_ARCHITECTURES and "qwen2" in SUPPORTED_ARCHITECTURES
+    # as the original project documented them: class names, and a dict of reasons
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"} <= SUPPORTED_ARCHITECTURES
+    assert "llama" not in SUPPORTED_ARCHITECTURES and "llama" in SUPPORTED_MODEL_TYPES
+    assert UNSUPPORTED_ARCHITECTURES["GPT2LMHeadModel"].startswith("learned absolute positional embeddings")
+    assert "ALiBi" in UNSUPPORTED_ARCHITECTURES["BloomForCausalLM"]
+    assert UNSUPPORTED_MODEL_TYPES["gpt2"] == UNSUPPORTED_ARCHITECTURES["GPT2LMHeadModel"]
+    assert len(SUPPORTED_ARCHITECTURES) == len(SUPPORTED_MODEL_TYPES)
+    assert not SUPPORTED_ARCHITECTURES & set(UNSUPPORTED_ARCHITECTURES)
+    for arch in ("llama", "qwen2", "mistral", "phi3", "gemma"):  # the tiny models' classes are the listed names
+        model = tiny_model(arch)
+        assert type(model).__name__ in SUPPORTED_ARCHITECTURES and model.config.model_type in SUPPORTED_MODEL_TYPES
     check_model_compatibility(tiny_model("llama"))
     with pytest.raises(UnsupportedArchitectureError, match="absolute position"):
         check_model_compatibility(GPT2Config())
     with pytest.warns(UserWarning, match="gpt2"):
         check_model_compatibility(GPT2Config(), strict=False)
+    # a family known only by its class name in config.architectures is refused by that name
+    with pytest.raises(UnsupportedArchitectureError, match="GPTNeoForCausalLM"):
+        check_model_compatibility(type("Cfg", (), {"model_type": "custom", "architectures": ["GPTNeoForCausalLM"]})())
+
+
+def test_compat_class_names_are_transformers_own():
+    """Each listed class name is the class transformers maps the family's model_type to (where it ships it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lm
+
+    from kvboost.models.compat import REJECTED_FAMILIES, SUPPORTED_FAMILIES
+
+    families = {**SUPPORTED_FAMILIES, **{t: cls for t, (cls, _) in REJECTED_FAMILIES.items()}}
+    shipped = {t: cls for t, cls in families.items() if t in causal_lm}
+    assert len(shipped) >= len(families) - 1  # internlm2 is remote code
+    assert {t: causal_lm[t] for t in shipped} == shipped
 
 
 # ---------------------------------------------------------------------------------------------- demo_speculative

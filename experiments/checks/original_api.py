@@ -256,14 +256,15 @@ def main(argv: list[str] | None = None) -> int:
 
         model = state["engine"].model
         check_model_compatibility(model)
-        require(model.config.model_type in SUPPORTED_ARCHITECTURES, "the bundled model's family is not listed")
+        names = {type(model).__name__, *(getattr(model.config, "architectures", None) or ())}
+        require(bool(names & SUPPORTED_ARCHITECTURES), "the bundled model's architecture is not listed")
         try:
             check_model_compatibility(GPT2Config())
         except ValueError as exc:
             refused = str(exc).split(";")[0]
         else:
             raise AssertionError("GPT-2 accepted")
-        return f"{model.config.model_type} accepted; gpt2 refused ({refused})"
+        return f"{type(model).__name__} accepted; GPT2LMHeadModel refused ({refused})"
 
     def demo() -> str:
         cmd = [sys.executable, "-m", "kvboost.streaming.demo_speculative", "--max-new-tokens", str(max(new, 24))]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from functools import partial
+from functools import partial, wraps
 from typing import Any
 
 from kvboost.cache.block_run import is_pooled, standalone
 from kvboost.cache.entry import KVEntry, segment_only_key
+from kvboost.cache.events import AllBlocksCleared, BlockRemoved
 from kvboost.cache.tier_base import CacheTier
 
 
@@ -50,6 +51,27 @@ class _Node:
     exact: bool
     tier: int | None = None  # the tier holding it (or, while it moves, the tier it is headed for)
     copies: set[int] | None = None  # write-through tiers below ``tier`` holding a copy
+    key: str = ""
+
+
+def _publishes(method: Any) -> Any:
+    """A store operation after which, with KV events on (``attach_events``), the entries it moved are published:
+    per key, the tiers it left and the tiers it reached, between the outermost operation's start and end (what a
+    key went through in between is not published)."""
+
+    @wraps(method)
+    def wrapper(self: KVStore, *args: Any, **kwargs: Any) -> Any:
+        if self.events is None:
+            return method(self, *args, **kwargs)
+        self._op_depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._op_depth -= 1
+            if self._op_depth == 0:
+                self._publish_moves()
+
+    return wrapper
 
 
 class KVStore:
@@ -103,6 +125,10 @@ class KVStore:
         self._segment_exact: dict[str, dict[str, None]] = {}  # segment key -> exact entries' keys
         self._segment_only = 0  # how many entries are segment-only
         self.stats = StoreStats()
+        #: the KV-event sink (``kvboost.cache.events.KVEventSink``), None when events are off
+        self.events: Any = None
+        self._moved: dict[str, frozenset[int]] = {}  # key -> its tiers before the operation in progress
+        self._op_depth = 0
         if any(t.holds_blocks for t in self.tiers[1:]):
             raise ValueError("the pool tier (runs of KV pool blocks) can only be the first tier")
         #: the KV pool whose blocks the first tier indexes (None: no pool tier); ``alloc`` asks :meth:`reclaim`
@@ -124,6 +150,7 @@ class KVStore:
                 self._index(entry)
                 self._book(key, i)
 
+    @_publishes
     def refresh(self) -> int:
         """Add to the books the entries other processes wrote to shared tiers (those with a ``refresh()``, e.g.
         ``redis``) since they last looked, as construction does for the entries present then; an entry a faster
@@ -143,6 +170,7 @@ class KVStore:
         return added
 
     # ------------------------------------------------------------------ reads
+    @_publishes
     def get(self, key: str, *, access: bool = True) -> KVEntry | None:
         """The entry under ``key``, or None; promotes a lower-tier hit to the first tier.
 
@@ -186,6 +214,7 @@ class KVStore:
                 self._unindex(key)
         return entry
 
+    @_publishes
     def peek(self, key: str) -> KVEntry | None:
         """The entry under ``key``, or None; no access counted, nothing moves."""
         node = self._nodes.get(key)
@@ -233,6 +262,7 @@ class KVStore:
         key = segment_only_key(segment_key)
         return key if key in self._nodes else None
 
+    @_publishes
     def find_segment(self, segment_key: str) -> KVEntry | None:
         """The entry under ``segment_entry_key(segment_key)``, or None. Counts an access, a per-tier hit, and
         promotes, like ``get``."""
@@ -275,6 +305,7 @@ class KVStore:
                 self.tiers[node.tier].touch(key)
 
     # ------------------------------------------------------------------ writes
+    @_publishes
     def put(self, entry: KVEntry) -> bool:
         """Store ``entry`` in the first tier that takes it (replacing an entry with the same key, wherever it
         is); returns False, with the entry not stored, if no tier could hold it."""
@@ -367,16 +398,19 @@ class KVStore:
                 self._unindex(out.key)
 
     def _add_copy(self, node: _Node, tier_idx: int) -> None:
+        self._note(node.key)
         if node.copies is None:
             node.copies = set()
         node.copies.add(tier_idx)
 
     def _drop_copy(self, node: _Node, tier_idx: int) -> None:
+        self._note(node.key)
         if node.copies:
             node.copies.discard(tier_idx)
             if not node.copies:
                 node.copies = None
 
+    @_publishes
     def remove(self, key: str) -> KVEntry | None:
         """Drop ``key`` from the store; returns its entry, or None if it was not stored. Its children stay."""
         node = self._nodes.get(key)
@@ -387,6 +421,7 @@ class KVStore:
         self._unindex(key)  # removes the copies too
         return entry
 
+    @_publishes
     def reclaim(self, free_blocks: int) -> int:
         """Evict idle entries of the pool tier, in its eviction order (pinned, busy and, leaves first, parents of
         resident children stay), until the pool has ``free_blocks`` free blocks or nothing more can go; returns
@@ -406,6 +441,7 @@ class KVStore:
         """Keys pinned in the pool tier (their blocks are held)."""
         return self.tiers[0].pinned_keys() if self.pool is not None else []
 
+    @_publishes
     def set_pinned(self, key: str, pinned: bool) -> bool:
         """Pin (never evicted; in the pool tier a pin is a reference to the entry's blocks) or unpin ``key``;
         False when the store does not hold it."""
@@ -429,6 +465,7 @@ class KVStore:
         for tier in self.tiers:
             tier.flush()
 
+    @_publishes
     def close(self, *, spill: bool = True) -> None:
         """Close every tier; first (``spill``) move the entries of each non-persistent tier down into the
         persistent tiers below it (a memory tier's entries into a disk tier), so that a next process finds them.
@@ -456,9 +493,12 @@ class KVStore:
                 if self._put_into(i + 1, entry) is None:
                     self.stats.evicted += 1
                     self._unindex(key)
+        if self.events is not None:
+            self._publish_moves()  # the spill's events, while the tiers can still describe the entries
         for tier in self.tiers:
             tier.close()
 
+    @_publishes
     def drop_pool_entries(self) -> None:
         """Drop the pool tier's entries (their pins go back to the pool); tiers below are left as they are (call
         after ``close`` spilled what should persist)."""
@@ -471,8 +511,9 @@ class KVStore:
             if node is not None and node.tier == 0:
                 self._unindex(key)
 
+    @_publishes
     def clear(self) -> None:
-        """Drop every entry (the stats are kept)."""
+        """Drop every entry (the stats are kept); with KV events on, publishes ``AllBlocksCleared``."""
         for tier in self.tiers:
             tier.clear()
         self._nodes.clear()
@@ -480,10 +521,77 @@ class KVStore:
         self._child_tiers.clear()
         self._segment_exact.clear()
         self._segment_only = 0
+        if self.events is not None:
+            self._moved.clear()
+            self.events.emit([AllBlocksCleared()])
+
+    # ------------------------------------------------------------------ KV events (kvboost.cache.events)
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers' names (``memory``, ``disk``, ``redis``; ``name#i`` when two tiers share one): the events'
+        ``medium``."""
+        return list(self._tier_names)
+
+    def attach_events(self, sink: Any) -> None:
+        """Publish this store's movements through ``sink`` (a ``KVEventSink``; None detaches). Attaching publishes
+        ``AllBlocksCleared`` and then every entry the tiers already hold (a disk tier's records after a restart)."""
+        self.events = sink
+        self._moved.clear()
+        if sink is not None:
+            self._publish_snapshot()
+
+    def _publish_snapshot(self) -> None:
+        events: list[Any] = [AllBlocksCleared()]
+        for i, tier in enumerate(self.tiers):
+            for key in tier.keys():  # noqa: SIM118 (a tier, not a dict)
+                entry = tier.peek_meta(key)
+                if entry is not None:
+                    events.append(self.events.stored_event(entry, self._tier_names[i]))
+        self.events.emit(events)
+
+    def _locations(self, key: str) -> frozenset[int]:
+        node = self._nodes.get(key)
+        if node is None or node.tier is None:
+            return frozenset(node.copies or ()) if node is not None else frozenset()
+        return frozenset({node.tier, *(node.copies or ())})
+
+    def _note(self, key: str) -> None:
+        """Remember where ``key`` was before the operation in progress moves it (KV events only)."""
+        if self.events is not None and key not in self._moved:
+            self._moved[key] = self._locations(key)
+
+    def _publish_moves(self) -> None:
+        """Publish the operation's net movements: ``BlockRemoved`` per tier left, ``BlockStored`` per tier reached."""
+        resync = self.events.needs_resync()
+        if not self._moved and not resync:
+            return
+        moved, self._moved = self._moved, {}
+        if resync:  # the publisher dropped batches: subscribers start over from a snapshot
+            self._publish_snapshot()
+            return
+        removed: dict[int, list[str]] = {}
+        stored: dict[int, list[str]] = {}
+        for key, before in moved.items():
+            after = self._locations(key)
+            for t in before - after:
+                removed.setdefault(t, []).append(key)
+            for t in after - before:
+                stored.setdefault(t, []).append(key)
+        events: list[Any] = []
+        for t in sorted(removed):
+            events.append(BlockRemoved(block_hashes=[self.events.hash_of(k) for k in removed[t]],
+                                       medium=self._tier_names[t]))  # fmt: skip
+        for t in sorted(stored):
+            for key in stored[t]:
+                entry = self.tiers[t].peek_meta(key)
+                if entry is not None:
+                    events.append(self.events.stored_event(entry, self._tier_names[t]))
+        self.events.emit(events)
 
     # ------------------------------------------------------------------ bookkeeping (no tensors)
     def _index(self, entry: KVEntry) -> None:
-        node = _Node(entry.parent_key if entry.exact else None, entry.first_token, entry.segment_key, entry.exact)
+        node = _Node(entry.parent_key if entry.exact else None, entry.first_token, entry.segment_key, entry.exact,
+                     key=entry.key)
         self._nodes[entry.key] = node
         if node.exact:
             assert node.parent is not None
@@ -495,6 +603,7 @@ class KVStore:
     def _unindex(self, key: str) -> None:
         if key not in self._nodes:
             return
+        self._note(key)
         self._book(key, None)
         node = self._nodes.pop(key)
         for tier_idx in node.copies or ():  # the entry leaves the store: its copies too
@@ -520,6 +629,7 @@ class KVStore:
         node = self._nodes[key]
         if node.tier == tier_idx:
             return
+        self._note(key)
         if node.parent is not None:
             counts = self._child_tiers.get(node.parent)
             if counts is None:

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 
 from kvboost.types import ChunkKey, ChunkSpan
 
+#: root keys remembered by ``salt_of_root`` (one per fingerprint and tenant salt seen)
+_MAX_ROOTS = 65536
+
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Little-endian uint32 bytes of token ids: the same on every platform and process."""
@@ -62,7 +65,18 @@ class Hasher(ABC):
 
     def root_key(self, fingerprint: str, salt: str = "") -> str:
         """The parent key of every prompt's first chunk under ``fingerprint`` (and tenant ``salt``)."""
-        return self.digest(b"R" + fingerprint.encode() + b"\0" + salt.encode())
+        root = self.digest(b"R" + fingerprint.encode() + b"\0" + salt.encode())
+        roots = self.__dict__.setdefault("_root_salts", {})
+        if root not in roots:
+            if len(roots) >= _MAX_ROOTS:  # many tenants: forget the oldest
+                del roots[next(iter(roots))]
+            roots[root] = salt
+        return root
+
+    def salt_of_root(self, key: str) -> str | None:
+        """The salt of root key ``key`` if this hasher made it (a prompt's first chunk has it as parent), else None.
+        KV events use it: a first chunk gets ``parent_block_hash=None`` and its salt as an extra key."""
+        return self.__dict__.get("_root_salts", {}).get(key)
 
     def segment_root_key(self, fingerprint: str, salt: str = "") -> str:
         """The chain start of every segment's first chunk."""

@@ -10,24 +10,35 @@ from __future__ import annotations
 
 from typing import Any
 
-# Families checked to work (tests build tiny random members of llama / qwen2 / mistral).
-SUPPORTED_MODEL_TYPES = frozenset(
-    {
-        "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text",
-        "granite", "olmo", "olmo2", "smollm3", "cohere", "starcoder2", "stablelm", "internlm2",
-    }
-)  # fmt: skip
+# The one table: config ``model_type`` -> the HF architecture class name (``config.architectures[0]``) of each
+# family checked to work (tests build tiny random members of llama / qwen2 / mistral / phi3 / gemma). The checks
+# read model types; ``kvboost.compat`` publishes the class names (the original API's documented form).
+SUPPORTED_FAMILIES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
+    "olmo": "OlmoForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+    "cohere": "CohereForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM",
+    "internlm2": "InternLM2ForCausalLM",  # remote code (trust_remote_code)
+}  # fmt: skip
 
-# model_type -> why it is refused.
-REJECTED_MODEL_TYPES = {
-    "gpt2": "learned absolute position embeddings",
-    "gpt_neo": "learned absolute position embeddings",
-    "gpt_bigcode": "learned absolute position embeddings",
-    "opt": "learned absolute position embeddings",
-    "bloom": "ALiBi attention biases",
-    "mpt": "ALiBi attention biases",
-    "falcon": "ALiBi or non-standard rotary layout (not supported yet)",
+# model_type -> (architecture class name, why it is refused).
+REJECTED_FAMILIES: dict[str, tuple[str, str]] = {
+    "gpt2": ("GPT2LMHeadModel", "learned absolute positional embeddings"),
+    "gpt_neo": ("GPTNeoForCausalLM", "learned absolute positional embeddings"),
+    "gpt_bigcode": ("GPTBigCodeForCausalLM", "learned absolute positional embeddings"),
+    "opt": ("OPTForCausalLM", "learned absolute positional embeddings"),
+    "bloom": ("BloomForCausalLM", "ALiBi attention biases"),
+    "mpt": ("MptForCausalLM", "ALiBi attention biases"),
+    "falcon": ("FalconForCausalLM", "ALiBi or non-standard rotary layout (not supported yet)"),
 }
+
+# Derived views (what the checks read).
+SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_FAMILIES)
+REJECTED_MODEL_TYPES = {model_type: reason for model_type, (_, reason) in REJECTED_FAMILIES.items()}
+#: by architecture class name (``kvboost.compat.SUPPORTED_ARCHITECTURES`` / ``UNSUPPORTED_ARCHITECTURES``)
+SUPPORTED_ARCHITECTURE_NAMES = frozenset(SUPPORTED_FAMILIES.values())
+REJECTED_ARCHITECTURES = {cls: reason for cls, reason in REJECTED_FAMILIES.values()}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -38,6 +49,12 @@ def check_architecture(config: Any) -> None:
     """Raise UnsupportedArchitectureError unless ``config`` describes a RoPE decoder-only causal LM."""
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     model_type = getattr(text_config, "model_type", None) or getattr(config, "model_type", "?")
+    rejected_class = next((a for a in getattr(config, "architectures", None) or () if a in REJECTED_ARCHITECTURES), None)
+    if model_type not in REJECTED_MODEL_TYPES and rejected_class is not None:  # a family named by its class only
+        raise UnsupportedArchitectureError(
+            f"architecture {rejected_class!r} uses {REJECTED_ARCHITECTURES[rejected_class]}; kvboost needs rotary "
+            "position embeddings (RoPE)"
+        )
     if model_type in REJECTED_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"model type {model_type!r} uses {REJECTED_MODEL_TYPES[model_type]}; kvboost needs rotary position "

@@ -1,0 +1,556 @@
+"""KV events: the store's cache, published in vLLM's KV-event schema so routers outside kvboost can follow it.
+
+llm-d's KV-cache manager, NVIDIA Dynamo's KV router and SGLang's router consume the events vLLM publishes
+(``vllm/distributed/kv_events.py``): msgpack-encoded event batches over a ZMQ PUB socket, each message three frames
+``(topic, seq, payload)`` with ``seq`` an 8-byte big-endian sequence number counted from 0 by each publisher, and a
+replay buffer of the last ``buffer_steps`` batches served on a ROUTER socket. This module is kvboost's own
+implementation of that wire contract (written from vLLM 0.33.0's definitions, no code of it):
+
+- **Batch**: a msgpack array ``[ts, events, data_parallel_rank]`` (vLLM's ``EventBatch`` is ``array_like``, and
+  msgspec writes every field of an ``array_like`` struct): ``ts`` a float64 Unix time, ``data_parallel_rank`` an
+  int (0 unless configured).
+- **Events**, ``encoding="map"`` (default; vLLM since PR #42892, e.g. 0.33.0): tagged maps, the tag first under
+  ``"type"``, then the fields in vLLM's declaration order; fields without a default always present (``None`` as
+  nil), defaulted fields only when set (msgspec's ``omit_defaults``)::
+
+      {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p | None, "token_ids": [...],
+       "block_size": n, "lora_id": None, "medium": "memory", "lora_name": None, "extra_keys": [k | None]}
+      {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "disk"}
+      {"type": "AllBlocksCleared"}
+
+  ``encoding="array"``: the positional layout of vLLM before #42892 (msgspec ``array_like=True, tag=True``), the
+  tag first, then the fields in the same order, all of them, through ``extra_keys`` (the later optional fields,
+  ``group_idx`` on, kvboost does not fill; msgspec decoders default missing trailing fields and ignore extra ones)::
+
+      ["BlockStored", [h], p | None, [...], n, None, "memory", None, [k | None] | None]
+      ["BlockRemoved", [h, ...], "disk"]
+      ["AllBlocksCleared"]
+
+- **Replay**: a client (a DEALER socket) sends ``[b"", start_seq]`` to the ROUTER; it answers every buffered batch with ``seq >= start_seq`` as ``[b"", topic, seq, payload]`` and ends with
+  ``[b"", b"", seq=-1 (8 bytes, signed), b""]``.
+
+How kvboost's cache maps onto the schema. kvboost's unit is a **chunk** (a run of tokens the chunker chose; fixed
+``chunk_size`` tokens or variable with the separator chunker), keyed by a prefix-chained hash (``kvboost.hashing``):
+
+- one ``BlockStored`` per entry that lands in a tier: ``block_hashes=[hash(key)]``, ``parent_block_hash`` = the
+  hash of the previous chunk's key (``None`` for a prompt's first chunk, whose parent is the tenant's root key),
+  ``token_ids`` = the chunk's token ids, ``block_size`` = its token count (chunks can differ in size, hence one
+  event each); ``lora_id`` / ``lora_name`` are ``None`` (no adapters).
+- ``medium``: the name of the tier that took or dropped the entry: ``"memory"`` (the KV pool, or a memory tier),
+  ``"disk"``, ``"redis"`` (``"memory#1"`` etc. when a store has two tiers of one kind). A key can be in several
+  media at once (a write-through copy below).
+- ``extra_keys`` (one element per block): ``(salt,)`` for a first chunk stored under a tenant salt (``cache_salt``),
+  as vLLM carries ``cache_salt`` in its first block's extra keys; ``("kvboost:segment_only",)`` for an entry
+  computed with repair, which only serves content hits (it is not a prompt prefix); otherwise ``None``.
+- ``hash(key)``: ``block_hash="int"`` (default): the key's digest as a big-endian integer, low 64 bits (what vLLM
+  does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``"bytes"``: the whole digest. A key that is not hex (the
+  ``seg:`` prefix of segment-only entries) is hashed with SHA-256 first. :func:`external_hash` is the mapping.
+- ``BlockRemoved`` when an entry leaves a tier (evicted, demoted to the next tier, removed, promoted out of a lower
+  tier); ``AllBlocksCleared`` when the store is cleared, and first of all when a publisher attaches to a store,
+  followed by a ``BlockStored`` for every entry it already holds (a disk tier's records after a restart).
+
+What a subscriber does (:class:`KVEventSubscriber`, :class:`KVEventIndex`): apply batches in ``seq`` order; on a gap
+(a late join, ZMQ's slow joiner, a PUB ``hwm`` drop) ask the replay socket for the missing ones; when ``seq`` goes
+back, the engine restarted (a new publisher counts from 0 again): ask the replay socket for the new stream from 0 and
+apply it; it opens with ``AllBlocksCleared`` and the restarted store's entries, so the index is rebuilt. (A restart
+whose first batch seen has a ``seq`` above the old stream's last looks like a gap; a subscriber that knows the engine
+went away, e.g. from its health endpoint, should reset ``last_seq`` to -1 itself.) The index so rebuilt equals the
+store's own (``set(tier.keys())`` per tier), which ``tests/test_kv_events.py`` checks.
+
+Publishing never blocks the engine: :meth:`ZmqEventPublisher.publish` appends to a bounded queue that a publisher
+thread drains (encoding, sending, buffering for replay). When the queue is full the oldest batch is dropped and
+``dropped`` counts it (vLLM's queue blocks instead; its PUB socket drops beyond ``hwm``); the store then sends a
+fresh ``AllBlocksCleared`` + snapshot so subscribers converge again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SEGMENT_ONLY_EXTRA = "kvboost:segment_only"
+ENCODINGS = ("map", "array")
+BLOCK_HASHES = ("int", "bytes")
+
+
+# ---------------------------------------------------------------------------------------------- events
+@dataclass
+class BlockStored:
+    """Blocks (kvboost: chunks) that landed in ``medium``; fields and their order as vLLM's ``BlockStored``."""
+
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+@dataclass
+class BlockRemoved:
+    """Blocks that left ``medium``."""
+
+    block_hashes: list[Any]
+    medium: str | None = None
+
+
+@dataclass
+class AllBlocksCleared:
+    """Every block of this publisher's cache is gone (every medium)."""
+
+
+@dataclass
+class KVEventBatch:
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+#: per event class: (fields always encoded, fields encoded only when not None), in vLLM's declaration order
+_LAYOUT = {
+    "BlockStored": (("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+                    ("extra_keys",)),
+    "BlockRemoved": (("block_hashes", "medium"), ()),
+    "AllBlocksCleared": ((), ()),
+}  # fmt: skip
+_CLASSES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+
+
+def _event_obj(event: Any, encoding: str) -> Any:
+    tag = type(event).__name__
+    required, optional = _LAYOUT[tag]
+    if encoding == "map":
+        out: dict[str, Any] = {"type": tag}
+        for name in required:
+            out[name] = getattr(event, name)
+        for name in optional:
+            if getattr(event, name) is not None:
+                out[name] = getattr(event, name)
+        return out
+    return [tag, *(getattr(event, name) for name in required + optional)]  # msgspec's array_like omits nothing
+
+
+def encode_batch(batch: KVEventBatch, encoding: str = "map") -> bytes:
+    """msgpack bytes of ``batch`` in vLLM's layout (see the module docstring)."""
+    import msgpack
+
+    if encoding not in ENCODINGS:
+        raise ValueError(f"kv_events.encoding must be one of {ENCODINGS}, got {encoding!r}")
+    obj = [float(batch.ts), [_event_obj(e, encoding) for e in batch.events], batch.data_parallel_rank]
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch from its msgpack bytes, either encoding (events as maps or as tagged arrays)."""
+    import msgpack
+
+    obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    ts, raw_events = obj[0], obj[1]
+    rank = obj[2] if len(obj) > 2 else None
+    events = []
+    for raw in raw_events:
+        if isinstance(raw, dict):
+            tag = raw["type"]
+            known = {f.name for f in fields(_CLASSES[tag])}
+            kwargs = {k: v for k, v in raw.items() if k in known}
+        else:
+            tag = raw[0]
+            names = [f.name for f in fields(_CLASSES[tag])]
+            kwargs = dict(zip(names, raw[1:]))
+        events.append(_CLASSES[tag](**kwargs))
+    return KVEventBatch(ts=ts, events=events, data_parallel_rank=rank)
+
+
+def external_hash(key: str, block_hash: str = "int") -> int | bytes:
+    """The block hash published for kvboost key ``key``: its digest (hex) as bytes, or SHA-256 of a non-hex key;
+    ``"int"``: the low 64 bits of that, big-endian (as vLLM's ``maybe_convert_block_hash``)."""
+    try:
+        digest = bytes.fromhex(key)
+    except ValueError:
+        digest = hashlib.sha256(key.encode()).digest()
+    if block_hash == "bytes":
+        return digest
+    return int.from_bytes(digest, "big") & ((1 << 64) - 1)
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass
+class KVEventsConfig:
+    """The engine's ``kv_events`` option (vLLM's ``KVEventsConfig`` fields, plus ``encoding`` and ``block_hash``).
+
+    ``enabled``: off by default (vLLM's ``enable_kv_cache_events`` is accepted as its alias). ``publisher``:
+    ``"zmq"``, ``"null"``, or an object with ``publish(batch)`` and ``shutdown()`` (tests). ``endpoint``: the PUB
+    address (bound when it has ``*``, ``::``, ``ipc://`` or ``inproc://``, connected otherwise, as vLLM does);
+    ``replay_endpoint``: the ROUTER address (None: no replay); ``topic``: the first frame of every message;
+    ``buffer_steps``: batches kept for replay; ``hwm``: the PUB socket's high-water mark; ``max_queue_size``:
+    batches waiting for the publisher thread before the oldest is dropped."""
+
+    enabled: bool = False
+    publisher: Any = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    encoding: str = "map"
+    block_hash: str = "int"
+    data_parallel_rank: int = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | KVEventsConfig | None) -> KVEventsConfig:
+        if isinstance(options, KVEventsConfig):
+            return options
+        options = dict(options or {})
+        if "enable_kv_cache_events" in options:
+            options["enabled"] = options.pop("enable_kv_cache_events")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown kv_events option(s) {unknown}; accepted: {known}")
+        config = cls(**options)
+        if config.encoding not in ENCODINGS:
+            raise ValueError(f"kv_events.encoding must be one of {ENCODINGS}, got {config.encoding!r}")
+        if config.block_hash not in BLOCK_HASHES:
+            raise ValueError(f"kv_events.block_hash must be one of {BLOCK_HASHES}, got {config.block_hash!r}")
+        if isinstance(config.publisher, str) and config.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events.publisher must be zmq or null, got {config.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if int(getattr(config, name)) < 1:
+                raise ValueError(f"kv_events.{name} must be >= 1")
+        return config
+
+    def build_publisher(self) -> Any:
+        """The publisher this config names (None when disabled or ``null``)."""
+        if not self.enabled or self.publisher == "null":
+            return None
+        if not isinstance(self.publisher, str):
+            return self.publisher
+        return ZmqEventPublisher(
+            self.endpoint, replay_endpoint=self.replay_endpoint, topic=self.topic, buffer_steps=self.buffer_steps,
+            hwm=self.hwm, max_queue_size=self.max_queue_size, encoding=self.encoding,
+            data_parallel_rank=self.data_parallel_rank,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- publisher
+def _binds(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """PUB socket + ROUTER replay socket, driven by one daemon thread; ``publish`` never blocks.
+
+    Frames on PUB: ``(topic, seq, payload)``; ``seq`` is assigned in publishing order by the thread, from 0.
+    ``dropped``: batches dropped because the queue was full (oldest first); ``published``: batches sent."""
+
+    SHUTDOWN_TIMEOUT = 2.0
+
+    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: str | None = None, topic: str = "",
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
+                 encoding: str = "map", data_parallel_rank: int = 0) -> None:  # fmt: skip
+        import zmq
+
+        self.encoding = encoding
+        self.data_parallel_rank = data_parallel_rank
+        self._topic = topic.encode()
+        self._queue: deque[KVEventBatch] = deque()
+        self._max_queue = int(max_queue_size)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=int(buffer_steps))
+        self.dropped = 0
+        self.published = 0
+        self._queued = 0
+        self._next_seq = 0
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(int(hwm))
+        self._pub.setsockopt(zmq.LINGER, 0)
+        if _binds(endpoint):
+            self._pub.bind(endpoint)
+        else:
+            self._pub.connect(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        self._replay = None
+        self.replay_endpoint = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (int(buffer_steps) + 1))
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvboost-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue ``batch``; when the queue is full the oldest queued batch is dropped (counted in ``dropped``)."""
+        if not self._running:
+            return
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
+        with self._lock:
+            if len(self._queue) >= self._max_queue:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(batch)
+            self._queued += 1
+        self._wake.set()
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last batch sent (-1: none yet)."""
+        return self._next_seq - 1
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch published so far was sent (or dropped); False if ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        while self.published + self.dropped < self._queued:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while True:
+            if self._replay is not None:
+                while dict(poller.poll(0)).get(self._replay):
+                    try:
+                        self._serve_replay()
+                    except Exception:  # a malformed request must not stop publishing
+                        log.exception("kv_events: replay request failed")
+            with self._lock:
+                batch = self._queue.popleft() if self._queue else None
+            if batch is None:
+                if not self._running:
+                    break
+                self._wake.wait(0.02)
+                self._wake.clear()
+                continue
+            try:
+                payload = encode_batch(batch, self.encoding)
+                seq = self._next_seq
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                self._next_seq += 1
+            except Exception:
+                self.dropped += 1
+                log.exception("kv_events: publishing a batch failed")
+            else:
+                self.published += 1
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()  # type: ignore[union-attr]
+        if len(frames) != 3:
+            log.warning("kv_events: invalid replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))  # type: ignore[union-attr]
+
+    def shutdown(self) -> None:
+        """Send what is queued (up to ``SHUTDOWN_TIMEOUT`` seconds), stop the thread, close the sockets."""
+        if not self._running:
+            return
+        self.flush(self.SHUTDOWN_TIMEOUT)
+        self._running = False
+        self._wake.set()
+        self._thread.join(self.SHUTDOWN_TIMEOUT)
+        self._pub.close(linger=500)  # the last batches leave the socket (a restart's subscribers see the spill)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+# ---------------------------------------------------------------------------------------------- the store's side
+class KVEventSink:
+    """Turns the store's movements (per tier: keys that arrived, keys that left) into event batches.
+
+    ``hasher`` (optional) tells which parent keys are a tenant's root (``Hasher.salt_of_root``): such an entry is a
+    prompt's first chunk (``parent_block_hash=None``, the salt in ``extra_keys``)."""
+
+    def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None) -> None:
+        self.publisher = publisher
+        self.block_hash = block_hash
+        self.hasher = hasher
+        self.batches = 0
+        self._dropped_seen = 0
+
+    def hash_of(self, key: str) -> int | bytes:
+        return external_hash(key, self.block_hash)
+
+    def stored_event(self, entry: Any, medium: str) -> BlockStored:
+        salt = None
+        parent = entry.parent_key if entry.exact else None
+        if parent is not None and self.hasher is not None:
+            salt = getattr(self.hasher, "salt_of_root", lambda _k: None)(parent)
+        if not entry.exact:
+            extra: Any = (SEGMENT_ONLY_EXTRA,)
+        elif salt:
+            extra = (salt,)
+        else:
+            extra = None
+        return BlockStored(
+            block_hashes=[self.hash_of(entry.key)],
+            parent_block_hash=None if parent is None or salt is not None else self.hash_of(parent),
+            token_ids=[int(t) for t in entry.token_ids], block_size=len(entry.token_ids), medium=medium,
+            extra_keys=[extra],
+        )  # fmt: skip
+
+    def emit(self, events: list[Any]) -> None:
+        if not events:
+            return
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        self.batches += 1
+
+    def needs_resync(self) -> bool:
+        """True once after the publisher dropped batches (subscribers then need a fresh snapshot)."""
+        dropped = int(getattr(self.publisher, "dropped", 0))
+        if dropped != self._dropped_seen:
+            self._dropped_seen = dropped
+            return True
+        return False
+
+    def shutdown(self) -> None:
+        self.publisher.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- the subscriber's side
+@dataclass
+class KVEventIndex:
+    """What a router rebuilds from the events: per medium, the block hashes resident there."""
+
+    media: dict[str, set[Any]] = field(default_factory=dict)
+    batches: int = 0
+
+    def apply(self, batch: KVEventBatch) -> None:
+        self.batches += 1
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.media.clear()
+            elif isinstance(event, BlockStored):
+                self.media.setdefault(event.medium, set()).update(_hashable(h) for h in event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held = self.media.get(event.medium)
+                if held is not None:
+                    held.difference_update(_hashable(h) for h in event.block_hashes)
+                    if not held:
+                        del self.media[event.medium]
+
+    def as_dict(self) -> dict[str, set[Any]]:
+        return {medium: set(hashes) for medium, hashes in self.media.items() if hashes}
+
+
+def _hashable(h: Any) -> Any:
+    return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
+
+
+def store_index(store: Any, block_hash: str = "int") -> dict[str, set[Any]]:
+    """The store's own index as the events describe it: per tier name, the hashes of the keys it holds."""
+    out: dict[str, set[Any]] = {}
+    for name, tier in zip(store.tier_names, store.tiers):
+        hashes = {external_hash(k, block_hash) for k in tier.keys()}  # noqa: SIM118 (a tier, not a dict)
+        if hashes:
+            out[name] = hashes
+    return out
+
+
+class KVEventSubscriber:
+    """A SUB socket (and optionally a DEALER on the replay socket) that applies batches to a :class:`KVEventIndex`
+    in sequence order: a gap is filled from the replay buffer; a sequence number going back is a restarted
+    publisher (its stream opens with ``AllBlocksCleared`` and a snapshot). Not thread-safe; call :meth:`poll`."""
+
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "") -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RECONNECT_IVL, 20)  # a restarted publisher is found again quickly
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.sub.connect(endpoint)
+        self.replay = None
+        if replay_endpoint is not None:
+            self.replay = self._ctx.socket(zmq.DEALER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.connect(replay_endpoint)
+        self.index = KVEventIndex()
+        self.last_seq = -1
+        self.restarts = 0
+        self.replayed = 0
+
+    def request_replay(self, start_seq: int, timeout_ms: int = 2000) -> list[tuple[int, KVEventBatch]]:
+        """The buffered batches from ``start_seq`` on (not applied)."""
+        if self.replay is None:
+            return []
+        self.replay.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        out = []
+        while self.replay.poll(timeout_ms):
+            frames = self.replay.recv_multipart()
+            _, _topic, seq_bytes, payload = frames
+            if seq_bytes == END_SEQ:
+                break
+            out.append((int.from_bytes(seq_bytes, "big"), decode_batch(payload)))
+        return out
+
+    def _apply(self, seq: int, batch: KVEventBatch) -> None:
+        self.index.apply(batch)
+        self.last_seq = seq
+
+    def handle(self, seq: int, payload: bytes) -> None:
+        """One live message: apply it, after what the replay buffer has for a gap before it."""
+        if seq <= self.last_seq:  # a new publisher (engine restart) counts from 0: read its stream from the start
+            self.restarts += 1
+            self.last_seq = -1
+        if seq > self.last_seq + 1:  # a gap (or a late join): the replay buffer has the batches in between
+            for rseq, rbatch in self.request_replay(self.last_seq + 1):
+                if self.last_seq < rseq < seq:
+                    self.replayed += 1
+                    self._apply(rseq, rbatch)
+        self._apply(seq, decode_batch(payload))
+
+    def poll(self, timeout_ms: int = 100, *, until_seq: int | None = None, max_wait_s: float = 10.0) -> int:
+        """Receive and apply what arrives (waiting up to ``timeout_ms`` for each message); with ``until_seq``, keep
+        going until that sequence number is applied or ``max_wait_s`` passes. Returns the messages applied."""
+        applied = 0
+        deadline = time.monotonic() + max_wait_s
+        while time.monotonic() < deadline:
+            if until_seq is not None and self.last_seq >= until_seq and not self.sub.poll(0):
+                break
+            if not self.sub.poll(timeout_ms):
+                if until_seq is None:
+                    break
+                continue
+            _topic, seq_bytes, payload = self.sub.recv_multipart()
+            self.handle(int.from_bytes(seq_bytes, "big"), payload)
+            applied += 1
+        return applied
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
+
