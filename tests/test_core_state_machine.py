@@ -1,13 +1,16 @@
 """A stateful property test of the KV pool, the cache and the engine core together (issue 42).
 
 Hypothesis drives one engine on a tiny fp32 llama (8-token blocks and chunks, a pool of a few dozen blocks, a disk
-tier below the pool) through random sequences of: submit / step / cancel / warm (pinned or not) / unpin / evict
+tier below the pool) through random sequences of: submit / submit ``n`` samples of one prompt (one prefill, then the
+samples fork its block table: references on its blocks, the partial last one copied on write) / step / cancel (a
+sample before or after its fork) / warm (pinned or not) / unpin / evict
 under pool pressure / a forward that raises once (retried alone) / one that keeps raising for one request (that
 request fails, alone) / a KeyboardInterrupt inside a step / a forced preemption / a restart from the disk tier. After
 every rule it checks:
 
 - the pool's and the store's own books (``KVPool.verify``, ``KVStore.verify``);
-- each block's reference count equals its holders: the block tables of the requests the core runs, and the pins;
+- each block's reference count equals its holders: the block tables of the requests the core runs (forked samples
+  included), and the pins; a sample not forked yet (its prompt still prefilling) holds none;
 - no block is both free and referenced, and a cached block is never free (``verify``);
 - every entry of the pool tier holds the K/V a fresh HF prefill of its whole chain computes (fp32, 1e-4);
 - no request that fits the pool waits more than ``MAX_WAIT`` steps;
@@ -156,6 +159,15 @@ class CoreMachine(RuleBasedStateMachine):
         handle = self.engine.add_request(self._ids(base, tail), SamplingParams(max_tokens=max_tokens), cache_salt=salt)
         self.live.append(handle)
 
+    @precondition(lambda self: len(self.live) < 8)
+    @rule(base=st.integers(0, len(BASES) - 1), tail=st.integers(0, len(TAILS) - 1), max_tokens=st.integers(1, 6),
+          n=st.integers(2, 3))
+    def submit_n(self, base: int, tail: int, max_tokens: int, n: int) -> None:
+        """``n`` greedy samples of one prompt: each must produce the prompt's greedy tokens alone."""
+        handle = self.engine.add_request(self._ids(base, tail), SamplingParams(max_tokens=max_tokens, n=n))
+        assert len(handle.samples) == n and handle.samples[0] is handle
+        self.live.extend(handle.samples)
+
     @rule(times=st.integers(1, 4))
     def step(self, times: int) -> None:
         for _ in range(times):
@@ -226,6 +238,8 @@ class CoreMachine(RuleBasedStateMachine):
 
         runner.run = run
         self.errors_allowed.add(id(handle))
+        # its samples not forked yet (its prompt did not finish prefilling) end with it
+        self.errors_allowed |= {id(child.handle) for child in handle._request.forks}
         try:
             for _ in range(3):
                 self._step()
@@ -286,6 +300,10 @@ class CoreMachine(RuleBasedStateMachine):
                 expected[block] += 1
         for request in core.scheduler.waiting:
             assert not request.table.blocks, f"waiting request {request} holds blocks"
+        for request in list(core.scheduler.running) + list(core.scheduler.waiting):
+            for child in request.forks:  # samples whose prompt is still prefilling: not scheduled, no blocks
+                assert child.phase == "waiting" and not child.table.blocks, f"unforked sample {child} holds blocks"
+                assert child not in core.scheduler.running and child not in core.scheduler.waiting
         pins = engine.store.tiers[0]._pins
         for blocks in pins.values():
             for block in blocks:

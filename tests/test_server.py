@@ -166,11 +166,11 @@ def test_completion_streamed_equals_whole_and_cached_tokens(keyed):
 def test_chat_streamed_equals_whole(keyed):
     client = keyed.client()
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Chat test: hello!"}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.usage.prompt_tokens_details.cached_tokens == 0
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
-                                                 stream=True))  # fmt: skip
+                                                 temperature=0, stream=True))  # fmt: skip
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -186,14 +186,14 @@ def test_chat_streamed_equals_whole(keyed):
 def test_stop_strings_end_the_answer_streamed_or_not(keyed):
     client = keyed.client()
     prompt = "Stop-string test prompt: abcdefghij"
-    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24).choices[0].text
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     stop = next((full[i : i + 2] for i in range(3, len(full) - 2) if full[i : i + 2].strip()), None)
     assert stop, full
     expected = full[: full.find(stop)]
-    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stop=[stop])
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=24, stop=stop, stream=True))  # fmt: skip
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True))  # fmt: skip
     assert streamed == expected
 
 
@@ -212,7 +212,7 @@ def test_sampling_edges_are_served_not_fatal(keyed):
     temperature too small to divide by is greedy, a vanishing top_p keeps the likeliest token."""
     client = keyed.client()
     prompt = "Edge test: sampling settings at their limits"
-    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8).choices[0].text
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
     tiny_t = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1e-300)
     assert tiny_t.choices[0].text == greedy
     big_k = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.7, seed=3,
@@ -328,7 +328,12 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL}), 400, "missing_field", "prompt"),
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}), 400, "invalid_value", "max_tokens"),
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -3}), 400, "invalid_value", "max_tokens"),
-    ("/v1/completions", json.dumps({"prompt": "x", "n": 2}), 400, "invalid_value", "n"),
+    ("/v1/completions", json.dumps({"prompt": "x", "n": 0}), 400, "invalid_value", "n"),
+    ("/v1/completions", json.dumps({"prompt": "x", "n": 129}), 400, "invalid_value", "n"),
+    ("/v1/completions", json.dumps({"prompt": "x", "n": True}), 400, "invalid_value", "n"),
+    ("/v1/completions", json.dumps({"prompt": "x", "logprobs": 6}), 400, "invalid_value", "logprobs"),
+    ("/v1/completions", json.dumps({"prompt": "x", "logprobs": True}), 400, "invalid_value", "logprobs"),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 512}), 400, "context_length_exceeded", "max_tokens"),
     (
         "/v1/completions",
         json.dumps({"prompt": "x", "frequency_penalty": 0.5}),
@@ -364,10 +369,24 @@ BAD_REQUESTS = [
     ),
     (
         "/v1/chat/completions",
-        json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
         400,
-        "unsupported_value",
-        "logprobs",
+        "invalid_value",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}),
+        400,
+        "invalid_value",
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000}),
+        400,
+        "context_length_exceeded",
+        "max_completion_tokens",
     ),
     (
         "/v1/chat/completions",

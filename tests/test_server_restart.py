@@ -44,7 +44,7 @@ class ServerProcess(LaunchedServer):
 
     def chat(self, messages: list[dict[str, str]]) -> dict:
         with self.client() as c:
-            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS,
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
                                                      "return_token_ids": True})  # fmt: skip
         assert r.status_code == 200, r.text
         return r.json()

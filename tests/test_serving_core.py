@@ -134,6 +134,52 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     engine.close()
 
 
+def test_n_samples_fork_one_prefill_and_equal_separately_seeded_requests():
+    """``SamplingParams(n=3, seed=s)``: the prompt is prefilled once (``prefill_tokens``), the other samples fork its
+    table (``forked_samples``; the shared partial last block copied on write by all writers but the last), and
+    sample ``i`` equals a separate request seeded ``sample_seed(s, i)``; logprobs are the log-softmax of the
+    logits the token was picked from (the first token: the engine's own first_token_logits)."""
+    import torch
+
+    from kvboost.serving.requests import sample_seed
+
+    engine = make_engine("llama", decode="eager")
+    engine.eos_ids = set()
+    prompt = random_ids(37, seed=21)  # 2 full blocks and a partial one
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=99, n=3, logprobs=2)
+    before, cow = dict(engine.core.counters), engine.pool.stats.copy_on_write
+    handle = engine.add_request(prompt, params)
+    assert [h.index for h in handle.samples] == [0, 1, 2] and handle.samples[0] is handle
+    done = run_all(engine, handle.samples)
+    delta = {k: engine.core.counters[k] - before[k] for k in before}
+    assert delta["prefill_tokens"] == delta["prompt_tokens"] == 37
+    assert delta["forked_samples"] == 2 and delta["forked_prompt_tokens"] == 74
+    assert engine.pool.stats.copy_on_write - cow == 2
+    assert [c.index for c in done] == [0, 1, 2]
+    for i, completion in enumerate(done):
+        alone = run_all(engine, [engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.8,
+                                                                           seed=sample_seed(99, i)))])[0]  # fmt: skip
+        assert alone.output_ids == completion.output_ids
+        assert len(completion.logprobs) == 6 and all(len(lp.top) == 2 for lp in completion.logprobs)
+    first = engine.generate(prompt, max_new_tokens=1, mode="cold", keep_logits=True).first_token_logits
+    own = torch.log_softmax(first.float(), -1)
+    for completion in done:
+        assert abs(completion.logprobs[0].logprob - float(own[completion.output_ids[0]])) <= 1e-4
+        assert [t for t, _ in completion.logprobs[0].top] == torch.topk(own, 2).indices.tolist()
+    # a sample cancelled before its fork ends at the fork; the first ending before its prefill ends them all
+    handle = engine.add_request(prompt + [5], SamplingParams(max_tokens=4, n=3))
+    handle.samples[2].cancel()
+    done = run_all(engine, handle.samples)
+    assert [c.finish_reason for c in done] == ["length", "length", "cancelled"]
+    handle = engine.add_request(prompt + [6], SamplingParams(max_tokens=4, n=2))
+    handle.cancel()
+    assert [c.finish_reason for c in run_all(engine, handle.samples)] == ["cancelled", "cancelled"]
+    engine.reset_cache()
+    engine.pool.verify()
+    assert engine.pool.num_used == 0
+    engine.close()
+
+
 def test_a_salt_never_hits_another_salts_entries():
     engine = make_engine("llama", decode="eager")
     prompt = random_ids(64, seed=12)

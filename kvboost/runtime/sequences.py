@@ -82,6 +82,12 @@ class Request:
         self.score_logits: list[torch.Tensor] = []
         self.messages: list[dict[str, str]] | None = None  # chat messages of the prompt (canonical store)
         self.own_canonical = False  # its caller (generate) stores its canonical turn, not the core's hook
+        # OpenAI's n and logprobs (kvboost.serving): the other samples of the prompt, which fork this request's blocks
+        # once it is prefilled (not scheduled before); top alternatives to report per token (None: no logprobs)
+        self.forks: list[Request] = []
+        self.sample_index = 0
+        self.logprobs: int | None = None
+        self.token_logprobs: list[Any] = []
         # speculative decoding (a per-request copy of the engine's draft strategy)
         self.draft: Any = None
         self.draft_length: Any = None

@@ -12,6 +12,14 @@ when blocks run out: its computed rows are cached first, so its resumption hits 
 -> a token per finished prefill and per decode row (greedy rows picked with one device sync) -> finished requests
 store their chunks and free their blocks.
 
+``n`` samples of one prompt (``SamplingParams.n``): the first sample is scheduled alone; when its prefill gives its
+first token, the others fork its block table (a reference on every block: the prompt is computed once; the partial
+last block, shared, is copied on write by each sample that writes it while another still holds it), pick their first
+token from the same logits with their own generators and join the running set (``forked_samples``,
+``forked_prompt_tokens`` and ``prefill_tokens`` count it). Samples not forked yet end with the first if it ends
+before its prefill does. Log-probabilities (``SamplingParams.logprobs``) are the raw ``log_softmax`` of the logits
+each token was picked from.
+
 Containment: a forward that raises is rolled back (every table it touched is cut back to its length before the
 step) and its rows are run again one request at a time, so only the requests whose work raises fail
 (``finish_reason="error"``, the exception kept for ``generate`` to raise); a ``KeyboardInterrupt`` is rolled back and
@@ -41,7 +49,7 @@ from kvboost.runtime import pipeline
 from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.runtime.sequences import Request
 from kvboost.serving import frontend
-from kvboost.serving.requests import Completion, QueueFull, RequestHandle, SamplingParams, TokenEvent
+from kvboost.serving.requests import Completion, QueueFull, RequestHandle, SamplingParams, TokenEvent, TokenLogprob
 from kvboost.serving.scheduler import DEFAULT_AGING_STEPS, Scheduler
 from kvboost.speculative import verify as speculation
 from kvboost.types import WarmResult
@@ -71,7 +79,9 @@ class EngineCore:
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "canonical_prefill_tokens": 0,
-                         "resumed_hit_tokens": 0, "failed_forwards": 0, "unadmittable": 0}  # fmt: skip
+                         "resumed_hit_tokens": 0, "failed_forwards": 0, "unadmittable": 0, "prefill_tokens": 0,
+                         "forked_samples": 0, "forked_prompt_tokens": 0}  # fmt: skip
+        self._forked: list[Request] = []  # samples forked in this step, not yet handed out
         # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
         # thread reads a whole list while the core finishes requests
         self.recent_latencies: list[float] = []
@@ -191,12 +201,14 @@ class EngineCore:
             self._end_expired(finished)
             with torch.inference_mode():
                 self._admit(finished)
+                self._settle_forks(finished)
                 self._propose(finished)
                 plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim)
                 for request in plan.preempted:
                     self._preempt(request)
                 if plan.rows:
                     self._run(plan.rows, finished)
+                    self._settle_forks(finished)
             self.steps += 1
             self.counters["steps"] += 1
             return finished
@@ -291,6 +303,7 @@ class EngineCore:
         else:
             self.counters["resumed_hit_tokens"] += plan.exact_prefix
         if plan.content_tokens:
+            self.counters["prefill_tokens"] += prefill
             logits = pipeline.prefill_with_repair(engine, request)
             self._count_reuse(request)
             self._prefilled(request, logits)
@@ -377,6 +390,7 @@ class EngineCore:
         first_chunks = [r for r, _ in rows if r.phase == "prefill" and r.fed_pos == 0 and not r.tokens]
         for request in first_chunks:
             request.counts.extra.update(batched_prefill=len(first_chunks), layerwise=False)
+        prefill = sum(n for r, n in rows if r.phase == "prefill")
         try:
             logits = self.engine.runner.run(ForwardBatch.build(inputs))
         except BaseException as exc:
@@ -391,6 +405,7 @@ class EngineCore:
                 if row[0] in self.scheduler.running:
                     self._run([row], finished)
             return
+        self.counters["prefill_tokens"] += prefill
         offset, per_row = 0, []
         for inp in inputs:
             k = len(inp.logits) if inp.logits is not None else 1
@@ -441,7 +456,7 @@ class EngineCore:
                 tokens = speculation.verify(request, logits, engine.eos_ids)
             else:
                 tokens = [greedy if greedy is not None else pick_token(logits[0], request.sampling, request.generator)]
-            request.finish_reason = request.accept(tokens, engine.eos_ids, engine.adapter.max_positions)
+            self._accept(request, tokens, logits)
             return
         request.fed_pos += n
         if request.phase == "score":
@@ -460,7 +475,8 @@ class EngineCore:
         if request.phase == "score":
             self._finish_score(request)
             return
-        if not request.tokens:  # the first token: TTFT stops here
+        first = not request.tokens
+        if first:  # the first token: TTFT stops here
             request.first_logits = logits
             token = pick_token(logits, request.sampling, request.generator)
             request.clock.mark("first")
@@ -469,9 +485,75 @@ class EngineCore:
         else:  # resumed after a preemption: its prefill's logits give its next token
             token = pick_token(logits, request.sampling, request.generator)
         request.phase = "decode"
-        request.finish_reason = request.accept([token], engine.eos_ids, engine.adapter.max_positions)
+        self._accept(request, [token], logits.unsqueeze(0))
         if engine.speculative.enabled and not request.done and request.draft is None:
             speculation.begin(request, engine.speculative, engine.runner)
+        if first and request.forks:
+            self._fork(request, logits)
+
+    def _accept(self, request: Request, tokens: list[int], logits: torch.Tensor) -> None:
+        """Append the tokens picked from ``logits`` (row ``j`` gave token ``j``), with their log-probabilities when
+        the request asked for them: the raw ``log_softmax`` of the model's logits (fp32), before temperature, top-k
+        and top-p (vLLM's default), and the ``request.logprobs`` likeliest tokens."""
+        engine = self.engine
+        before = len(request.tokens)
+        request.finish_reason = request.accept(tokens, engine.eos_ids, engine.adapter.max_positions)
+        if request.logprobs is None:
+            return
+        added = request.tokens[before:]
+        logp = torch.log_softmax(logits[: len(added)].float(), dim=-1)
+        chosen = logp.gather(-1, torch.tensor(added, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+        k = min(request.logprobs, logp.shape[-1])
+        top_v, top_i = torch.topk(logp, k, dim=-1) if k else (None, None)
+        for j, value in enumerate(chosen):
+            top = tuple(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)) if k else ()
+            request.token_logprobs.append(TokenLogprob(float(value), top))
+
+    def _fork(self, parent: Request, logits: torch.Tensor) -> None:
+        """The other samples of ``parent``'s prompt (``SamplingParams.n``), now that it is prefilled: each takes a
+        reference on every block of the parent's table (the prompt's rows, computed once; the partial last block is
+        copied on write by whichever sample writes it first while it is shared), picks its first token from the
+        same logits with its own generator, and decodes on its own from then on."""
+        forks, parent.forks = parent.forks, []
+        engine = self.engine
+        for child in forks:
+            if child.cancelled:
+                self._complete(child, child.cancel_reason)
+                continue
+            try:
+                child.table.release()
+                child.table = parent.table.fork()
+                child.started, child.plan, child.keys = True, None, parent.keys
+                child.arrival_step, child.approx_from = parent.arrival_step, parent.approx_from
+                counts = parent.counts
+                child.counts = ReuseCounts(cached_tokens=counts.cached_tokens, exact_tokens=counts.exact_tokens,
+                                           content_tokens=counts.content_tokens, recomputed_pairs=0,
+                                           extra={**counts.extra, "forked_from": parent.request_id})  # fmt: skip
+                child.clock.marks.update(parent.clock.marks)
+                child.first_logits, child.first_token_at = logits, parent.first_token_at
+                child.start_decoding()
+                child.phase = "decode"
+                self.scheduler.adopt(child)
+                token = pick_token(logits, child.sampling, child.generator)
+                self._accept(child, [token], logits.unsqueeze(0))
+                if engine.speculative.enabled and not child.done and child.draft is None:
+                    speculation.begin(child, engine.speculative, engine.runner)
+            except Exception as exc:  # noqa: BLE001 - this sample fails alone (its blocks go back); its siblings go on
+                self._fail(child, exc)
+                continue
+            self.counters["forked_samples"] += 1
+            self.counters["forked_prompt_tokens"] += child.prompt_len
+            self._forked.append(child)
+
+    def _settle_forks(self, finished: list[Completion]) -> None:
+        """Hand out the first tokens of the samples forked in this step (and end those that are done already)."""
+        forked, self._forked = self._forked, []
+        for child in forked:
+            if child.phase == "finished":
+                continue
+            self._emit(child)
+            if child.done:
+                _collect(finished, self._finish(child, child.finish_reason or "length"))
 
     def _finish_score(self, request: Request) -> None:
         """The teacher-forced log-probability of ``score_ids`` (after the prompt), into ``result.extra``."""
@@ -489,8 +571,9 @@ class EngineCore:
         """Token events for the tokens not yet handed out (ids only: the frontend makes the text)."""
         handle = request.handle
         sent = handle.num_events
+        logprobs = request.token_logprobs if request.logprobs is not None else None
         for i, token in enumerate(request.tokens[sent:], start=sent):
-            handle._push(TokenEvent(token, "", i))
+            handle._push(TokenEvent(token, "", i, logprobs[i] if logprobs is not None else None))
 
     def _fail(self, request: Request, exc: BaseException) -> Completion:
         log.warning("kvboost: request %s failed: %r", request.request_id, exc)
@@ -543,6 +626,10 @@ class EngineCore:
     def _complete(self, request: Request, reason: str, *, error: str | None = None) -> Completion:
         self.scheduler.remove(request)
         request.table.release()
+        forks, request.forks = request.forks, []
+        for child in forks:  # samples that never forked (it ended before its prefill did): they end with it
+            if child.phase != "finished":
+                self._complete(child, reason, error=error)
         request.phase, request.finish_reason = "finished", reason
         now = time.perf_counter()
         completion = Completion(
@@ -550,7 +637,8 @@ class EngineCore:
             text="", finish_reason=reason, cached_tokens=request.counts.cached_tokens,
             content_tokens=request.counts.content_tokens, error=error, arrival=request.handle.arrival,
             first_token_at=request.first_token_at, finished_at=now, token_times=list(request.token_times),
-            preemptions=request.preemptions,
+            preemptions=request.preemptions, index=request.sample_index,
+            logprobs=list(request.token_logprobs) if request.logprobs is not None else None,
         )  # fmt: skip
         self.counters["requests_finished"] += 1
         self.counters["generation_tokens"] += len(request.tokens)

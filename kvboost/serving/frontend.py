@@ -25,7 +25,7 @@ from kvboost.kv.block_table import BlockTable
 from kvboost.prompts import Prompt, chat_messages
 from kvboost.runtime import pipeline
 from kvboost.runtime.sequences import Request
-from kvboost.serving.requests import RequestHandle, SamplingParams
+from kvboost.serving.requests import RequestHandle, SamplingParams, sample_seed
 
 _ids = itertools.count()
 
@@ -50,17 +50,29 @@ def generate_request(core: Any, prompt: Prompt, params: SamplingParams, *, cache
     max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
     pipeline.check_memory(engine, n + max_new)
     clock.mark("tokenized")
-    generator = engine.generator
-    if params.seed is not None:
-        generator = torch.Generator(device=engine.adapter.device).manual_seed(params.seed)
     sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
                         top_p=params.top_p)  # fmt: skip
-    request = Request("generate", ids, spans, BlockTable(engine.pool), sampling=sampling, max_new_tokens=max_new,
-                      mode=mode, salt=cache_salt, store=store, generator=generator, clock=clock,
-                      deadline=core.deadline(timeout_s))  # fmt: skip
-    request.messages = messages
-    _attach_handle(core, request, request_id, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop))
-    return request
+    deadline = core.deadline(timeout_s)
+    samples: list[Request] = []
+    for index in range(params.n):
+        seed = sample_seed(params.seed, index)
+        generator = engine.generator
+        if seed is not None:
+            generator = torch.Generator(device=engine.adapter.device).manual_seed(seed)
+        request = Request("generate", ids, spans, BlockTable(engine.pool), sampling=sampling, max_new_tokens=max_new,
+                          mode=mode, salt=cache_salt, store=store, generator=generator,
+                          clock=clock if index == 0 else clock.fork(), deadline=deadline)  # fmt: skip
+        request.messages, request.logprobs, request.sample_index = messages, params.logprobs, index
+        rid = request_id if index == 0 or request_id is None else f"{request_id}-{index}"
+        _attach_handle(core, request, rid, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop))
+        request.handle.index = index
+        samples.append(request)
+    first = samples[0]
+    first.forks = samples[1:]  # scheduled when the first is prefilled: they fork its blocks (EngineCore._fork)
+    handles = [r.handle for r in samples]
+    for handle in handles:
+        handle.samples = handles
+    return first
 
 
 def store_request(core: Any, ids: list[int], spans: list, *, salt: str = "", pin: bool = False, kind: str = "store",

@@ -94,7 +94,7 @@ class EngineLoop:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str = "",
                chat: bool | None = None, request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:  # fmt: skip
         """Queue a request (thread-safe). Raises on a bad prompt (``PromptError`` / ``ValueError``), ``QueueFull``,
-        ``LoopStopped``."""
+        ``LoopStopped``. With ``params.n`` > 1 the handle is the first sample's; ``handle.samples`` holds all n."""
         if not self.running:
             raise LoopStopped("the engine loop is not running" + (f" (it failed: {self.error!r})" if self.error else ""))
         request = self.core.prepare(prompt, params or SamplingParams(), cache_salt=cache_salt, chat=chat,

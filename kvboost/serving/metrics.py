@@ -170,6 +170,12 @@ class _LoopCollector:
                       s.get("num_preempted_total", 0))  # fmt: skip
         yield counter("kvboost:content_hit_tokens", "Prompt tokens served by content hits (reused at another "
                       "position, re-rotated and repaired).", s.get("content_hit_tokens", 0))  # fmt: skip
+        yield counter("kvboost:prefill_tokens", "Prompt tokens computed by prefills (what the cache and forks did not "
+                      "serve).", s.get("prefill_tokens", 0))  # fmt: skip
+        yield counter("kvboost:forked_samples", "Samples of n > 1 requests that forked a prefilled prompt's blocks "
+                      "instead of prefilling it.", s.get("forked_samples", 0))  # fmt: skip
+        yield counter("kvboost:forked_prompt_tokens", "Prompt tokens those samples shared by reference.",
+                      s.get("forked_prompt_tokens", 0))  # fmt: skip
         queried = s.get("prefix_query_tokens", 0) * m._layers
         yield gauge("kvboost:recompute_ratio", "Recomputed (token, layer) pairs of cached tokens / (prompt tokens x "
                     "layers), since start.", s.get("recompute_pairs", 0) / queried if queried else 0.0)  # fmt: skip

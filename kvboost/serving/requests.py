@@ -35,10 +35,26 @@ class LoopStopped(RuntimeError):
     """The engine loop is not running (never started, or shut down)."""
 
 
+#: Most log-probabilities of alternatives a request may ask for per token (OpenAI's chat ``top_logprobs`` bound).
+MAX_LOGPROBS = 20
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a request with ``seed`` and ``n`` samples: ``seed + index`` (sample 0 has the
+    request's own seed). The ``n`` samples of a request with seed ``s`` are the answers of ``n`` separate requests
+    with seeds ``s, s + 1, ..., s + n - 1`` (best-effort determinism, as OpenAI's ``seed``; None: no seed)."""
+    return None if seed is None else seed + index
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request settings. ``temperature`` 0 is greedy; ``top_p`` / ``top_k`` filter before sampling; ``seed``
-    gives the request its own generator (same seed, same tokens, whatever else is batched with it)."""
+    gives the request its own generator (same seed, same tokens, whatever else is batched with it).
+
+    ``n``: samples of the prompt (one prefill; the samples fork its blocks, see ``kvboost.serving.core``), sample
+    ``i`` seeded with :func:`sample_seed` ``(seed, i)``. ``logprobs``: None (off), or how many of the likeliest
+    alternatives to report with each generated token's own log-probability (0: the token's only). Log-probabilities
+    are the model's raw ``log_softmax`` of the logits, before temperature / top-k / top-p (vLLM's default)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -46,6 +62,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -63,6 +81,11 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         object.__setattr__(self, "stop", stop)
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):  # fmt: skip
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -70,13 +93,24 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability (the model's raw ``log_softmax``) and the ``top`` likeliest tokens'
+    ``(id, log-probability)``, likeliest first (as many as the request asked for)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token: its id, the text it adds (may be empty while a multi-byte character is incomplete,
-    or held back while it could start a stop string) and its index among the generated tokens."""
+    or held back while it could start a stop string) and its index among the generated tokens; ``logprob`` when the
+    request asked for log-probabilities."""
 
     token_id: int
     text: str
     index: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -96,6 +130,10 @@ class Completion:
     finished_at: float = 0.0
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
+    #: one per output id when the request asked for log-probabilities, else None
+    logprobs: list[TokenLogprob] | None = None
+    #: which of the request's ``n`` samples this is
+    index: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -116,6 +154,7 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self.arrival = time.perf_counter()
         self._ids: list[int] = []  # token ids pushed by the core
+        self._logprobs: list[TokenLogprob | None] = []
         self._events: list[TokenEvent] = []  # with their text, made by the first reader that gets there
         self._raw: Completion | None = None  # the core's completion (no text)
         self._completion: Completion | None = None
@@ -124,6 +163,9 @@ class RequestHandle:
         self._canceller = canceller
         self._detok = detokenizer
         self.cancel_requested = False
+        #: the handles of every sample of the request (``SamplingParams.n``), in order; this one's place in it
+        self.samples: list[RequestHandle] = [self]
+        self.index = 0
 
     # ------------------------------------------------------------------ core side
     @property
@@ -139,6 +181,7 @@ class RequestHandle:
         with self._cond:
             if event is not None:
                 self._ids.append(event.token_id)
+                self._logprobs.append(event.logprob)
             if completion is not None:
                 self._raw = completion
             waiters, self._waiters = self._waiters, []
@@ -157,13 +200,15 @@ class RequestHandle:
         new = self._ids[len(self._events) :]
         raw = self._raw
         if detok is None:
-            self._events += [TokenEvent(t, "", len(self._events) + i) for i, t in enumerate(new)]
+            self._events += [TokenEvent(t, "", len(self._events) + i, self._logprobs[len(self._events) + i])
+                             for i, t in enumerate(new)]  # fmt: skip
         else:
             for token in new:
                 if detok.stopped_at is not None:
                     break
                 final = raw is not None and len(self._events) + 1 == len(self._ids)
-                self._events.append(TokenEvent(token, detok.feed([token], final=final), len(self._events)))
+                index = len(self._events)
+                self._events.append(TokenEvent(token, detok.feed([token], final=final), index, self._logprobs[index]))
             if detok.stopped_at is not None and raw is None and not self.cancel_requested:
                 self.cancel_requested = True
                 self._canceller(self, "stop")
@@ -183,8 +228,9 @@ class RequestHandle:
             return dataclasses.replace(raw, text=detok.text)
         kept = detok.stopped_at
         reason = "stop" if raw.finish_reason in ("stop", "length") else raw.finish_reason
+        logprobs = None if raw.logprobs is None else list(raw.logprobs[:kept])
         return dataclasses.replace(raw, text=detok.text, output_ids=list(raw.output_ids[:kept]), finish_reason=reason,
-                                   token_times=list(raw.token_times[:kept]))  # fmt: skip
+                                   token_times=list(raw.token_times[:kept]), logprobs=logprobs)  # fmt: skip
 
     def _ready(self, index: int) -> tuple[list[TokenEvent], bool]:
         """Events from ``index`` on that carry text, and whether the stream ended (under the lock)."""

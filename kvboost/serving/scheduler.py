@@ -102,6 +102,12 @@ class Scheduler:
         request.admitted_at = self._admissions
         self.running.append(request)
 
+    def adopt(self, request: Any) -> None:
+        """``request`` joins the running set without having waited (a sample forked from a prefilled request)."""
+        self._admissions += 1
+        request.admitted_at = self._admissions
+        self.running.append(request)
+
     # ------------------------------------------------------------------ one step
     def budget(self) -> int:
         """This step's token budget: ``max_batch_tokens``, or more while no request decodes."""

@@ -7,8 +7,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ==========  ===========================================================================================
 status      when (``type`` / ``code``)
 ==========  ===========================================================================================
-400         bad JSON, unknown or missing field, bad value, unsupported feature, n != 1, prompt over the
-            context (``invalid_request_error``; ``code`` says which)
+400         bad JSON, unknown or missing field, bad value, unsupported feature, prompt over the context, or
+            prompt + ``max_tokens`` over it (``context_length_exceeded``, the message names the limit as vLLM's
+            does) (``invalid_request_error``; ``code`` says which)
 401         API keys configured and the request carries none of them (``authentication_error``)
 404         unknown model (``model_not_found``) or route (``not_found_error``)
 405         method not allowed on a route (``method_not_allowed``; ``Allow`` header)
@@ -20,7 +21,8 @@ status      when (``type`` / ``code``)
 ==========  ===========================================================================================
 
 A stream that already sent its headers reports a late error (timeout, shutdown, engine failure) as one
-``data: {"error": {...}}`` event, then ``data: [DONE]``. A client that disconnects (streaming or not) cancels its
+``data: {"error": {...}}`` event, then ``data: [DONE]``. With ``n`` > 1 the samples' chunks interleave, each with its
+choice's ``index``; with logprobs, every generated token is in one chunk with its log-probabilities. A client that disconnects (streaming or not) cancels its
 request: the loop frees its blocks at its next step.
 """
 
@@ -81,7 +83,7 @@ class APIError(Exception):
 
     def event(self) -> str:
         """The error as a stream event (the status travels as ``code`` when the envelope has none)."""
-        return json.dumps(P.error_body(self.message, self.type, self.param, self.code or self.status))
+        return json.dumps(P.error_body(self.message, self.type, self.param, self.code or str(self.status)))
 
 
 # ---------------------------------------------------------------------- errors
@@ -220,6 +222,17 @@ class _Service:
         self.metrics = ServerMetrics(loop, model_name=model_name, max_model_len=self.max_model_len,
                                      tenant_ids=tenancy.tenant_ids)  # fmt: skip
         self._background: set[asyncio.Task] = set()
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as ``logprobs`` shows it (decoded alone, special tokens kept; cached)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            engine = self.loop.engine
+            with engine.tokenizer_lock:
+                text = engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> None:
@@ -234,17 +247,27 @@ class _Service:
             raise _prompt_error(exc, param) from None
 
     async def max_tokens(self, body: P._GenerationBody, prompt: Any, chat: bool, param: str) -> int:
-        """The request's token budget. The loop clamps it to the context itself; the prompt is tokenized here
-        first only when a tighter limit applies (``max_model_len`` below the model's, a KV pool smaller than the
-        context, or a chat request without ``max_tokens``, which gets the rest of what fits)."""
+        """The request's token budget. A ``max_tokens`` the client sent that does not fit the context after the
+        prompt is a 400 naming the limit (vLLM's message); an omitted one is the rest of the context (chat) or
+        OpenAI's 16 (completions), clamped to what fits. The prompt is tokenized here first only when a limit may
+        apply (``max_tokens`` sent, ``max_model_len`` below the model's, a KV pool smaller than the context, or a
+        chat request without ``max_tokens``, which gets the rest of what fits); the loop clamps to the model's
+        context itself."""
         requested = body.requested_max_tokens()
+        explicit = body.max_tokens is not None or getattr(body, "max_completion_tokens", None) is not None
         limit = min(self.max_model_len, self.kv_rows)
-        if limit >= self.context:
+        if limit >= self.context and not explicit:
             return requested if requested is not None else self.context
         n = len(await self.tokenize(prompt, chat, param))
         if n >= self.max_model_len:
             raise APIError(400, f"the prompt has {n} tokens; this server's context is {self.max_model_len} tokens "
                            "(at least one is needed for the answer)", param=param,
+                           code="context_length_exceeded")  # fmt: skip
+        if explicit and requested is not None and n + requested > self.max_model_len:
+            where = "messages" if chat else "prompt"
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {n + requested} tokens ({n} in the {where}, {requested} in the completion). "
+                           f"Please reduce the length of the {where} or completion.", param=body.max_tokens_param(),
                            code="context_length_exceeded")  # fmt: skip
         room = max(1, limit - n)
         return room if requested is None else min(requested, room)
@@ -280,9 +303,20 @@ class _Service:
         """Count a request whose client left once the loop has ended it."""
         self.metrics.observe(await handle.aresult(), tenant.tenant_id)
 
-    async def wait(self, request: Request, handle: RequestHandle, tenant: Tenant) -> Completion | None:
-        """The completion, or None if the client disconnected first (the request is then cancelled)."""
-        result = asyncio.ensure_future(handle.aresult())
+    def cancel_all(self, handles: list[RequestHandle], tenant: Tenant) -> None:
+        """Cancel a request's samples (their blocks go back at the loop's next step); each is counted once it ended."""
+        for handle in handles:
+            handle.cancel()
+            self.spawn(self.observe_later(handle, tenant))
+
+    async def wait(self, request: Request, handles: list[RequestHandle], tenant: Tenant) -> list[Completion] | None:
+        """The completions of the request's samples, or None if the client disconnected first (they are then
+        cancelled)."""
+
+        async def results() -> list[Completion]:
+            return [await handle.aresult() for handle in handles]
+
+        result = asyncio.ensure_future(results())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -290,53 +324,90 @@ class _Service:
             gone.cancel()
             if not result.done():
                 result.cancel()
-                handle.cancel()
-                self.spawn(self.observe_later(handle, tenant))
+                self.cancel_all(handles, tenant)
         if result in done:
-            completion = result.result()
-            self.metrics.observe(completion, tenant.tenant_id)
-            return completion
+            completions = result.result()
+            for completion in completions:
+                self.metrics.observe(completion, tenant.tenant_id)
+            return completions
         return None
 
-    async def stream(self, handle: RequestHandle, tenant: Tenant, *, rid: str, created: int, chat: bool,
+    async def stream(self, handles: list[RequestHandle], tenant: Tenant, *, rid: str, created: int, chat: bool,
                      body: P._GenerationBody) -> AsyncIterator[str]:  # fmt: skip
-        """SSE data lines of one request; the ``finally`` cancels it if the client went away first."""
+        """SSE data lines of one request's samples (interleaved as they come, each chunk with its choice's
+        ``index``); the ``finally`` cancels them if the client went away first."""
         ids = bool(body.return_token_ids)
         usage = body.include_usage
-        observed = False
+        with_logprobs = body.num_logprobs() is not None
+        observed = [False] * len(handles)
+        results: list[Completion] = [None] * len(handles)  # type: ignore[list-item]
+        queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
-        def chunk(text: str | None, finish: str | None = None, token_ids: list[int] | None = None,
-                  role: bool = False) -> str:  # fmt: skip
+        def chunk(index: int, text: str | None, finish: str | None = None, token_ids: list[int] | None = None,
+                  role: bool = False, logprobs: dict[str, Any] | None = None) -> str:  # fmt: skip
             return json.dumps(P.stream_chunk(rid, created, self.model_name, chat=chat, text=text, finish_reason=finish,
                                              token_ids=token_ids if ids else None, include_usage=usage,
-                                             role=role))  # fmt: skip
+                                             role=role, index=index, logprobs=logprobs))  # fmt: skip
 
-        try:
+        def token_logprobs(token_id: int, entry: Any, offset: int) -> dict[str, Any] | None:
+            if entry is None:
+                return None
             if chat:
-                yield chunk("", role=True, token_ids=[] if ids else None)
-            sent = ""
-            async for event in handle.stream():
-                if event.text or ids:
-                    sent += event.text
-                    yield chunk(event.text, token_ids=[event.token_id])
-            completion = await handle.aresult()
-            self.metrics.observe(completion, tenant.tenant_id)
-            observed = True
-            error = _finish_error(completion)
+                return P.chat_logprobs([token_id], [entry], self.token_text)
+            return P.completion_logprobs([token_id], [entry], self.token_text, offset)
+
+        async def one(index: int, handle: RequestHandle) -> None:
+            """The chunks of one sample, into the queue (None: it ended; its completion is then in)."""
+            try:
+                if chat:
+                    await queue.put((index, chunk(index, "", role=True, token_ids=[] if ids else None)))
+                sent, offset = "", 0
+                async for event in handle.stream():
+                    if event.text or ids or with_logprobs:
+                        sent += event.text
+                        logprobs = token_logprobs(event.token_id, event.logprob, offset)
+                        if logprobs is not None and not chat:
+                            offset += len(logprobs["tokens"][0])
+                        await queue.put((index, chunk(index, event.text, token_ids=[event.token_id],
+                                                      logprobs=logprobs)))  # fmt: skip
+                completion = results[index] = await handle.aresult()
+                self.metrics.observe(completion, tenant.tenant_id)
+                observed[index] = True
+                if _finish_error(completion) is None:
+                    # deltas add up to the final text; should the loop have trimmed less than it held back, send
+                    # the rest
+                    rest = completion.text[len(sent) :] if completion.text.startswith(sent) else ""
+                    await queue.put((index, chunk(index, rest if (rest or not chat) else None,
+                                                  finish=completion.finish_reason,
+                                                  token_ids=[] if ids else None)))  # fmt: skip
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(one(i, h)) for i, h in enumerate(handles)]
+        try:
+            running = len(tasks)
+            while running:
+                _, line = await queue.get()
+                if line is None:
+                    running -= 1
+                else:
+                    yield line
+            for task in tasks:
+                task.result()  # an exception of a sample's task is this stream's
+            completions = results
+            error = next((e for e in map(_finish_error, completions) if e is not None), None)
             if error is not None:
                 yield error.event()
-            else:
-                # deltas add up to the final text; should the loop have trimmed less than it held back, send the rest
-                rest = completion.text[len(sent) :] if completion.text.startswith(sent) else ""
-                yield chunk(rest if (rest or not chat) else None, finish=completion.finish_reason,
-                            token_ids=[] if ids else None)  # fmt: skip
-                if usage:
-                    yield json.dumps(P.usage_chunk(rid, created, self.model_name, chat=chat, completion=completion))
+            elif usage:
+                yield json.dumps(P.usage_chunk(rid, created, self.model_name, chat=chat, completions=completions))
             yield "[DONE]"
         finally:
-            if not observed:
-                handle.cancel()
-                self.spawn(self.observe_later(handle, tenant))
+            for task in tasks:
+                task.cancel()
+            for index, handle in enumerate(handles):
+                if not observed[index]:
+                    handle.cancel()
+                    self.spawn(self.observe_later(handle, tenant))
 
     async def generate(self, request: Request, body: P._GenerationBody, prompt: Any, *, chat: bool) -> Any:
         self.check_model(body.model)
@@ -346,21 +417,24 @@ class _Service:
         created = P.now()
         max_tokens = await self.max_tokens(body, prompt, chat, param)
         handle = await run_in_threadpool(self.submit, prompt, body, max_tokens, tenant, chat, rid, param)
+        handles = list(handle.samples)
         if body.stream:
-            return EventSourceResponse(self.stream(handle, tenant, rid=rid, created=created, chat=chat, body=body),
+            return EventSourceResponse(self.stream(handles, tenant, rid=rid, created=created, chat=chat, body=body),
                                        sep="\n")  # fmt: skip
         try:
-            completion = await self.wait(request, handle, tenant)
+            completions = await self.wait(request, handles, tenant)
         except asyncio.CancelledError:  # the server is stopping this task: the request goes too
-            handle.cancel()
+            for h in handles:
+                h.cancel()
             raise
-        if completion is None:
+        if completions is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
-        error = _finish_error(completion)
-        if error is not None:
-            raise error
+        for completion in completions:
+            error = _finish_error(completion)
+            if error is not None:
+                raise error
         build = P.chat_body if chat else P.completion_body
-        return build(rid, created, self.model_name, completion, bool(body.return_token_ids))
+        return build(rid, created, self.model_name, completions, bool(body.return_token_ids), self.token_text)
 
 
 def _finish_error(completion: Completion) -> APIError | None:
