@@ -43,21 +43,37 @@ fi
 
 demangle() { if command -v c++filt >/dev/null 2>&1; then c++filt; else cat; fi; }
 
+# Every (source, arch) compiles at once (nvcc is single-threaded; the architectures are independent), then the
+# reports are read in order.
+compile_one() {
+  local src="$1" arch="$2" name start
+  name="$(basename "$src" .cu)"
+  start=$(date +%s)
+  if "$nvcc_bin" -std=c++17 -O3 --use_fast_math -lineinfo \
+      -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v \
+      -I"$here" -c "$src" -o "$tmp/$name.sm_$arch.o" >"$tmp/$name.sm_$arch.log" 2>&1; then
+    echo "$(( $(date +%s) - start ))" >"$tmp/$name.sm_$arch.seconds"
+  fi
+}
+for src in "${sources[@]}"; do
+  for arch in "${archs[@]}"; do
+    compile_one "$src" "$arch" &
+  done
+done
+wait
+
 status=0
 for src in "${sources[@]}"; do
   name="$(basename "$src" .cu)"
   for arch in "${archs[@]}"; do
     log="$tmp/$name.sm_$arch.log"
-    start=$(date +%s)
-    if ! "$nvcc_bin" -std=c++17 -O3 --use_fast_math -lineinfo \
-        -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v \
-        -I"$here" -c "$src" -o "$tmp/$name.sm_$arch.o" >"$log" 2>&1; then
+    if [[ ! -f "$tmp/$name.sm_$arch.seconds" ]]; then
       echo "compile_check: FAILED to compile $src for sm_$arch:" >&2
       cat "$log" >&2
       status=1
       continue
     fi
-    echo "compile_check: $name.cu compiled for sm_$arch ($(( $(date +%s) - start ))s)"
+    echo "compile_check: $name.cu compiled for sm_$arch ($(cat "$tmp/$name.sm_$arch.seconds")s, beside the others)"
     # ptxas report: "Compiling entry function 'X' for 'sm_NN'", then "N bytes stack frame, N bytes spill
     # stores, N bytes spill loads" and "Used N registers, ..., N bytes smem".
     report="$(demangle <"$log" | awk -v limit="$smem_limit" -v allow="${KVBOOST_ALLOW_SPILLS:-0}" '
@@ -103,14 +119,22 @@ if [[ "${KVBOOST_SKIP_BINDING:-0}" != "1" ]]; then
     if [[ ! -f "$torch_inc/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
       printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$tmp/stub/c10/cuda/impl/cuda_cmake_macros.h"
     fi
-    for cpp in "$here"/*.cpp; do
-      if "$cxx" -std=c++20 -fsyntax-only -DTORCH_EXTENSION_NAME=kvboost_flash_attn -DTORCH_API_INCLUDE_EXTENSION_H \
+    syntax_one() {  # torch's headers take most of a minute to parse: the files are checked at once
+      "$cxx" -std=c++20 -fsyntax-only -DTORCH_EXTENSION_NAME=kvboost_flash_attn -DTORCH_API_INCLUDE_EXTENSION_H \
           -isystem "$torch_inc" -isystem "$torch_inc/torch/csrc/api/include" -isystem "$tmp/stub" \
-          -isystem "$py_inc" -isystem "$cuda_inc" -I"$here" "$cpp" >"$tmp/binding.log" 2>&1; then
+          -isystem "$py_inc" -isystem "$cuda_inc" -I"$here" "$1" >"$tmp/$(basename "$1").log" 2>&1 \
+        && touch "$tmp/$(basename "$1").ok"
+    }
+    for cpp in "$here"/*.cpp; do
+      syntax_one "$cpp" &
+    done
+    wait
+    for cpp in "$here"/*.cpp; do
+      if [[ -f "$tmp/$(basename "$cpp").ok" ]]; then
         echo "compile_check: $(basename "$cpp") syntax ok (torch headers)"
       else
         echo "compile_check: FAILED syntax check of $cpp:" >&2
-        cat "$tmp/binding.log" >&2
+        cat "$tmp/$(basename "$cpp").log" >&2
         status=1
       fi
     done
