@@ -24,7 +24,9 @@ Prompt layout (:func:`render_prompt`), with ``S`` the separator (default ``"\\n\
     Answer the question using the documents above. Question: What is the access code of Project Juniper?
     <end of user turn, assistant header>Project Juniper has the access code
 
-i.e. the question comes before and after the documents, every document is exactly one ``S``-delimited piece of
+i.e. the question comes before and after the documents (``layout="question_both"``, the default;
+``layout="question_after"`` leaves out the first ``Question: ...{S}`` piece, so the user turn starts with
+``Documents:`` and the question comes only after the documents, as the CacheBlend paper asks it), every document is exactly one ``S``-delimited piece of
 the prompt text (byte-identical wherever it appears: no numbering or titles inside it; document texts never
 contain the separator: paragraph breaks are normalised to single newlines), and the start of the answer is
 prefilled after the generation prompt, so the model continues with `` 4817.``. The answer is scored with
@@ -60,6 +62,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_SEPARATOR",
     "DEFAULT_SYSTEM_PROMPT",
+    "LAYOUTS",
     "Document",
     "RagQuery",
     "build_corpus",
@@ -70,6 +73,8 @@ __all__ = [
 ]
 
 DEFAULT_SEPARATOR = "\n\n"
+#: Where the question goes: before and after the documents (default), or only after them (the CacheBlend paper's).
+LAYOUTS = ("question_both", "question_after")
 DEFAULT_SYSTEM_PROMPT = (
     "You answer questions using only the documents the user provides. "
     "Reply with the exact value stated in the documents."
@@ -394,15 +399,18 @@ def prompt_messages(
     separator: str = DEFAULT_SEPARATOR,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     include_documents: bool = True,
+    layout: str = "question_both",
 ) -> list[dict[str, str]]:
     """The chat messages of a query (system, user); ``include_documents=False`` leaves the documents out (a
-    control: the answer must then be unguessable)."""
-    before = f"Question: {query.question}"
+    control: the answer must then be unguessable). ``layout``: one of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    before = [f"Question: {query.question}"] if layout == "question_both" else []
     after = f"Answer the question using the documents above. Question: {query.question}"
     if include_documents:
-        pieces = [before, "Documents:", *(docs_by_id[d].text for d in query.doc_ids), after]
+        pieces = [*before, "Documents:", *(docs_by_id[d].text for d in query.doc_ids), after]
     else:
-        pieces = [before, f"Answer the question. Question: {query.question}"]
+        pieces = [*before, f"Answer the question. Question: {query.question}"]
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": separator.join(pieces)}]
 
 
@@ -413,6 +421,7 @@ def render_prompt(
     separator: str = DEFAULT_SEPARATOR,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     include_documents: bool = True,
+    layout: str = "question_both",
 ) -> str:
     """The whole prompt as text: the chat template (with the generation prompt) plus the prefilled answer start.
 
@@ -428,7 +437,7 @@ def render_prompt(
         for d in query.doc_ids:
             if separator in docs_by_id[d].text:
                 raise ValueError(f"document {d} contains the separator {separator!r}; it would not be one segment")
-    messages = prompt_messages(query, docs_by_id, separator, system_prompt, include_documents)
+    messages = prompt_messages(query, docs_by_id, separator, system_prompt, include_documents, layout)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     text += query.answer_prefix
     if include_documents:

@@ -55,6 +55,8 @@ _STAT_FIELDS: dict[str, tuple[str, str]] = {
 _COLLAPSED_FIELDS = tuple(dict.fromkeys(name for name, _ in _STAT_FIELDS.values()))
 _QUALITY_FIELDS = ("greedy_match", "first_token_kl", "first_divergence", "max_abs_logit_diff",
                    "answer_logprob_delta")
+#: answer scores a workload writes into its records (``Workload.score``): ``accuracy[mode]`` gets ``<name>_mean``
+_SCORE_FIELDS = ("f1",)
 DEFAULT_BOOTSTRAP = 2000
 
 
@@ -404,7 +406,16 @@ def _quality(records: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _accuracy(records: list[Mapping[str, Any]]) -> dict[str, Any]:
     values = _values(records, "correct")
-    return {"accuracy": _mean(values), "n_correct": int(sum(values)), "n": len(values)}
+    out = {"accuracy": _mean(values), "n_correct": int(sum(values)), "n": len(values)}
+    for name in _SCORE_FIELDS:
+        if scores := _values(records, name):
+            out[f"{name}_mean"] = _mean(scores)
+            out[f"{name}_n"] = len(scores)
+    return out
+
+
+def _scored(record: Mapping[str, Any]) -> bool:
+    return record.get("correct") is not None or any(record.get(f) is not None for f in _SCORE_FIELDS)
 
 
 def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "baseline",
@@ -418,7 +429,7 @@ def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "bas
          "quality": {MODE: {"greedy_match_rate", "greedy_match_vs_cold_rate", "first_token_kl_max", "first_token_kl_mean",
                             "first_divergence_min", "n_diverged", "max_abs_logit_diff_max",
                             "answer_logprob_delta_mean", "n"}},
-         "accuracy": {MODE: {"accuracy", "n_correct", "n"}},
+         "accuracy": {MODE: {"accuracy", "n_correct", "n", "f1_mean", "f1_n"}},  # f1_*: records with f1
          "speculative": {MODE: {"strategy", "drafted_tokens", "accepted_tokens", "acceptance_rate",
                                 "target_forwards", "tokens_per_target_forward", "n"}},  # only with drafting
          "speedup_split": {MODE: {"engine_path", "reuse", "total", "engine_path_ci95", "reuse_ci95",
@@ -487,7 +498,7 @@ def summarize(records: Iterable[Mapping[str, Any]], *, baseline_mode: str = "bas
         first = _first_records(requests.values())
         if any(f in r for r in first for f in _QUALITY_FIELDS):
             quality[mode] = _quality(first)
-        if any(r.get("correct") is not None for r in first):
+        if any(_scored(r) for r in first):
             accuracy[mode] = _accuracy(first)
         if any("drafted_tokens" in r for r in first):
             speculative[mode] = _speculative(first)
@@ -702,7 +713,8 @@ def format_table(summary: Mapping[str, Any]) -> str:
     for mode in [m for m in modes if m in accuracy]:
         a = accuracy[mode]
         lines.append(f"{mode}: accuracy {_fmt(a.get('accuracy'), '.1%')} "
-                     f"({a.get('n_correct', 0)} of {a.get('n', 0)} requests correct)")
+                     f"({a.get('n_correct', 0)} of {a.get('n', 0)} requests correct)"
+                     + (f", F1 mean {a['f1_mean']:.3f} (n={a.get('f1_n')})" if a.get("f1_mean") is not None else ""))
     if quality_modes:
         lines.append(greedy_match_legend(summary))
     for mode in quality_modes:

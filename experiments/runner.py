@@ -288,6 +288,7 @@ def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repe
                 correct = workload.is_correct(request, first[mode].output_text)
                 if correct is not None:
                     record["correct"] = correct
+                record.update(workload.score(request, first[mode].output_text))  # e.g. f1 (workload=musique)
             if partial:
                 record["partial_request"] = True
             done.append(record)
@@ -299,6 +300,9 @@ def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repe
     try:
         for request in workload.requests():
             first.clear()
+            for text in workload.request_context(request):  # untimed, before every mode (only kvboost stores)
+                for runner in runners.values():
+                    runner.warm(text)
             for repeat in range(repeats):
                 order = list(modes)
                 order_rng.shuffle(order)

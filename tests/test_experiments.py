@@ -29,13 +29,15 @@ SHRINK = {
     "accuracy": ["workload.perplexity_conversations=1", "workload.perplexity_turns=2", "workload.recall_tasks=1",
                  "workload.filler_turns=1", "workload.max_new_tokens=2", "workload.score_tokens=8",
                  "workload.max_prompt_tokens=700"],
+    "musique": ["workload.num_queries=1", "workload.num_passages=2", "workload.max_new_tokens=2"],
 }  # fmt: skip
 
 
 
 
 def test_the_experiments_the_docs_name_exist():
-    assert {"chat_replay", "chat_replay_interleaved", "rag_blend", "cache_policies", "tune_rag", "reuse_accuracy"} <= set(EXPERIMENTS)
+    assert {"chat_replay", "chat_replay_interleaved", "rag_blend", "cache_policies", "tune_rag", "reuse_accuracy",
+            "musique_blend"} <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -61,7 +63,8 @@ def test_every_experiment_runs_shrunk_on_a_tiny_model(experiment, tmp_path, smol
     workload = compose([f"experiment={experiment}"]).workload.name
     assert workload in SHRINK, f"add the overrides that shrink workload {workload!r} to SHRINK"
     cfg = compose([f"experiment={experiment}", "logger=none", "warmup=false", *SHRINK[workload]])
-    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+    # 4 layers: cacheblend (musique_blend) checks at layer 1 and needs later layers to save
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048, num_hidden_layers=4)
     summary = run_experiment(cfg, out_dir=tmp_path, model=model, tokenizer=smollm_tokenizer,
                              run_info={"experiment": experiment})  # fmt: skip
     assert summary["run"]["experiment"] == experiment

@@ -1,4 +1,4 @@
-"""Workloads (``WORKLOADS`` registry): ``sharegpt_replay``, ``rag_reorder``, ``accuracy``, ``batch``.
+"""Workloads (``WORKLOADS`` registry): ``sharegpt_replay``, ``rag_reorder``, ``accuracy``, ``batch``, ``musique``.
 
 See ``base.py`` for the interface.
 """
@@ -8,7 +8,7 @@ from kvboost.registry import Registry
 WORKLOADS = Registry(
     "workload",
     ("experiments.workloads.sharegpt_replay", "experiments.workloads.rag_reorder", "experiments.workloads.accuracy",
-     "experiments.workloads.batch"),
+     "experiments.workloads.batch", "experiments.workloads.musique"),
 )
 
 __all__ = ["WORKLOADS"]

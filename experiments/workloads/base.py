@@ -64,9 +64,21 @@ class Workload(ABC):
         ``warm`` them before timing (DESIGN.md invariant 5). Never a measured prompt."""
         return []
 
+    def request_context(self, request: Request) -> list[str]:
+        """Shared context of one request (its retrieved passages, say), warmed by kvboost modes right before the
+        request is served, untimed (like :meth:`shared_context`, but bounded: the cache needs to hold one request's
+        context, not the whole run's). Never the measured prompt itself."""
+        return []
+
     def is_correct(self, request: Request, output_text: str) -> bool | None:
         """Whether an answer is right (None: the workload has no answers)."""
         return None
+
+    def score(self, request: Request, output_text: str) -> dict[str, float]:
+        """Scores of an answer copied into its record (e.g. ``{"f1": 0.67}``; {} where the workload has none);
+        ``summary["accuracy"][mode]`` gets the mean of those named in ``experiments.report._SCORE_FIELDS`` as
+        ``<name>_mean``."""
+        return {}
 
     def stats(self) -> dict[str, Any]:
         """Facts about the workload for summary.json (sizes, skipped items...)."""

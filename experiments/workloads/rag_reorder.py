@@ -2,8 +2,9 @@
 
 A corpus of documents built from real text (long ShareGPT messages), each with one planted fact, and questions
 with known answers (``experiments/rag_corpus.py``). Each query puts ``docs_per_query`` documents (one of them
-holds the answer) in a fresh random order between the question asked before and after them, and prefills the
-start of the answer. After the first queries, a prefix cache (``hf_prefix``, vLLM, SGLang, llama.cpp) finds
+holds the answer) in a fresh random order between the question asked before and after them (``layout:
+question_both``, the default; ``question_after``: only after them, the CacheBlend paper's layout, where a
+document's full-prefill KV does not depend on the question), and prefills the start of the answer. After the first queries, a prefix cache (``hf_prefix``, vLLM, SGLang, llama.cpp) finds
 almost nothing to reuse; kvboost's segment keys find every document wherever it sits (content hits, re-rotated
 and repaired by the configured recompute strategy).
 
@@ -42,12 +43,15 @@ class RagReorderConfig:
     warm_context: str = "head"  # "document": each warmed alone from position 0 (see shared_context)
     max_new_tokens: int = 8
     system_prompt: str | None = None  # None: the corpus module's default
+    layout: str = "question_both"  # or "question_after" (rag_corpus.LAYOUTS)
 
     def __post_init__(self) -> None:
         for name in ("num_documents", "num_queries", "docs_per_query", "doc_tokens", "max_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
+        if self.layout not in rag_corpus.LAYOUTS:
+            raise ValueError(f"workload.layout must be one of {rag_corpus.LAYOUTS}, got {self.layout!r}")
         if self.warm_context not in WARM_CONTEXTS:
             raise ValueError(f"workload.warm_context must be one of {WARM_CONTEXTS}, got {self.warm_context!r}")
         if self.doc_tokens < rag_corpus.MIN_DOC_TOKENS:
@@ -107,11 +111,15 @@ class RagReorder(Workload):
         return [head + self.cfg.separator + d.text for d in self.documents]
 
     def shared_head(self) -> str:
-        """The prompt text before the question, common to every query (checked)."""
+        """The prompt text before the question (``layout: question_both``) or before the first document's separator
+        (``question_after``: the head ends with ``Documents:``), common to every query (checked)."""
         heads = set()
         for q in self.queries[:3]:
             text = self.corpus.render_prompt(self.tokenizer, q, self.by_id, **self._render_kwargs())
-            heads.add(text[: text.index(q.question)])
+            if self.cfg.layout == "question_after":
+                heads.add(text.split(self.cfg.separator, 1)[0])
+            else:
+                heads.add(text[: text.index(q.question)])
         if len(heads) != 1:
             raise ValueError("rag_reorder: the prompts do not share one head before the question")
         head = heads.pop()
@@ -120,7 +128,7 @@ class RagReorder(Workload):
         return head
 
     def _render_kwargs(self) -> dict[str, str]:
-        kwargs = {"separator": self.cfg.separator}
+        kwargs = {"separator": self.cfg.separator, "layout": self.cfg.layout}
         if self.cfg.system_prompt is not None:
             kwargs["system_prompt"] = self.cfg.system_prompt
         return kwargs

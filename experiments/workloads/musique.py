@@ -1,0 +1,300 @@
+"""MuSiQue multi-hop QA in the CacheBlend paper's protocol: retrieved passages as separately cached chunks, token F1.
+
+Data: a JSON list of questions, each ``{"question": str, "answers": [str, ...], "ctxs": [{"title": str,
+"text": str}, ...]}`` (``ctxs`` in the retriever's order). The default ``data_path`` is
+``../shared/data/musique_s_dev.json`` from the project root: 100 questions with 10 passages each, the subset the
+CacheBlend authors evaluated on (MuSiQue, Trivedi et al., TACL 2022, CC BY 4.0; README beside the file).
+A relative ``data_path`` is resolved against the project root; a missing file fails at start-up (the config
+check, before any model loads) naming the path and ``workload.data_path``.
+
+Per question (the first ``num_queries`` of the file, null: all), the top ``num_passages`` passages (default 6:
+the first ones of ``ctxs`` in file order, which is the retriever's) each become one ``separator``-delimited
+piece of the prompt, and the question comes after them. Prompt layout (:meth:`Musique.render`), ``S`` the
+separator (default ``"\\n\\n"``)::
+
+    <chat template: system prompt (DEFAULT_SYSTEM_PROMPT), then the user turn>
+    Passages:{S}<passage 1>{S}<passage 2>{S}...{S}<passage k>{S}
+    Answer the question based on the passages above, in at most 5 words.
+    Question: <question>
+    <end of user turn, assistant header>
+
+A passage is its ``text`` (``title`` + newline + ``text`` where the title is not empty), blank lines folded
+to single newlines. Every passage is warmed, untimed, as ``<shared head>{S}<passage>``, the shared head being
+the prompt text before the first ``S`` (chat-template head, system prompt, user header, ``Passages:``), i.e.
+each passage is computed after the shared prefix alone, as CacheBlend precomputes its chunks; a query then finds
+its passages by content (segment key) wherever they sit and the configured recompute strategy repairs them.
+``warm_passages``: ``per_query`` (default) warms a question's passages right before it is served
+(``Workload.request_context``: the cache holds one question's passages, ~6 x 620 tokens, whatever
+``num_queries``); ``all`` warms every passage of the run before timing (``shared_context``, as ``rag_reorder``
+warms its documents: the cache must then hold them all, e.g. 20 questions of SmolLM2 in fp32 are ~3.4 GB, over
+the memory tier's default 2 GiB, and LRU then evicts passages before their query); ``none`` warms nothing (a
+passage is then found only where an earlier question stored it). ``seed`` 0 keeps the retriever's order of
+the top passages; any other seed shuffles each question's top passages (a draw: the same passages, another
+order). Greedy, ``max_new_tokens`` (32) answer tokens.
+
+Scored per record: ``f1``, the SQuAD / MuSiQue token F1 (:func:`token_f1`) of the answer's first non-empty line
+against the best gold answer, and ``correct``, its normalised exact match with one of them; the summary's
+``accuracy`` gives per mode the exact-match rate and ``f1_mean``.
+
+Use it with the separator chunker (the workload's config selects it): otherwise the passages are only part of
+the whole prompt and can be prefix hits at most.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments.workloads import WORKLOADS
+from experiments.workloads.base import Request, Workload, WorkloadEnv
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATA_PATH = "../shared/data/musique_s_dev.json"
+DEFAULT_SYSTEM_PROMPT = (
+    "You will be asked a question after reading several passages. Answer the question directly based on the "
+    "given passages. Do not repeat the question. The answer should be within 5 words."
+)
+QUESTION_TEMPLATE = "Answer the question based on the passages above, in at most 5 words.\nQuestion: {question}"
+PASSAGES_HEADER = "Passages:"
+WARM_PASSAGES = ("per_query", "all", "none")
+
+_BLANK_LINES = re.compile(r"\n[ \t]*(?:\n[ \t]*)+")
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+def normalize_answer(text: str) -> str:
+    """SQuAD / MuSiQue answer normalisation: lowercase, drop punctuation, drop the articles a/an/the, collapse
+    whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, gold: str) -> float:
+    """Token F1 of one prediction against one gold answer, over the multisets of their normalised
+    whitespace tokens (both empty: 1.0; one empty: 0.0)."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    same = sum((Counter(pred) & Counter(ref)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(prediction: str, golds: Sequence[str]) -> float:
+    """The best :func:`f1_score` of ``prediction`` over the gold answers (0.0 without any)."""
+    return max((f1_score(prediction, g) for g in golds), default=0.0)
+
+
+def exact_match(prediction: str, golds: Sequence[str]) -> bool:
+    """Whether the normalised prediction equals one normalised gold answer."""
+    pred = normalize_answer(prediction)
+    return any(pred == normalize_answer(g) for g in golds)
+
+
+def answer_line(output_text: str) -> str:
+    """What is scored of a generation: its first non-empty line, stripped."""
+    return next((line.strip() for line in output_text.splitlines() if line.strip()), "")
+
+
+# ------------------------------------------------------------------------------------------------ data
+@dataclass
+class MusiqueItem:
+    """One question: its passages (prompt-ready texts, top first), question and gold answers."""
+
+    item_id: str
+    question: str
+    answers: list[str]
+    passages: list[str]
+
+
+def resolve_data_path(data_path: str | Path) -> Path:
+    """``data_path`` as a path: absolute as given, relative against the project root."""
+    path = Path(data_path).expanduser()
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+def check_data_path(data_path: str | Path) -> Path:
+    """The resolved path of ``data_path``; FileNotFoundError naming it and ``workload.data_path`` if no file."""
+    path = resolve_data_path(data_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"workload.data_path: no MuSiQue file at {path} (given {str(data_path)!r}; a relative path is resolved "
+            f"against the project root {PROJECT_ROOT}). The default {DEFAULT_DATA_PATH} is the shared data folder "
+            "beside the project; or set workload.data_path=/path/to/musique.json"
+        )
+    return path
+
+
+def passage_text(ctx: dict[str, Any]) -> str:
+    """A passage as the prompt holds it: ``title`` + newline + ``text`` (the text alone without a title), blank
+    lines folded to one newline."""
+    title = str(ctx.get("title") or "").strip()
+    text = str(ctx.get("text") or "").strip()
+    joined = f"{title}\n{text}" if title else text
+    return _BLANK_LINES.sub("\n", joined.replace("\r\n", "\n"))
+
+
+def load_items(data_path: str | Path, num_passages: int, num_queries: int | None = None) -> list[MusiqueItem]:
+    """The first ``num_queries`` questions (None: all) of a MuSiQue-format file, with their top ``num_passages``
+    passages. Raises FileNotFoundError / ValueError naming the file and the entry at fault."""
+    path = check_data_path(data_path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"workload.data_path {path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"workload.data_path {path}: expected a non-empty JSON list of questions")
+    if num_queries is not None and num_queries > len(data):
+        raise ValueError(f"workload.num_queries ({num_queries}) exceeds the {len(data)} questions of {path}")
+    items = []
+    for i, entry in enumerate(data[:num_queries] if num_queries is not None else data):
+        where = f"workload.data_path {path}, entry {i}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected an object with question, answers and ctxs")
+        question, answers, ctxs = entry.get("question"), entry.get("answers"), entry.get("ctxs")
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"{where}: 'question' must be a non-empty string")
+        if (not isinstance(answers, list) or not answers
+                or not all(isinstance(a, str) and a.strip() for a in answers)):  # fmt: skip
+            raise ValueError(f"{where}: 'answers' must be a non-empty list of non-empty strings")
+        if not isinstance(ctxs, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in ctxs):
+            raise ValueError(f"{where}: 'ctxs' must be a list of {{'title', 'text'}} objects")
+        if len(ctxs) < num_passages:
+            raise ValueError(f"{where}: {len(ctxs)} passages, fewer than workload.num_passages={num_passages}")
+        items.append(MusiqueItem(item_id=f"musique{i:03d}", question=question.strip(), answers=list(answers),
+                                 passages=[passage_text(c) for c in ctxs[:num_passages]]))  # fmt: skip
+    return items
+
+
+# -------------------------------------------------------------------------------------------- workload
+@dataclass
+class MusiqueConfig:
+    data_path: str = DEFAULT_DATA_PATH
+    num_queries: int | None = None  # the first N questions of the file; None: all
+    num_passages: int = 6
+    separator: str = "\n\n"
+    warm_passages: str = "per_query"  # per_query | all | none (WARM_PASSAGES)
+    seed: int = 0  # 0: the retriever's passage order; other: each question's top passages in a seeded order
+    max_new_tokens: int = 32
+    system_prompt: str | None = None  # None: DEFAULT_SYSTEM_PROMPT
+
+    def __post_init__(self) -> None:
+        for name in ("num_passages", "max_new_tokens") + (("num_queries",) if self.num_queries is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
+        if self.warm_passages not in WARM_PASSAGES:
+            raise ValueError(f"workload.warm_passages must be one of {WARM_PASSAGES}, got {self.warm_passages!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"workload.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.separator, str) or not self.separator:
+            raise ValueError("workload.separator must be a non-empty string")
+        check_data_path(self.data_path)  # the config check runs this: a bad path fails before any model loads
+
+
+@WORKLOADS.register("musique")
+class Musique(Workload):
+    """MuSiQue questions over their top retrieved passages, each passage its own cached chunk; token F1."""
+
+    config_class = MusiqueConfig
+
+    def __init__(self, *, env: WorkloadEnv, **fields: Any) -> None:
+        cfg = MusiqueConfig(**fields)
+        self.cfg = cfg
+        self.max_new_tokens = cfg.max_new_tokens
+        self.tokenizer = env.tokenizer
+        self.system_prompt = cfg.system_prompt if cfg.system_prompt is not None else DEFAULT_SYSTEM_PROMPT
+        self.items = load_items(cfg.data_path, cfg.num_passages, cfg.num_queries)
+        self._by_id = {item.item_id: item for item in self.items}
+        self._head: str | None = None
+        if cfg.seed != 0:
+            for item in self.items:
+                random.Random(f"musique:{cfg.seed}:{item.item_id}").shuffle(item.passages)
+        sep = cfg.separator
+        for piece in (self.system_prompt, PASSAGES_HEADER):
+            if sep in piece:
+                raise ValueError(f"musique: the separator {sep!r} occurs in {piece[:60]!r}")
+        for item in self.items:
+            if sep in item.question:
+                raise ValueError(f"musique: the question of {item.item_id} contains the separator {sep!r}")
+            for k, p in enumerate(item.passages):
+                if sep in p:
+                    raise ValueError(f"musique: passage {k} of {item.item_id} contains the separator {sep!r}; it "
+                                     "would not be one chunk")  # fmt: skip
+
+    def messages(self, item: MusiqueItem) -> list[dict[str, str]]:
+        """The chat messages of a question: system prompt, then passages and question in the user turn."""
+        pieces = [PASSAGES_HEADER, *item.passages, QUESTION_TEMPLATE.format(question=item.question)]
+        return [{"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": self.cfg.separator.join(pieces)}]  # fmt: skip
+
+    def render(self, item: MusiqueItem) -> str:
+        """The prompt text: the chat template with the generation prompt."""
+        return self.tokenizer.apply_chat_template(self.messages(item), tokenize=False, add_generation_prompt=True)
+
+    def shared_head(self) -> str:
+        """The prompt text before the first passage's separator, common to every question (checked)."""
+        heads = {self.render(item).split(self.cfg.separator, 1)[0] for item in self.items[:3]}
+        if len(heads) != 1:
+            raise ValueError("musique: the prompts do not share one head before the passages")
+        head = heads.pop()
+        if not head.endswith(PASSAGES_HEADER):
+            raise ValueError(f"musique: the shared head {head!r} does not end with {PASSAGES_HEADER!r}")
+        return head
+
+    def shared_context(self) -> list[str]:
+        """``warm_passages: all``: every distinct passage of the run once, after the shared head (else nothing)."""
+        if self.cfg.warm_passages != "all":
+            return []
+        head = self.shared_head() + self.cfg.separator
+        passages = dict.fromkeys(p for item in self.items for p in item.passages)
+        return [head + p for p in passages]
+
+    def request_context(self, request: Request) -> list[str]:
+        """``warm_passages: per_query``: the question's passages, each after the shared head (else nothing)."""
+        if self.cfg.warm_passages != "per_query":
+            return []
+        if self._head is None:
+            self._head = self.shared_head() + self.cfg.separator
+        return [self._head + p for p in self._by_id[request.request_id].passages]
+
+    def num_requests_upper_bound(self) -> int:
+        return len(self.items)
+
+    def smaller_overrides(self, fraction: float) -> dict[str, int]:
+        """Fewer questions, for about ``fraction`` of the requests."""
+        return {"num_queries": max(1, int(fraction * len(self.items)))}
+
+    def requests(self) -> Iterator[Request]:
+        for item in self.items:
+            score = [int(t) for t in self.tokenizer(item.answers[0], add_special_tokens=False)["input_ids"]]
+            yield Request(
+                request_id=item.item_id, conversation_id=item.item_id, turn=1, prompt=self.render(item),
+                expected=item.answers[0], score_ids=score or None,
+                info={"gold_answers": list(item.answers), "num_passages": len(item.passages)},
+            )  # fmt: skip
+
+    def _gold(self, request: Request) -> list[str]:
+        return list(request.info.get("gold_answers") or [request.expected or ""])
+
+    def is_correct(self, request: Request, output_text: str) -> bool | None:
+        return exact_match(answer_line(output_text), self._gold(request))
+
+    def score(self, request: Request, output_text: str) -> dict[str, float]:
+        return {"f1": token_f1(answer_line(output_text), self._gold(request))}
+
+    def stats(self) -> dict[str, Any]:
+        return {"queries": len(self.items), "num_passages": self.cfg.num_passages,
+                "data_path": str(resolve_data_path(self.cfg.data_path))}  # fmt: skip
