@@ -117,9 +117,11 @@ class Registry(Generic[T]):
         try:
             return self._factories[name]
         except KeyError:
+            failed = "".join(f"\n  plugin entry point {ep!r} failed to load: {error}" for ep, error in
+                             _entry_point_failures.items())  # fmt: skip
             raise UnknownPluginError(
                 f"unknown {self.family} plugin {name!r}; registered {self.family} plugins: "
-                f"{', '.join(sorted(self._factories)) or '(none)'}"
+                f"{', '.join(sorted(self._factories)) or '(none)'}{failed}"
             ) from None
 
     def build(self, spec: str | Mapping[str, Any] | T | None, **overrides: Any) -> T:
@@ -212,7 +214,8 @@ class Registry(Generic[T]):
                              f"accepted: {', '.join(shown) or '(none)'}")  # fmt: skip
 
     def __repr__(self) -> str:
-        return f"Registry({self.family!r}, {sorted(self._factories)})"
+        """The family and every registered name, entry-point plugins included (loading them first)."""
+        return f"Registry({self.family!r}, {self.names()})"
 
 
 def _is_omegaconf(obj: Any) -> bool:
@@ -228,6 +231,9 @@ def _to_plain_dict(spec: Any) -> dict[str, Any]:
 
 
 _entry_points_loaded = False
+#: entry point name -> "ExceptionType: message" of the plugins whose import failed (named by UnknownPluginError, so a
+#: user who asks for a plugin from a broken package sees why it is missing, not only the list of built-ins)
+_entry_point_failures: dict[str, str] = {}
 
 
 def load_entry_point_plugins() -> None:
@@ -245,6 +251,7 @@ def load_entry_point_plugins() -> None:
                 obj()
         except Exception as exc:  # a broken third-party plugin must not break the built-ins
             log.warning("kvboost: plugin entry point %r failed to load: %s", ep.name, exc)
+            _entry_point_failures[ep.name] = f"{type(exc).__name__}: {exc}"
 
 
 CHUNKERS: Registry[Any] = Registry("chunker", ("kvboost.chunking",), build_to_validate=True)

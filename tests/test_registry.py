@@ -82,3 +82,52 @@ def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
         # Leave the registry as the other tests expect it (configs/chunker/ mirrors it).
         CHUNKERS.unregister("third_party_fixed")
         sys.modules.pop("my_kvboost_plugin", None)
+
+
+def test_repr_lists_the_registered_names_after_entry_points_load(monkeypatch, tmp_path):
+    """repr(RECOMPUTE) shows entry-point plugins too: the registry loads them before listing."""
+    import importlib.metadata as md
+    import sys
+
+    import kvboost.registry as registry_module
+
+    (tmp_path / "my_repr_plugin.py").write_text(
+        "from kvboost.registry import RECOMPUTE\n"
+        "from kvboost.recompute.none import NoRecompute\n"
+        "@RECOMPUTE.register('third_party_none', override=True)\n"
+        "class ThirdParty(NoRecompute):\n"
+        "    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = md.EntryPoint(name="repr_plugin", value="my_repr_plugin", group="kvboost.plugins")
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "kvboost.plugins" else [])
+    monkeypatch.setattr(registry_module, "_entry_points_loaded", False)
+    monkeypatch.setattr(RECOMPUTE, "_loaded", False)  # as in a fresh process: the first lookup loads the plugins
+    try:
+        text = repr(RECOMPUTE)
+        assert "third_party_none" in text and "'none'" in text and text.startswith("Registry('recompute'")
+    finally:
+        RECOMPUTE.unregister("third_party_none")
+        sys.modules.pop("my_repr_plugin", None)
+
+
+def test_unknown_plugin_error_names_an_entry_point_that_failed_to_load(monkeypatch, tmp_path):
+    """A plugin package whose import raises: asking for its strategy names the failed entry point and its
+    exception, beside the registered names."""
+    import importlib.metadata as md
+
+    import kvboost.registry as registry_module
+
+    (tmp_path / "my_broken_plugin.py").write_text("import a_module_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = md.EntryPoint(name="broken_strategies", value="my_broken_plugin", group="kvboost.plugins")
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "kvboost.plugins" else [])
+    monkeypatch.setattr(registry_module, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry_module, "_entry_point_failures", {})
+    registry_module.load_entry_point_plugins()
+    with pytest.raises(UnknownPluginError) as err:
+        RECOMPUTE.build("last_n")
+    message = str(err.value)
+    assert "unknown recompute plugin 'last_n'" in message and "full" in message
+    assert "'broken_strategies' failed to load: ModuleNotFoundError" in message
+    assert "a_module_that_is_not_installed" in message
