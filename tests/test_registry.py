@@ -56,25 +56,32 @@ def test_duplicate_registration_is_refused():
             pass
 
 
+def _plugin_package(monkeypatch, tmp_path, entry_point: str, module: str, source: str) -> None:
+    """A module ``module`` (``source``) on the path, named by the only ``kvboost.plugins`` entry point, with the
+    entry points not loaded yet (as in a fresh process)."""
+    import importlib.metadata as md
+
+    import kvboost.registry as registry_module
+
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = md.EntryPoint(name=entry_point, value=module, group="kvboost.plugins")
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "kvboost.plugins" else [])
+    monkeypatch.setattr(registry_module, "_entry_points_loaded", False)
+
+
 def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
     """A third-party module named by a kvboost.plugins entry point registers on first lookup."""
-    import importlib.metadata as md
     import sys
 
     import kvboost.registry as registry_module
 
-    plugin = tmp_path / "my_kvboost_plugin.py"
-    plugin.write_text(
-        "from kvboost.registry import CHUNKERS\n"
-        "from kvboost.chunking.fixed import FixedChunker\n"
-        "@CHUNKERS.register('third_party_fixed', override=True)\n"
-        "class ThirdParty(FixedChunker):\n"
-        "    pass\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    ep = md.EntryPoint(name="mine", value="my_kvboost_plugin", group="kvboost.plugins")
-    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "kvboost.plugins" else [])
-    monkeypatch.setattr(registry_module, "_entry_points_loaded", False)
+    _plugin_package(monkeypatch, tmp_path, "mine", "my_kvboost_plugin",
+                    "from kvboost.registry import CHUNKERS\n"
+                    "from kvboost.chunking.fixed import FixedChunker\n"
+                    "@CHUNKERS.register('third_party_fixed', override=True)\n"
+                    "class ThirdParty(FixedChunker):\n"
+                    "    pass\n")  # fmt: skip
     try:
         registry_module.load_entry_point_plugins()
         assert "third_party_fixed" in CHUNKERS.names()
@@ -86,22 +93,14 @@ def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
 
 def test_repr_lists_the_registered_names_after_entry_points_load(monkeypatch, tmp_path):
     """repr(RECOMPUTE) shows entry-point plugins too: the registry loads them before listing."""
-    import importlib.metadata as md
     import sys
 
-    import kvboost.registry as registry_module
-
-    (tmp_path / "my_repr_plugin.py").write_text(
-        "from kvboost.registry import RECOMPUTE\n"
-        "from kvboost.recompute.none import NoRecompute\n"
-        "@RECOMPUTE.register('third_party_none', override=True)\n"
-        "class ThirdParty(NoRecompute):\n"
-        "    pass\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    ep = md.EntryPoint(name="repr_plugin", value="my_repr_plugin", group="kvboost.plugins")
-    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "kvboost.plugins" else [])
-    monkeypatch.setattr(registry_module, "_entry_points_loaded", False)
+    _plugin_package(monkeypatch, tmp_path, "repr_plugin", "my_repr_plugin",
+                    "from kvboost.registry import RECOMPUTE\n"
+                    "from kvboost.recompute.none import NoRecompute\n"
+                    "@RECOMPUTE.register('third_party_none', override=True)\n"
+                    "class ThirdParty(NoRecompute):\n"
+                    "    pass\n")  # fmt: skip
     monkeypatch.setattr(RECOMPUTE, "_loaded", False)  # as in a fresh process: the first lookup loads the plugins
     try:
         text = repr(RECOMPUTE)
@@ -114,15 +113,10 @@ def test_repr_lists_the_registered_names_after_entry_points_load(monkeypatch, tm
 def test_unknown_plugin_error_names_an_entry_point_that_failed_to_load(monkeypatch, tmp_path):
     """A plugin package whose import raises: asking for its strategy names the failed entry point and its
     exception, beside the registered names."""
-    import importlib.metadata as md
-
     import kvboost.registry as registry_module
 
-    (tmp_path / "my_broken_plugin.py").write_text("import a_module_that_is_not_installed\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    ep = md.EntryPoint(name="broken_strategies", value="my_broken_plugin", group="kvboost.plugins")
-    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "kvboost.plugins" else [])
-    monkeypatch.setattr(registry_module, "_entry_points_loaded", False)
+    _plugin_package(monkeypatch, tmp_path, "broken_strategies", "my_broken_plugin",
+                    "import a_module_that_is_not_installed\n")
     monkeypatch.setattr(registry_module, "_entry_point_failures", {})
     registry_module.load_entry_point_plugins()
     with pytest.raises(UnknownPluginError) as err:
