@@ -11,6 +11,9 @@
 #   replay     the ShareGPT replay in bf16 (run.py, every mode; CUDA graphs for decode and short prefills)
 #   decode     decode tokens/s of every path at batch 1, 8 and 32 (experiments/bench/bench_decode.py: hf / eager /
 #              graphed); DECODE_BATCHES="1 32" narrows the batch sizes
+#   decode_step  kernels per step, GPU time per kernel kind and step time against the weight-streaming floor of the
+#              graphed decode step, unfused and fused layers, batch 1 / 8 / 32 (experiments/bench/bench_decode_step.py,
+#              random weights drawn on the GPU; STEP_SHAPE=qwen2-1.5b by default, DECODE_BATCHES narrows the batches)
 #   all        every step above
 # REPLAY_CONVERSATIONS, REPLAY_TURNS, REPLAY_MODES (comma-separated) and REPLAY_NEW_TOKENS size the replay;
 # KVBOOST_GRAPH_COMPILE=0 captures the CUDA graphs without inductor (warm-up in seconds instead of minutes).
@@ -24,7 +27,7 @@ set -uo pipefail
 
 steps="${1:?usage: gpu_suite.sh STEPS OUT_DIR (STEPS: tests,attention,replay,decode or all)}"
 out="${2:?usage: gpu_suite.sh STEPS OUT_DIR}"
-[[ "$steps" == all ]] && steps="tests,attention,paged,replay,decode"
+[[ "$steps" == all ]] && steps="tests,attention,paged,replay,decode,decode_step"
 wants() { [[ ",$steps," == *",$1,"* ]]; }
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -85,6 +88,11 @@ if wants decode; then
     step "bench_decode_batch$batch" 150 python3 -m experiments.bench.bench_decode --dtypes bfloat16 --contexts 256 1024 \
       --tokens 64 --repeats 3 --batch "$batch" --paths eager graphed "${bench_model[@]}" --out "$out/decode_batch$batch"
   done
+fi
+if wants decode_step; then
+  # shellcheck disable=SC2086  # DECODE_BATCHES is a list
+  step decode_step 300 python3 -m experiments.bench.bench_decode_step --shape "${STEP_SHAPE:-qwen2-1.5b}" \
+    --batches ${DECODE_BATCHES:-1 8 32} --context "${STEP_CONTEXT:-1024}" --out "$out/decode_step"
 fi
 echo "gpu_suite: $failed step(s) failed"
 exit "$failed"

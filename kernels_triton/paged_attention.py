@@ -296,13 +296,16 @@ def _paged_split_kernel(
     LQ_BUCKET, LK_BUCKET,  # only used as autotuning keys
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INT64_IDX: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    DYNAMIC_SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Split-K (flash-decoding): one program per (sequence * KV head, key split, row block).
 
     Attends its rows to keys [pid_s * split_len, (pid_s + 1) * split_len) of the sequence and writes the
-    unnormalised partial (acc, m, l) of every row -- also for an empty split, which the reduce must see as
-    weight 0 -- or, with DIRECT_OUT (one split), the normalised output.
+    unnormalised partial (acc, m, l) of every row -- an empty split writes only m = -inf and l = 0, which the
+    reduce reads as weight 0 -- or, with DIRECT_OUT (one split), the normalised output.  With DYNAMIC_SPLIT the
+    split length is the sequence's own, ``kv_len`` over the NUM_SPLITS splits (tile-aligned, at least
+    ``split_len``), so a short sequence under a long bound still spreads over the splits.
     """
     pid_bk = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -325,6 +328,8 @@ def _paged_split_kernel(
                                         stride_qt, stride_qh, stride_qd, GROUP)
 
     # split_len is a multiple of BLOCK_N, so s_lo is tile-aligned and a tile never straddles two splits.
+    if DYNAMIC_SPLIT:
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, split_len)
     s_lo = pid_s * split_len
     s_hi = tl.minimum(s_lo + split_len, kv_len)
 
@@ -347,7 +352,9 @@ def _paged_split_kernel(
         part = (t.to(tl.int64) * (H_KV * GROUP) + h) * NUM_SPLITS + pid_s
         tl.store(PartM + part, m_i, mask=r_valid)
         tl.store(PartL + part, l_i, mask=r_valid)
-        tl.store(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_valid[:, None] & d_mask[None, :])
+        # A row that saw no key here (an empty split) has weight 0 in the reduce, which does not read its acc.
+        seen = r_valid & (m_i > float("-inf"))
+        tl.store(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=seen[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -375,7 +382,8 @@ def _paged_split_reduce_kernel(
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty -> weights 0, output 0
     w = tl.math.exp2(m - m_ref[:, None])  # m is in the base-2 domain of the split kernel
     l_tot = tl.sum(l * w, 1)
-    acc_mask = hs_mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
+    # Splits whose rows saw no key (m = -inf) left their acc unwritten: not read (their weight is 0).
+    acc_mask = (hs_mask & (m > float("-inf")))[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
     acc = tl.load(PartAcc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=acc_mask, other=0.0)
     out = tl.sum(acc * w[:, :, None], 1) / tl.where(l_tot > 0.0, l_tot, 1.0)[:, None]
     o_ptrs = Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -688,6 +696,7 @@ def paged_attention(
     max_q_len: int | None = None,
     max_kv_len: int | None = None,
     decode: bool | None = None,
+    dynamic_splits: bool = False,
 ) -> torch.Tensor:
     """Attention of ``B`` sequences' queries over their keys in a paged KV pool (contract:
     :mod:`kernels_triton.paged_attention_reference`).
@@ -710,6 +719,10 @@ def paged_attention(
             device value (CUDA-graph capturable; the index values are then trusted, and a sequence longer than a
             bound is not fully computed).  Otherwise they are read from the tensors (one sync, values checked).
         decode: None picks the kernel (:func:`choose_path`); True forces the split-K kernel, False the prefill one.
+        dynamic_splits: decode only: every sequence spreads its own keys over the splits (``max_kv_len`` then
+            only sizes the grid, with a fixed tile config instead of autotuning). For CUDA graphs, whose bound is
+            the model's context window while a step's sequences are often far shorter: with splits sized for the
+            bound, a 1k-token sequence under a 32k bound uses 2 of 64 splits.
 
     Returns:
         ``out`` (or a new tensor) ``[T, Hq, D]`` in q's dtype; a query that sees no key gets zeros.
@@ -752,7 +765,8 @@ def paged_attention(
         path = "split" if decode else "prefill"
         if decode and max_q_len <= DECODE_MAX_Q:
             path = "decode"
-    _launch(q, k_cache, v_cache, out, tables, lens, starts, positions, block_size, scale, max_q_len, max_kv_len, path)
+    _launch(q, k_cache, v_cache, out, tables, lens, starts, positions, block_size, scale, max_q_len, max_kv_len, path,
+            dynamic=dynamic_splits and path == "decode")  # fmt: skip
     return out
 
 
@@ -771,8 +785,10 @@ def _launch(
     max_kv_len,
     path,
     num_splits=None,
+    dynamic=False,
 ):
-    """Launch one path on validated arguments (``num_splits`` overrides the split count: warm-up and tests)."""
+    """Launch one path on validated arguments (``num_splits`` overrides the split count: warm-up and tests;
+    ``dynamic``: per-sequence split lengths, see ``paged_attention(dynamic_splits=...)``)."""
     total, heads, dim = q.shape
     batch, kv_heads = tables.shape[0], k_cache.shape[0]
     group = heads // kv_heads
@@ -814,7 +830,12 @@ def _launch(
     rows = max_q_len * group
     block_r = _INTERP_BLOCK if interp else min(_MAX_SPLIT_ROWS, max(16, _next_pow2(rows)))
     row_blocks = triton.cdiv(rows, block_r)
-    if num_splits is None:
+    if dynamic:
+        # Splits of at least one tile of the fixed config, as many as the bound allows (<= _MAX_SPLITS); each
+        # sequence divides its own keys among them.
+        split_len = _INTERP_SPLIT_LEN if interp else _FIXED_SPLIT[0]
+        num_splits = min(_MAX_SPLITS, _cdiv(max(1, max_kv_len), split_len))
+    elif num_splits is None:
         split_len, num_splits = _split_plan(
             total * heads, batch * kv_heads * row_blocks, max_kv_len, dim, path == "decode", q.device
         )
@@ -850,9 +871,10 @@ def _launch(
     )
     grid = (batch * kv_heads, num_splits, row_blocks)
     flags["DIRECT_OUT"] = direct
+    flags["DYNAMIC_SPLIT"] = dynamic and not direct
     if interp:
         _paged_split_kernel[grid](*args, **flags, BLOCK_R=block_r, BLOCK_N=_INTERP_BLOCK, BLOCK_D=block_d)
-    elif not AUTOTUNE:
+    elif not AUTOTUNE or dynamic:  # dynamic splits: tuning on a capture's inputs would tune for padding rows
         bn, warps, stages = _FIXED_SPLIT
         bn = bn // 2 if wide else bn
         _paged_split_kernel[grid](

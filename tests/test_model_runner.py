@@ -745,34 +745,37 @@ def _unchanged_but(pool: KVPool, before: tuple, slots: torch.Tensor, scratch: in
         assert torch.equal(now[:, :, ~changed].view(torch.uint8), then[:, :, ~changed].view(torch.uint8))
 
 
-def _reference_kernel(q, k, v, max_q_len=None, max_kv_len=None, **kwargs):
+def _reference_kernel(q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=False, **kwargs):
     """The paged attention contract's reference, taking (and ignoring) the launch hints the graphs pass."""
     from kernels_triton.paged_attention_reference import paged_attention_reference
 
     return paged_attention_reference(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize(("compile", "kernel"), [
-    (False, "reference"),
-    (False, "default"),
-    pytest.param(True, "reference", marks=needs_inductor),
+@pytest.mark.parametrize(("arch", "layer", "kernel"), [
+    ("llama", "unfused", "reference"),
+    ("llama", "unfused", "default"),
+    pytest.param("llama", "compiled", "reference", marks=needs_inductor),
+    ("llama", "fused", "reference"),
+    ("qwen2", "fused", "default"),
 ])  # fmt: skip
-def test_graph_static_forward_with_padding_rows_is_close_to_hf(compile, kernel):
+def test_graph_static_forward_with_padding_rows_is_close_to_hf(arch, layer, kernel):
     """The arithmetic CUDA graphs capture, run uncaptured on CPU (paged attention: the reference, or the
-    kernel ``paged_attention_kernel`` picks on CPU): a decode bucket of 4 rows for 3 sequences and a prefill
-    bucket of 32 rows for 21 tokens give HF's logits and K/V within 1e-4 (fp32); padding rows write only into the
-    scratch block (every other pool row but the real rows' slots is unchanged)."""
-    model = tiny_model("llama")
+    kernel ``paged_attention_kernel`` picks on CPU; the fused layer's kernels under the Triton interpreter): a
+    decode bucket of 4 rows for 3 sequences and a prefill bucket of 32 rows for 21 tokens give HF's logits and
+    K/V within 1e-4 (fp32; qwen2: q/k/v biases in the fused product); padding rows write only into the scratch
+    block (every other pool row but the real rows' slots is unchanged)."""
+    model = tiny_model(arch)
     runner = llama_runner(model, decode="eager", num_blocks=48)
-    graphs = GraphRunner(runner, compile=compile)
+    graphs = GraphRunner(runner, compile=layer == "compiled", fused=layer == "fused")
     if kernel == "reference":
         graphs._attention = _reference_kernel
         graphs._layer = graphs._layer_fn()
-    assert graphs.compile == compile
+    assert graphs.describe()["graph_layer"] == layer
     pool = runner.pool
     # decode: three sequences (prefilled eagerly), one step in a bucket of 4
     prompts = [random_ids(n, seed=n) for n in (37, 9, 20)]
-    refs = [HF(tiny_model("llama")) for _ in prompts]
+    refs = [HF(tiny_model(arch)) for _ in prompts]
     tables = [BlockTable(pool) for _ in prompts]
     tokens = []
     for table, prompt, ref in zip(tables, prompts, refs, strict=True):
@@ -804,6 +807,33 @@ def test_graph_static_forward_with_padding_rows_is_close_to_hf(compile, kernel):
     same(logits, ref(ids), 1e-4)
     assert_rows(pool, table, ref, table.length, atol=1e-4)
     assert graphs.fallback_reason is None
+
+
+def test_fused_weights_are_the_models_own_and_leave_hf_forward_unchanged():
+    """The fused layer's q/k/v and gate/up weights are built in place: the modules' parameters become row slices
+    of them (no second copy), HF's forward gives the same bits as before, and a second graph runner on the same
+    model reuses them (no new copy); a fused layer that fails falls back to the unfused one with the reason."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([random_ids(20, seed=4)])
+    with torch.inference_mode():
+        before = model(ids).logits
+    runner = llama_runner(model, decode="eager", num_blocks=48)
+    graphs = GraphRunner(runner, compile=False, fused=True)
+    fused = graphs._fused_weights[0]
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    assert attn.q_proj.weight.data_ptr() == fused.wqkv.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == fused.wqkv[q_rows + k_rows :].data_ptr()
+    assert attn.k_proj.bias.data_ptr() == fused.bqkv[q_rows:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == fused.wgu[mlp.gate_proj.weight.shape[0] :].data_ptr()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)
+    again = GraphRunner(runner, compile=False, fused=True)._fused_weights[0]
+    assert again.wqkv.data_ptr() == fused.wqkv.data_ptr() and again.wgu.data_ptr() == fused.wgu.data_ptr()
+    assert torch.equal(again.wqkv, fused.wqkv) and again.wqkv.shape == fused.wqkv.shape
+    graphs._unfuse(RuntimeError("a kernel that does not build"))
+    assert not graphs.fused and "RuntimeError: a kernel that does not build" in graphs.fallback_reason
+    assert graphs.describe()["graph_layer"] == "unfused"
 
 
 def test_a_capture_never_clobbers_a_requests_inputs(monkeypatch):
@@ -863,16 +893,17 @@ def test_graph_buckets():
 # ---------------------------------------------------------------------------------------------- on a GPU
 @needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("compile", [False, True])
-def test_graph_replay_equals_hf_on_cuda(compile, arch):
+@pytest.mark.parametrize("layer", ["fused", "unfused", "compiled"])
+def test_graph_replay_equals_hf_on_cuda(layer, arch):
     """Captured decode and prefill graphs replay HF's numbers on the same GPU (fp32, 1e-3), capture per bucket,
-    and never fall back (qwen2: the q/k/v biases inside the graph)."""
+    and never fall back (qwen2: the q/k/v biases inside the graph), for each layer variant."""
     model = tiny_model(arch).cuda()
     backend = serve(model)
     runner = LlamaRunner(model, make_pool(model, 48), backend, decode="graphed",
-                         graph_options={"compile": compile, "max_batch": 4})  # fmt: skip
+                         graph_options={"compile": layer == "compiled", "fused": layer == "fused", "max_batch": 4})  # fmt: skip
     runner.warmup(max_tokens=64)
     assert runner.graphs.fallback_reason is None, runner.graphs.fallback_reason
+    assert runner.graphs.describe()["graph_layer"] == layer
     ref = HF(tiny_model(arch).cuda())
     prompt = random_ids(37, seed=3)
     fed, ref_logits = ref.greedy(prompt, steps=6)

@@ -13,9 +13,14 @@ captured once per token-count bucket and replayed:
   16, 32, ..., ``max_graph_tokens`` new tokens).
 - **padding.** A bucket's extra rows are real computations on a scratch block the runner keeps for them (token 0
   at position 0): their K/V never touch a sequence's blocks, their logits are dropped.
-- **compiled.** With ``compile=True`` the layer is compiled by inductor around the attention call (a graph break:
-  the Triton kernel runs between two fused regions), then captured; a compile or capture failure falls back to
-  the uncaptured forward (``fallback_reason`` says why).
+- **fused** (the default). Each layer is nine kernels: residual add + RMSNorm, one GEMM for q/k/v (bias in its
+  epilogue), RoPE + the K/V write into the pool, paged attention, the o GEMM, residual add + RMSNorm, one GEMM
+  for gate/up, SiLU * up, the down GEMM (:mod:`kernels_triton.decoder_ops`; the fused weights are the model's
+  own, its q/k/v and gate/up parameters becoming row slices of them). The unfused layer (``fused=False``, or
+  ``KVBOOST_GRAPH_FUSED=0``) launches ~35 kernels per layer and is what the measurements compare against.
+- **compiled.** With ``fused=False`` and ``compile=True`` the unfused layer is compiled by inductor around the
+  attention call (a graph break: the Triton kernel runs between two fused regions), then captured; a compile or
+  capture failure falls back to the uncaptured forward (``fallback_reason`` says why).
 
 Not bit-exact against HF's forward (other kernels, padded GEMMs): ``decode=eager`` stays the exact choice.
 """
@@ -23,14 +28,17 @@ Not bit-exact against HF's forward (other kernels, padded GEMMs): ``decode=eager
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvboost.runtime.batch import ForwardBatch
 from kvboost.runtime.ops import rms_norm, rope_tables
+from kvboost.runtime.projections import FusedLayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +70,10 @@ def paged_attention_kernel(device: torch.device) -> Any:
         from kvboost.attention.cpu_ext import cpu_paged_attention_forward
 
         # the C++ kernel takes no launch-size hints (they matter for CUDA graphs only)
-        return lambda q, k, v, max_q_len=None, max_kv_len=None, **kw: cpu_paged_attention_forward(q, k, v, **kw)
+        return lambda q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=False, **kw: cpu_paged_attention_forward(q, k, v, **kw)
     from kernels_triton.paged_attention_reference import paged_attention_reference
 
-    return lambda q, k, v, max_q_len=None, max_kv_len=None, **kw: paged_attention_reference(q, k, v, **kw)
+    return lambda q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=False, **kw: paged_attention_reference(q, k, v, **kw)
 
 
 @dataclass
@@ -86,13 +94,14 @@ class GraphRunner:
     """
 
     def __init__(self, runner: Any, *, max_batch: int = MAX_BATCH, max_graph_tokens: int = MAX_GRAPH_TOKENS,
-                 prefill: bool = True, compile: bool = True) -> None:  # fmt: skip
+                 prefill: bool = True, compile: bool = True, fused: bool | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.pool = runner.pool
         self.device = self.pool.device
         self.max_batch = max_batch
         self.max_graph_tokens = max_graph_tokens if prefill else 0
-        self.compile = compile
+        self.fused = os.environ.get("KVBOOST_GRAPH_FUSED", "1") != "0" if fused is None else bool(fused)
+        self.compile = compile and not self.fused  # the fused layer's kernels are already fused: no inductor
         cfg = runner.model.config.get_text_config(decoder=True)
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         self.max_blocks = self.pool.blocks_for(self.max_positions) + 1
@@ -103,25 +112,27 @@ class GraphRunner:
         self.capture_seconds = 0.0
         self.fallback_reason: str | None = None
         self._attention = paged_attention_kernel(self.device)
+        self._fused_weights = [FusedLayerWeights(layer) for layer in runner.inner.layers] if self.fused else None
         self._weights = [p.tensors() for p in runner.projections]
         self._layer = self._layer_fn()
 
     # ------------------------------------------------------------------ the captured arithmetic
+    def _attend_paged(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: dict) -> torch.Tensor:
+        """Paged attention of ``q`` ``[T, Hq, D]`` over one pool layer through the static index buffers."""
+        out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
+        self._attention(q, keys, values, block_tables=index["block_tables"], kv_lens=index["kv_lens"],
+                        query_start=index["query_start"], q_positions=index["q_positions"],
+                        block_size=self.pool.block_size, sm_scale=self.runner.scale, out=out,
+                        max_q_len=index["max_q_len"], max_kv_len=self.max_positions,
+                        **({"dynamic_splits": True} if index["max_q_len"] == 1 else {}))  # fmt: skip
+        return out.reshape(q.shape[0], -1)
+
     def _layer_fn(self) -> Any:
         from kvboost.runtime.llama import decoder_layer, write_rows
         from kvboost.runtime.projections import TensorProjections
 
         runner = self.runner
-        attention = self._attention
-        bs, scale = self.pool.block_size, runner.scale
-
-        @torch.compiler.disable
-        def attend_paged(q, keys, values, index):
-            out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
-            attention(q, keys, values, block_tables=index["block_tables"], kv_lens=index["kv_lens"],
-                      query_start=index["query_start"], q_positions=index["q_positions"], block_size=bs,
-                      sm_scale=scale, out=out, max_q_len=index["max_q_len"], max_kv_len=self.max_positions)  # fmt: skip
-            return out.reshape(q.shape[0], -1)
+        attend_paged = torch.compiler.disable(self._attend_paged)
 
         def layer(x, cos, sin, weights, keys, values, index):
             proj = TensorProjections(*weights)
@@ -143,9 +154,27 @@ class GraphRunner:
         runner, inner = self.runner, self.runner.inner
         x = inner.embed_tokens.weight.index_select(0, inputs["tokens"])
         cos, sin = rope_tables(inputs["q_positions"], inner.rotary_emb.inv_freq, runner.attention_scaling, x.dtype)
+        if self._fused_weights is not None:
+            return self._fused_forward(x, cos, sin, inputs)
         for i in range(runner.num_layers):
             x = self._layer(x, cos, sin, self._weights[i], self.pool.keys[i], self.pool.values[i], inputs)
         return runner.head(x.index_select(0, inputs["logits_rows"]))
+
+    def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """The fused layers (see the module docstring): each layer's residual add is done by the next norm."""
+        from kernels_triton.decoder_ops import add_rms_norm, rope_write_kv, silu_mul
+
+        runner, eps, pool = self.runner, self.runner.eps, self.pool
+        delta = None  # what the last MLP adds to the residual stream x, not yet added
+        for i, w in enumerate(self._fused_weights or ()):
+            x, a = add_rms_norm(x, delta, w.ln1, eps)
+            q = rope_write_kv(F.linear(a, w.wqkv, w.bqkv), cos, sin, pool.keys[i], pool.values[i], inputs["slots"],
+                              runner.heads, runner.kv_heads, runner.head_dim)  # fmt: skip
+            x, m = add_rms_norm(x, F.linear(self._attend_paged(q, pool.keys[i], pool.values[i], inputs), w.wo, w.bo),
+                                w.ln2, eps)  # fmt: skip
+            delta = F.linear(silu_mul(F.linear(m, w.wgu)), w.wd)
+        _, normed = add_rms_norm(x, delta, runner.inner.norm.weight, eps)
+        return runner.model.lm_head(normed.index_select(0, inputs["logits_rows"])).float()
 
     # ------------------------------------------------------------------ buckets
     def _scratch_block(self) -> int:
@@ -228,9 +257,12 @@ class GraphRunner:
                 try:
                     self.static_forward(bufs)
                 except Exception as exc:
-                    if not self.compile:
+                    if self.fused:
+                        self._unfuse(exc)
+                    elif self.compile:
+                        self._uncompile(exc)
+                    else:
                         raise
-                    self._uncompile(exc)
                     self.static_forward(bufs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._mempool is None:
@@ -249,6 +281,13 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - start
         return _Graph(graph, logits)
+
+    def _unfuse(self, exc: Exception) -> None:
+        from kvboost.runtime.llama import error_line
+
+        self.fallback_reason = f"the fused layer failed ({error_line(exc)}); capturing the unfused layer"
+        log.warning("kvboost: %s", self.fallback_reason)
+        self.fused, self._fused_weights = False, None
 
     def _uncompile(self, exc: Exception) -> None:
         from kvboost.runtime.llama import error_line
@@ -292,4 +331,5 @@ class GraphRunner:
 
     def describe(self) -> dict[str, Any]:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": self.capture_seconds,
-                "graph_fallback_reason": self.fallback_reason, "graph_compiled": self.compile}  # fmt: skip
+                "graph_fallback_reason": self.fallback_reason, "graph_compiled": self.compile,
+                "graph_layer": "fused" if self.fused else ("compiled" if self.compile else "unfused")}  # fmt: skip

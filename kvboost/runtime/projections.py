@@ -307,3 +307,49 @@ class TensorProjections:
 
     def down(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.w[10], None)
+
+
+def _rows_in_place(tensors: Sequence[torch.Tensor], owners: Sequence[tuple[Any, str]]) -> torch.Tensor:
+    """One tensor whose consecutive row ranges are ``tensors``: when they already are adjacent slices of one
+    storage (a runner built earlier on the same model fused them) that tensor, else their concatenation, which
+    the owners' parameters then become views of (``owner.<name>.data``), so the fused copy is the only copy."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset, adjacent = first.storage_offset(), True
+    for t in tensors:
+        adjacent = adjacent and t.is_contiguous() and t.untyped_storage().data_ptr() == storage
+        adjacent = adjacent and t.storage_offset() == offset and t.dtype == first.dtype
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    if adjacent:
+        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    fused = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for t, (owner, name) in zip(tensors, owners, strict=True):
+        getattr(owner, name).data = fused[start : start + t.shape[0]]
+        start += t.shape[0]
+    return fused
+
+
+class FusedLayerWeights:
+    """One layer's weights for the fused graph forward: q/k/v as one ``[Hq*D + 2*Hkv*D, hidden]`` weight (and
+    bias, when every one of the three has one), gate/up as one ``[2*I, hidden]`` weight.
+
+    Built in place: the modules' parameters become row slices of the fused tensors (same values, no second copy
+    of the model; HF's forward and the other runners read the same bits through the slices)."""
+
+    def __init__(self, layer: Any) -> None:
+        q, k, v, o, g, u, d = _projections(layer)
+        self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        with torch.no_grad():
+            self.wqkv = _rows_in_place([q.weight, k.weight, v.weight], [(q, "weight"), (k, "weight"), (v, "weight")])
+            biases = [m.bias for m in (q, k, v)]
+            if all(b is not None for b in biases):
+                self.bqkv: torch.Tensor | None = _rows_in_place(biases, [(q, "bias"), (k, "bias"), (v, "bias")])
+            elif any(b is not None for b in biases):  # some of the three have a bias: zeros for the others (small)
+                self.bqkv = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
+                                       for b, m in zip(biases, (q, k, v), strict=True)])  # fmt: skip
+            else:
+                self.bqkv = None
+            self.wgu = _rows_in_place([g.weight, u.weight], [(g, "weight"), (u, "weight")])
+        self.wo, self.bo, self.wd = o.weight, o.bias, d.weight

@@ -307,6 +307,20 @@ def test_hinted_call_reads_no_device_value(decode, record_error):
         paged_attention(q, k, v, out=out, decode=decode, **kw)
 
 
+def record_split_grids(monkeypatch) -> list:
+    """The grids the split kernel is launched with from now on (the launches still run)."""
+    grids = []
+    real_split = pa._paged_split_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real_split[grid]
+
+    monkeypatch.setattr(pa, "_paged_split_kernel", Recorder())
+    return grids
+
+
 def test_hinted_grid_and_scratch_depend_on_shapes_only(monkeypatch):
     """Two batches of the same shapes and hints but different lengths launch identical grids and scratch sizes."""
     launches = []
@@ -317,15 +331,7 @@ def test_hinted_grid_and_scratch_depend_on_shapes_only(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pa, "_launch", spy)
-    grids = []
-    real_split = pa._paged_split_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real_split[grid]
-
-    monkeypatch.setattr(pa, "_paged_split_kernel", Recorder())
+    grids = record_split_grids(monkeypatch)
     for seqs in ([(1, 40), (1, 3)], [(1, 9), (1, 2)]):
         q, k, v, kw = make_batch(seqs, 4, 2, 64, 16, torch.float32, seed=1)
         paged_attention(q, k, v, max_q_len=1, max_kv_len=48, **kw)
@@ -333,6 +339,25 @@ def test_hinted_grid_and_scratch_depend_on_shapes_only(monkeypatch):
     if is_interpreter():
         assert grids[0][1] == 3  # 48 keys in 16-key splits (a GPU uses one split for so few keys)
     assert launches[0] == launches[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_dynamic_splits_spread_each_sequence_over_the_splits(dtype, monkeypatch, record_error):
+    """``dynamic_splits=True`` (what CUDA graphs use: the bound is the context window, the sequences far shorter):
+    one and two query rows per sequence, lengths from 1 key to past the bound's first split, a bound many times
+    the longest; right against the reference, without reading a device value, on a grid of the bound's splits;
+    a sequence longer than the splits' count times the minimum split (one tile) is covered by longer splits (the
+    split length is the sequence's own: with the minimum for every sequence its keys past 64 tiles would be lost)."""
+    seqs = [(1, 1), (1, 17), (2, 70), (1, 33), (1, 130), (1, 1500 if is_interpreter() else 5000)]
+    q, k, v, kw = make_batch(seqs, 6, 2, 32, 16, dtype, seed=31)
+    grids = record_split_grids(monkeypatch)
+    out = torch.full_like(q, float("nan"))
+    with no_device_reads():
+        paged_attention(q, k, v, out=out, max_q_len=2, max_kv_len=8192, dynamic_splits=True, **kw)
+    err = rel_err(out, reference(q, k, v, kw))
+    record_error("paged_dynamic", q.dtype, err)
+    assert err < TOL[q.dtype]
+    assert grids[0][1] == 64  # min(_MAX_SPLITS, bound / one tile): the grid depends on the bound only
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or is_interpreter(), reason="needs compiled kernels on CUDA")
