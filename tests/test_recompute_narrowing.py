@@ -381,14 +381,17 @@ def test_the_agreement_prefill_is_kept_out_of_ttft(monkeypatch):
     original = prefill_module.reference_deviation
 
     def slow(ctx, plan):
-        time.sleep(2.0)
+        time.sleep(4.0)
         return original(ctx, plan)
 
+    # Against the same request without the agreement (not an absolute bound: a loaded 2-core machine takes seconds
+    # for the tiny engine's request alone): a 4 s agreement inside TTFT would add >= 4 s, the slack is 2 s.
+    plain = _agreement_engine({"name": "cacheblend", "ratio": 0.15}).generate(PROMPT, max_new_tokens=2)
     monkeypatch.setattr(prefill_module, "reference_deviation", slow)
     result = _agreement_engine({"name": "cacheblend", "ratio": 0.15, "oracle_agreement": True}).generate(
         PROMPT, max_new_tokens=2)
-    assert result.extra["oracle_agreement_ms"] >= 2000
-    assert result.ttft_ms < 2000 and result.total_ms < 2000
+    assert result.extra["oracle_agreement_ms"] >= 4000
+    assert result.ttft_ms < plain.ttft_ms + 2000 and result.total_ms < plain.total_ms + 2000
 
 
 def test_agreement_reaches_the_runners_records(tmp_path, smollm_tokenizer):
@@ -409,3 +412,49 @@ def test_agreement_reaches_the_runners_records(tmp_path, smollm_tokenizer):
     reuse = [r for r in records if r["mode"] == "kvboost" and r.get("content_ratio", 0) > 0]
     assert reuse and all(0.0 <= r["oracle_recall"] <= 1.0 and "oracle_rank_corr" in r for r in reuse)
     assert not any("oracle_recall" in r for r in records if r["mode"] != "kvboost")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The family of issue 45 on the scores contract (``epic``, ``relevance``, the ``compose`` wrapper): the same
+# equivalence. ``ape`` selects nothing (tests/test_recompute_family.py checks its tempered keys).
+
+FAMILY = ("epic", "relevance", "compose_query_aware", "compose_cacheblend")
+
+
+def family_strategy_for(name: str, ratio: float, plan: ReusePlan) -> RecomputeStrategy:
+    from kvboost.recompute import Compose, EpicRecompute, RelevanceRecompute
+    from kvboost.recompute.epic import chunk_offsets
+
+    content = plan.positions("content")
+    if name == "epic":  # k tokens at the start of each reused chunk: about ``ratio`` of the content
+        chunks = int((chunk_offsets(plan)[content] == 0).sum())
+        return EpicRecompute(k=max(1, round(ratio * content.numel() / chunks)))
+    if name == "relevance":
+        return RelevanceRecompute(ratio=ratio, skip_first=1, window=1)
+    if name == "compose_query_aware":
+        return Compose(first={"name": "epic", "k": 1}, second={"name": "query_aware"}, ratio=ratio)
+    if name == "compose_cacheblend":  # narrows at check layer 0, the first's choice kept
+        return Compose(first={"name": "epic", "k": 1}, second={"name": "cacheblend", "check_layers": [0]}, ratio=ratio)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("name", FAMILY)
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_family_selecting_a_set_equals_the_fixed_schedule_of_that_set(arch, name, ratio, monkeypatch):
+    import sys
+
+    module = sys.modules[__name__]
+    original = module.strategy_for
+    monkeypatch.setattr(module, "strategy_for",
+                        lambda n, r, p: family_strategy_for(n, r, p) if n in FAMILY else original(n, r, p))  # fmt: skip
+    check_equivalence(arch, name, ratio)
+    if name.startswith("compose") or name == "relevance":  # a ratio budget: exactly round(ratio * content)
+        engine = warmed(arch)
+        plan = content_plan(engine)
+        strategy = family_strategy_for(name, ratio, plan)
+        log = recording(strategy)
+        _, _, _, plan, counts = prefill(engine, strategy, plan)
+        assert chosen_set(log, plan).numel() == round(ratio * plan.content_tokens)
+        if name == "compose_cacheblend":
+            assert log["check_layers"] == (0,) and counts.extra["layerwise"]

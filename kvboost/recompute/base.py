@@ -5,6 +5,13 @@ another position or after another history) are re-rotated to their new positions
 still lacks attention to the new context: a strategy decides which of them to recompute, layer by layer.
 New tokens (nothing cached, including the suffix) are always computed. See ``kvboost.plan`` for the plan and
 the schedule, and DESIGN.md "Layer-wise execution".
+
+Strategies as scores (DESIGN.md "Strategies as scores"; the shape NVIDIA's kvpress gave KV compression, where a
+"press" is one scoring function): a :class:`ScoredStrategy` only *scores* content-hit tokens (``score``: from
+their position in the chunk, the question's attention, the K/V deviation at a check layer, or the oracle's true
+deviation); the base keeps the top of the budget (``fraction`` / ``choose``), builds the schedule and answers the
+check layers. A wrapper (:class:`kvboost.recompute.compose.Compose`) composes two scored strategies (EPIC's first
+tokens of each chunk plus query-aware). Every built-in strategy but ``ape`` is a scored one.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kvboost.plan import ComputeSchedule, ReusePlan
+from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
 
 
 class RecomputeStrategy(ABC):
@@ -81,6 +88,78 @@ class RecomputeStrategy(ABC):
 
     def fingerprint(self) -> str:
         return self.registry_name
+
+
+class ScoredStrategy(RecomputeStrategy):
+    """A strategy that scores content-hit tokens; the base keeps the top of the budget.
+
+    Subclasses implement :meth:`score` (one score per candidate position; higher: recomputed first) and may
+    override :meth:`fraction` (the budget as a fraction of the candidates; default ``ratio``) or :meth:`choose`
+    (how the budget is applied to the scores; default the top ``round(fraction * len)`` by score, ties as
+    ``torch.topk`` breaks them).
+
+    - ``check_layers`` empty (the default): scores come from the plan alone (position, ``plan.reader_attention``,
+      ``plan.reference_deviation``); the schedule computes the chosen content tokens plus every new token at every
+      layer. ``score`` is called with ``candidates`` = every content position and ``deviation`` None.
+    - ``check_layers`` set (CacheBlend): every non-exact token is computed through the check layers; at each,
+      ``score`` gets the candidates computed there and their K/V deviation, and the base keeps its choice.
+    - ``full_prefill_cost``: the scores came from a full prefill (the oracle); its cost is reported as one.
+    """
+
+    ratio: float = 0.0
+    check_layers: tuple[int, ...] = ()
+    full_prefill_cost: ClassVar[bool] = False
+
+    @abstractmethod
+    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # fmt: skip
+        """One score per position of ``candidates`` (sorted content positions); higher: recomputed first."""
+
+    def fraction(self, plan: ReusePlan, candidates: torch.Tensor, layer: int | None = None) -> float:
+        """The budget, as the fraction of ``candidates`` to keep (``layer``: the check layer, None at schedule)."""
+        return self.ratio
+
+    def choose(self, plan: ReusePlan, candidates: torch.Tensor, scores: torch.Tensor, layer: int | None = None
+               ) -> torch.Tensor:  # fmt: skip
+        """The candidates kept: the top of the budget by ``scores``, sorted by position."""
+        return top_fraction(candidates, scores, self.fraction(plan, candidates, layer))
+
+    def chosen_content(self, plan: ReusePlan) -> torch.Tensor:
+        """The content positions chosen at schedule time (no check layers)."""
+        content = plan.positions("content")
+        if not content.numel():
+            return content
+        return self.choose(plan, content, self.score(plan, content))
+
+    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
+        if self.check_layers:
+            if plan.content_tokens:
+                self.check_model(num_layers)
+            return ComputeSchedule(
+                torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten(),
+                check_layers=self.check_layers if plan.content_tokens else (),
+                full_prefill_cost=self.full_prefill_cost,
+            )
+        keep = plan.kinds == KIND_CODES["new"]
+        keep[self.chosen_content(plan)] = True
+        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten(), full_prefill_cost=self.full_prefill_cost)
+
+    def select(
+        self, plan: ReusePlan, layer: int, candidates: torch.Tensor, deviation: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        return self.choose(plan, candidates, self.score(plan, candidates, deviation), layer)
+
+    def token_scores(self, plan: ReusePlan, check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+                     ) -> torch.Tensor | None:  # fmt: skip
+        content = plan.positions("content")
+        if not self.check_layers:
+            return self.score(plan, content)
+        if check is None:
+            return None
+        candidates, deviation = check
+        scores = torch.full((content.numel(),), float("-inf"))
+        scores[torch.searchsorted(content, candidates.cpu())] = self.score(plan, candidates, deviation).float().cpu()
+        return scores
 
 
 def top_fraction(candidates: torch.Tensor, scores: torch.Tensor, fraction: float) -> torch.Tensor:

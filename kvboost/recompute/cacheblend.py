@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy, check_flag, check_fraction, top_fraction
+from kvboost.plan import ReusePlan
+from kvboost.recompute.base import ScoredStrategy, check_flag, check_fraction
 from kvboost.registry import RECOMPUTE
 
 DEVIATIONS = ("kv", "key", "value")
 
 
 @RECOMPUTE.register("cacheblend")
-class CacheBlend(RecomputeStrategy):
-    """Selective recomputation of high-KV-deviation tokens.
+class CacheBlend(ScoredStrategy):
+    """Selective recomputation of high-KV-deviation tokens (scored: the deviation at each check layer).
 
     Args:
         ratio: fraction of content-hit tokens recomputed after the (last) check layer.
@@ -69,33 +69,15 @@ class CacheBlend(RecomputeStrategy):
                 f"(the model has {num_layers} layers); set recompute.check_layers to layers below {num_layers - 1}"
             )
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        if plan.content_tokens:
-            self.check_model(num_layers)
-        return ComputeSchedule(
-            torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten(),
-            check_layers=self.check_layers if plan.content_tokens else (),
-        )
-
-    def select(
-        self, plan: ReusePlan, layer: int, candidates: torch.Tensor, deviation: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
+    def fraction(self, plan: ReusePlan, candidates: torch.Tensor, layer: int | None = None) -> float:
         # Fractions are of the prompt's content tokens, not of the candidate set (which shrinks when filtering).
-        fraction = self.ratios[layer] * plan.content_tokens / max(1, candidates.numel())
-        return top_fraction(candidates, self._score(deviation), min(1.0, fraction))
+        return min(1.0, self.ratios[layer] * plan.content_tokens / max(1, candidates.numel()))
 
-    def _score(self, deviation: dict[str, torch.Tensor]) -> torch.Tensor:
+    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # fmt: skip
+        if deviation is None:
+            raise ValueError("recompute strategy 'cacheblend' scores at its check layers only (needs the deviation)")
         return deviation["key"] + deviation["value"] if self.deviation == "kv" else deviation[self.deviation]
-
-    def token_scores(self, plan: ReusePlan, check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
-                     ) -> torch.Tensor | None:  # fmt: skip
-        if check is None:
-            return None
-        candidates, deviation = check
-        content = plan.positions("content")
-        scores = torch.full((content.numel(),), float("-inf"))
-        scores[torch.searchsorted(content, candidates.cpu())] = self._score(deviation).float().cpu()
-        return scores
 
     def fingerprint(self) -> str:
         return f"cacheblend:{self.ratio}:{list(self.check_layers)}:{self.deviation}"

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from kvboost.plan import ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy
+import torch
+
+from kvboost.plan import ReusePlan
+from kvboost.recompute.base import ScoredStrategy
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("none")
-class NoRecompute(RecomputeStrategy):
-    """Only new tokens are computed; exact and content hits are reused as served."""
+class NoRecompute(ScoredStrategy):
+    """Only new tokens are computed; exact and content hits are reused as served (a budget of 0)."""
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        return ComputeSchedule(plan.positions("new"))
+    ratio = 0.0
+
+    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # fmt: skip
+        return torch.zeros(candidates.numel())
+
+    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor | None:
+        return None  # no ranking

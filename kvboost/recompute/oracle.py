@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy, check_fraction, top_fraction
+from kvboost.plan import ReusePlan
+from kvboost.recompute.base import ScoredStrategy, check_fraction
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("oracle")
-class OracleRecompute(RecomputeStrategy):
+class OracleRecompute(ScoredStrategy):
     """Top ``ratio`` of content tokens by their true K/V deviation from a full prefill.
 
     Args:
@@ -24,18 +24,17 @@ class OracleRecompute(RecomputeStrategy):
     """
 
     needs_reference = True
+    full_prefill_cost = True
 
     def __init__(self, ratio: float = 0.15) -> None:
         self.ratio = check_fraction("oracle", "ratio", ratio)
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        content = plan.positions("content")
-        if content.numel() and (plan.reference_deviation is None or plan.reference_deviation.numel() != content.numel()):
+    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # fmt: skip
+        """The true K/V deviation from a full prefill (``plan.reference_deviation``), per content position."""
+        if plan.reference_deviation is None or plan.reference_deviation.numel() != plan.content_tokens:
             raise ValueError("recompute strategy 'oracle' needs plan.reference_deviation for every content position")
-        chosen = top_fraction(content, plan.reference_deviation, self.ratio) if content.numel() else content
-        keep = plan.kinds == KIND_CODES["new"]
-        keep[chosen] = True
-        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten(), full_prefill_cost=True)
+        return plan.reference_deviation
 
     def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor | None:
         return plan.reference_deviation

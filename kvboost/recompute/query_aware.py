@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy, check_flag, check_fraction, top_fraction
+from kvboost.plan import ReusePlan
+from kvboost.recompute.base import ScoredStrategy, check_flag, check_fraction
 from kvboost.registry import RECOMPUTE
 
 HEAD_REDUCTIONS = ("mean", "max")
 
 
 @RECOMPUTE.register("query_aware")
-class QueryAware(RecomputeStrategy):
+class QueryAware(ScoredStrategy):
     """Recompute the top ``ratio`` of content-hit tokens by the attention the prompt's reader queries pay them.
 
     Args:
@@ -65,23 +65,21 @@ class QueryAware(RecomputeStrategy):
         end = max(first + 1, min(num_layers, int(round(self.to_layer * num_layers))))
         return tuple(range(first, end))
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        content = plan.positions("content")
-        keep = plan.kinds == KIND_CODES["new"]
-        if content.numel():
-            keep[top_fraction(content, self.token_scores(plan), self.ratio)] = True
-        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
-
-    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor:
+    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # fmt: skip
         """The reader attention per content position: summed over the probed layers, heads reduced by ``heads``."""
+        return self.layer_attention(plan).sum(dim=0)
+
+    def layer_attention(self, plan: ReusePlan) -> torch.Tensor:
+        """``[probed layers, content]``: the reader attention of each probed layer, heads reduced by ``heads``."""
         attention = plan.reader_attention
         if attention is None or attention.dim() != 3 or attention.shape[2] != plan.content_tokens:
             raise ValueError(
-                "recompute strategy 'query_aware' needs plan.reader_attention [layers, heads, content] for "
+                f"recompute strategy {self.registry_name!r} needs plan.reader_attention [layers, heads, content] for "
                 "every content position (the engine's probe pass provides it)"
             )
         per_head = attention.float()
-        return (per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)).sum(dim=0)
+        return per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)
 
     def fingerprint(self) -> str:
         return f"query_aware:{self.ratio}:{self.from_layer}:{self.to_layer}:{self.heads}"

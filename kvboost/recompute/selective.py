@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import RecomputeStrategy, check_flag
+from kvboost.plan import KIND_CODES, ReusePlan
+from kvboost.recompute.base import ScoredStrategy, check_flag
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("selective")
-class SelectiveRecompute(RecomputeStrategy):
+class SelectiveRecompute(ScoredStrategy):
     """The first ``r`` tokens of every run of content hits, and the first ``sink`` non-exact prompt tokens.
 
     A document cached on its own was computed from position 0: its first tokens carry the attention-sink role
     a sequence start gets, and they attended to nothing before them. Placed after other text, those first
     tokens deviate most; recomputing them (at every layer) is the simplest repair, chosen by position rather
-    than measured deviation (compare ``cacheblend``).
+        than measured deviation (compare ``cacheblend``; ``epic`` counts from the start of each reused document
+    instead of each run of consecutive content hits).
+
+    Scored: "earlier in its run first" (``-offset``); the budget is a threshold (``offset < r``), not a ratio.
 
     Args:
         r: tokens recomputed at the start of each run of consecutive content-hit positions.
@@ -42,16 +45,18 @@ class SelectiveRecompute(RecomputeStrategy):
         run_start = torch.where(content & ~previous_content, pos, torch.zeros_like(pos)).cummax(0).values
         return pos - run_start
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        content = plan.kinds == KIND_CODES["content"]
-        keep = (plan.kinds == KIND_CODES["new"]) | (content & (self._offsets(plan) < self.r))
-        if self.sink:
-            keep[torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten()[: self.sink]] = True
-        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
-
-    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor:
+    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # fmt: skip
         """Earlier in its run of content hits first (the order ``r`` cuts; ``sink`` is not scored)."""
-        return -self._offsets(plan)[plan.positions("content")].float()
+        return -self._offsets(plan)[candidates].float()
+
+    def choose(self, plan: ReusePlan, candidates: torch.Tensor, scores: torch.Tensor, layer: int | None = None
+               ) -> torch.Tensor:  # fmt: skip
+        keep = scores > -self.r
+        if self.sink:
+            sink = torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten()[: self.sink]
+            keep |= torch.isin(candidates, sink)
+        return candidates[keep]
 
     def fingerprint(self) -> str:
         return f"selective:{self.r}:{self.sink}"
