@@ -15,7 +15,8 @@ fields are the constructor's keyword arguments::
 
 Third-party packages register plugins through the entry-point group ``kvboost.plugins``: each entry
 point names a module (or a callable) that is imported (called) once, the first time any registry is
-asked for a name it does not know or for its list of names.
+asked for a name it does not know or for its list of names. Their yaml (``<package>/configs/<group>/<name>.yaml``)
+is found by Hydra through ``hydra_plugins/kvboost_searchpath`` (no ``hydra.searchpath`` needed).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "kvboost.plugins"
+#: how a plugin from another package is found, said by UnknownPluginError (README: "Writing a strategy as your own
+#: package"); the configs half is hydra_plugins/kvboost_searchpath
+PLUGIN_HINT = (
+    "A plugin from your own package is found when the package is installed with a kvboost.plugins entry point "
+    "naming the module that registers it; run.py, sweeps and the compose API find its yaml, with no flag, in "
+    "<package>/configs/<group>/<name>.yaml (or the folder a kvboost.configs entry point names)."
+)
 
 
 class UnknownPluginError(KeyError):
@@ -121,7 +129,7 @@ class Registry(Generic[T]):
                              _entry_point_failures.items())  # fmt: skip
             raise UnknownPluginError(
                 f"unknown {self.family} plugin {name!r}; registered {self.family} plugins: "
-                f"{', '.join(sorted(self._factories)) or '(none)'}{failed}"
+                f"{', '.join(sorted(self._factories)) or '(none)'}{failed}\n{PLUGIN_HINT}"
             ) from None
 
     def build(self, spec: str | Mapping[str, Any] | T | None, **overrides: Any) -> T:

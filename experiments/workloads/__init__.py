@@ -1,4 +1,5 @@
-"""Workloads (``WORKLOADS`` registry): ``sharegpt_replay``, ``rag_reorder``, ``accuracy``, ``batch``, ``musique``.
+"""Workloads (``WORKLOADS`` registry): ``sharegpt_replay``, ``rag_reorder``, ``accuracy``, ``batch``, ``musique``,
+``needle``.
 
 See ``base.py`` for the interface.
 """
@@ -8,7 +9,7 @@ from kvboost.registry import Registry
 WORKLOADS = Registry(
     "workload",
     ("experiments.workloads.sharegpt_replay", "experiments.workloads.rag_reorder", "experiments.workloads.accuracy",
-     "experiments.workloads.batch", "experiments.workloads.musique"),
+     "experiments.workloads.batch", "experiments.workloads.musique", "experiments.workloads.needle"),
 )
 
 __all__ = ["WORKLOADS"]

@@ -54,6 +54,7 @@ from typing import Any
 
 from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, Workload, WorkloadEnv
+from experiments.workloads.passages import WARM_PASSAGES, PassagesAfterHead
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PATH = "../shared/data/musique_s_dev.json"
@@ -63,7 +64,6 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 QUESTION_TEMPLATE = "Answer the question based on the passages above, in at most 5 words.\nQuestion: {question}"
 PASSAGES_HEADER = "Passages:"
-WARM_PASSAGES = ("per_query", "all", "none")
 
 _BLANK_LINES = re.compile(r"\n[ \t]*(?:\n[ \t]*)+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -205,7 +205,7 @@ class MusiqueConfig:
 
 
 @WORKLOADS.register("musique")
-class Musique(Workload):
+class Musique(PassagesAfterHead, Workload):
     """MuSiQue questions over their top retrieved passages, each passage its own cached chunk; token F1."""
 
     config_class = MusiqueConfig
@@ -217,8 +217,6 @@ class Musique(Workload):
         self.tokenizer = env.tokenizer
         self.system_prompt = cfg.system_prompt if cfg.system_prompt is not None else DEFAULT_SYSTEM_PROMPT
         self.items = load_items(cfg.data_path, cfg.num_passages, cfg.num_queries)
-        self._by_id = {item.item_id: item for item in self.items}
-        self._head: str | None = None
         if cfg.seed != 0:
             for item in self.items:
                 random.Random(f"musique:{cfg.seed}:{item.item_id}").shuffle(item.passages)
@@ -253,22 +251,6 @@ class Musique(Workload):
         if not head.endswith(PASSAGES_HEADER):
             raise ValueError(f"musique: the shared head {head!r} does not end with {PASSAGES_HEADER!r}")
         return head
-
-    def shared_context(self) -> list[str]:
-        """``warm_passages: all``: every distinct passage of the run once, after the shared head (else nothing)."""
-        if self.cfg.warm_passages != "all":
-            return []
-        head = self.shared_head() + self.cfg.separator
-        passages = dict.fromkeys(p for item in self.items for p in item.passages)
-        return [head + p for p in passages]
-
-    def request_context(self, request: Request) -> list[str]:
-        """``warm_passages: per_query``: the question's passages, each after the shared head (else nothing)."""
-        if self.cfg.warm_passages != "per_query":
-            return []
-        if self._head is None:
-            self._head = self.shared_head() + self.cfg.separator
-        return [self._head + p for p in self._by_id[request.request_id].passages]
 
     def num_requests_upper_bound(self) -> int:
         return len(self.items)
