@@ -15,8 +15,12 @@ after the documents) over every content token at the probed layers. Then:
 - layer fusion: each probed layer's attention (heads reduced by ``heads``) is normalised to sum to 1 over the
   content tokens before the layers are summed, so every probed layer has an equal say (``query_aware`` sums raw
   attention: layers that put more mass on the documents dominate);
-- sinks do not compete: the first ``skip_first`` tokens of each reused chunk (the chunk's own attention sinks, which
-  draw attention from any question) rank below every other token; compose with ``epic`` to repair them anyway;
+- sinks (optional, off by default): with ``skip_first`` s > 0 the first s tokens of each reused chunk (the chunk's
+  own attention sinks, which draw attention from any question) rank below every other token. Off by default since
+  the first MuSiQue leaderboard run (SmolLM2, 4 question-draws, ratio 0.15,
+  ``experiments/results/strategy_table/musique_smollm2/``): with ``skip_first: 1`` the first-token KL against the
+  full prefill stayed at ``none``'s (0.83, query_aware 0.057), the likely cause being that a reused chunk's first
+  tokens are the rows whose cached K/V deviate most (what EPIC recomputes); not yet re-measured with 0;
 - grouping (CacheClip): with ``window`` w > 0 a token scores the best relevance within w tokens of it in its chunk
   (ties broken by its own), so relevant tokens are recomputed with their neighbours;
 - the top ``ratio`` of content tokens by that score are recomputed at every layer with the new tokens.
@@ -52,7 +56,7 @@ class RelevanceRecompute(QueryAware):
     """
 
     def __init__(self, ratio: float = 0.2, from_layer: float = 0.5, to_layer: float = 1.0, heads: str = "max",
-                 skip_first: int = 1, window: int = 0, oracle_agreement: bool = False) -> None:  # fmt: skip
+                 skip_first: int = 0, window: int = 0, oracle_agreement: bool = False) -> None:  # fmt: skip
         for name, value in (("skip_first", skip_first), ("window", window)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(
