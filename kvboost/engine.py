@@ -88,7 +88,9 @@ class InferenceEngine:
             ``kvboost.kv.sizing``). With a lossless quantizer and ``memory`` as the first cache tier, the pool is the
             memory tier (``kvboost.cache.pool_tier``): cached chunks are runs of its blocks. ``host_bytes`` adds a
             host-memory tier right below it (entries the pool evicts are copied to the CPU; a hit is copied back).
-        core: the request loop (``{"max_running": 64, "max_batch_tokens": 2048, "aging_steps": 32}``).
+        core: the request loop (``{"max_running": 64, "max_batch_tokens": None, "aging_steps": 32}``);
+            ``max_batch_tokens`` unset: 2048 on GPUs, on CPU a budget sized to the decode step
+            (``kvboost.serving.budget``).
         kv_events: publish the KV store's movements in vLLM's KV-event schema (msgpack over ZMQ) for routers outside
             kvboost; off by default. ``{"enabled": True, "endpoint": "tcp://*:5557", "replay_endpoint": None,
             "topic": "", "buffer_steps": 10000, ...}``: ``kvboost.cache.events.KVEventsConfig``.
@@ -192,7 +194,7 @@ class InferenceEngine:
         self.attention = attention
         self.runner = build_runner(config, model, pool, attention)
         if late:
-            budget = max(core.get("max_batch_tokens", 2048), DEFAULT_IDLE_PREFILL_TOKENS)
+            budget = max(core.get("max_batch_tokens") or 2048, DEFAULT_IDLE_PREFILL_TOKENS)
             pool = make_pool(self.adapter, cache_bytes, kv, reserve=activation_bytes(self.adapter, budget))
             self.runner.bind_pool(pool)
         self.pool = pool

@@ -102,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         "$KVBOOST_SALT_SECRET; default: a secret kept in $KVBOOST_CACHE_DIR/server_secret, mode 0600)",
     )
     p.add_argument("--max-running", type=_positive_int, default=64, help="requests decoding together (default 64)")
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=2048,
-                   help="tokens per engine step (prefill chunks + decode rows; default 2048)")  # fmt: skip
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=None,
+                   help="tokens per engine step while requests decode (prefill chunks + decode rows). Default: 2048 "
+                        "on GPUs; on CPU the decode rows + a prompt chunk of ~1.5 decode steps, measured at start "
+                        "(kvboost.serving.budget); engine.core.max_batch_tokens=N also sets it")  # fmt: skip
     p.add_argument("--max-waiting", type=_non_negative_int, default=256,
                    help="queued requests before 429 (default 256; 0 = unbounded)")  # fmt: skip
     p.add_argument("--request-timeout", type=_non_negative_float, default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -288,7 +290,14 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
             engine.warmup()  # compile the decode step now, not inside the first client's request
         loop = EngineLoop(engine, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
                           max_waiting=args.max_waiting or None, request_timeout_s=args.request_timeout,
-                          **loop_options).start()  # fmt: skip
+                          **loop_options)  # fmt: skip
+        if cfg.get("warmup", True) and loop.core.scheduler.step_budget is not None:
+            loop.core.calibrate_budget()  # CPU default budget: measured on this machine's runner now
+        step_budget = loop.core.scheduler.step_budget
+        log.info("kvboost-server: %s", step_budget.summary() if step_budget is not None else
+                 f"step budget fixed: max_batch_tokens={loop.core.scheduler.max_batch_tokens} "
+                 f"({loop.core.budget_info()['reason']})")  # fmt: skip
+        loop.start()
         app = create_app(loop, model_name=served_name(args, cfg), api_keys=keys, server_secret=secret,
                          max_model_len=args.max_model_len)  # fmt: skip
     except BaseException:
@@ -304,7 +313,11 @@ def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret
     # uvicorn runs the lifespan's shutdown after SIGINT/SIGTERM and the open connections: stop the loop (requests
     # still in flight end with "shutdown"), then close the engine, which flushes the disk tier.
     app.state.shutdown_hooks += [loop.shutdown, engine.close]
-    settings = f"{_describe(cfg)} keys={len(keys)} max_running={args.max_running} max_waiting={args.max_waiting}"
+    budget = loop.core.budget_info()
+    chunks = f" chunk@1/8/32={budget['chunk_at_1']}/{budget['chunk_at_8']}/{budget['chunk_at_32']}" if (
+        budget["mode"] == "cpu-auto") else ""
+    settings = (f"{_describe(cfg)} keys={len(keys)} max_running={args.max_running} max_waiting={args.max_waiting} "
+                f"step_budget={budget['mode']}:{budget['max_batch_tokens']}{chunks}")  # fmt: skip
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:

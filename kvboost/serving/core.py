@@ -48,6 +48,7 @@ from kvboost.reuse.assemble import assemble_exact
 from kvboost.runtime import pipeline
 from kvboost.runtime.batch import ForwardBatch, SeqInput
 from kvboost.runtime.sequences import Request
+from kvboost.serving import budget as budget_rule
 from kvboost.serving import frontend
 from kvboost.serving.requests import Completion, QueueFull, RequestHandle, SamplingParams, TokenEvent, TokenLogprob
 from kvboost.serving.scheduler import DEFAULT_AGING_STEPS, Scheduler
@@ -64,17 +65,26 @@ class EngineCore:
         engine: the engine (model runner, pool, store, plugins).
         max_running: requests computed together.
         max_batch_tokens: a step's token budget while requests decode (prompt chunks fill what decode rows leave).
+            None (the default): 2,048 on GPUs; on CPU a budget sized to the decode step
+            (:mod:`kvboost.serving.budget`: decode rows + a chunk of ~1.5 decode steps' prefill), from the CPU's ISA
+            and cores until :meth:`calibrate_budget` measures the runner.
         max_waiting: queued requests before ``submit`` raises :class:`QueueFull` (None: unbounded).
         request_timeout_s: the default deadline of a request (None: none).
         cache_aware_limit, aging_steps: the waiting order (``kvboost.serving.scheduler``).
     """
 
-    def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
+    def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int | None = None,
                  max_waiting: int | None = None, request_timeout_s: float | None = None,
                  cache_aware_limit: int = 64, aging_steps: int = DEFAULT_AGING_STEPS) -> None:  # fmt: skip
         self.engine = engine
-        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=max_batch_tokens,
+        adapter = getattr(engine, "adapter", None)
+        device = adapter.device.type if adapter is not None else "cpu"
+        step_budget = budget_rule.choose(device, max_batch_tokens)
+        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=step_budget.max_batch_tokens,
                                    cache_aware_limit=cache_aware_limit, aging_steps=aging_steps)  # fmt: skip
+        self.scheduler.set_step_budget(step_budget)
+        #: the budget's choice (``budget_info()`` describes what is in force now)
+        self.budget_choice = step_budget
         self.configure(max_waiting=max_waiting, request_timeout_s=request_timeout_s)
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "content_hit_tokens": 0,
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
@@ -102,6 +112,31 @@ class EngineCore:
         if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
         self.max_waiting, self.request_timeout_s = max_waiting, request_timeout_s
+
+    def budget_info(self) -> dict[str, Any]:
+        """The step budget in force: ``mode`` (``cpu-auto`` | ``fixed``), ``max_batch_tokens``, why, and for the CPU
+        rule its rates, their source and the chunk at 1 / 8 / 32 decode rows (``kvboost.serving.budget``)."""
+        step_budget = self.scheduler.step_budget
+        if step_budget is None:
+            reason = self.budget_choice.reason if not self.budget_choice.auto else "set explicitly"
+            return {"mode": "fixed", "max_batch_tokens": self.scheduler.max_batch_tokens, "reason": reason}
+        return step_budget.describe()
+
+    def calibrate_budget(self, repeats: int = 3) -> dict[str, Any]:
+        """Measure the runner's prefill and decode step costs (scratch blocks; two passes, the first compiling new
+        shapes: ~1 minute on 2 AVX2 cores for the bundled model)
+        and size the CPU step budget from them; nothing changes when the budget is fixed (explicit, or a GPU)."""
+        if self.scheduler.step_budget is None:
+            return self.budget_info()
+        engine = self.engine
+        with self.exclusive():
+            vocab = int(getattr(engine.adapter.config, "vocab_size", 0) or 1000)
+            for _ in range(2):  # the first pass meets new shapes (compiles, oneDNN primitives): the second counts
+                rates = budget_rule.measure_rates(engine.runner, engine.pool, vocab=vocab, repeats=repeats)
+        chosen = budget_rule.choose("cpu", None, rates=rates)
+        self.scheduler.set_step_budget(chosen)
+        self.budget_choice = chosen
+        return self.budget_info()
 
     # ------------------------------------------------------------------ requests in (any thread)
     def prepare(self, prompt: Prompt, params: SamplingParams, **options: Any) -> Request:
@@ -684,6 +719,10 @@ class EngineCore:
         return {"num_running": len(self.scheduler.running), "num_waiting": self.num_waiting(),
                 "kv_usage": pool.num_referenced / pool.num_blocks if pool.num_blocks else 0.0,
                 "kv_cached_blocks": pool.num_cached, "num_preempted_total": self.counters["preemptions"],
+                "max_batch_tokens": self.scheduler.max_batch_tokens,
+                "step_budget_auto": int(self.scheduler.step_budget is not None),
+                "step_prefill_chunk_32": (self.scheduler.step_budget.chunk(32) if self.scheduler.step_budget
+                                          else self.scheduler.max_batch_tokens),
                 **self.counters}  # fmt: skip
 
 

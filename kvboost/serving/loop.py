@@ -34,9 +34,10 @@ class EngineLoop:
     raises :class:`QueueFull` past it), ``request_timeout_s`` is the default per-request deadline (default
     :data:`DEFAULT_REQUEST_TIMEOUT_S`; 0: none). ``refresh_shared_s``: how often the store looks for entries other
     processes wrote to its shared tiers (Redis: a tier indexes what it holds at start; without a refresh, replicas
-    sharing one Redis would see only that)."""
+    sharing one Redis would see only that). ``max_batch_tokens``: a fixed step budget; None (default) keeps the
+    engine's (``core={"max_batch_tokens": N}``, else the device's default: :mod:`kvboost.serving.budget`)."""
 
-    def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int = 2048,
+    def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int | None = None,
                  max_waiting: int | None = 256, request_timeout_s: float | None = None,
                  refresh_shared_s: float | None = 1.0) -> None:  # fmt: skip
         self.engine = engine
@@ -45,7 +46,9 @@ class EngineLoop:
             raise RuntimeError("another EngineLoop drives this engine already; shut it down first")
         timeout = DEFAULT_REQUEST_TIMEOUT_S if request_timeout_s is None else request_timeout_s
         self.core.configure(max_waiting=max_waiting, request_timeout_s=timeout or None)
-        self.core.scheduler.max_running, self.core.scheduler.max_batch_tokens = max_running, max_batch_tokens
+        self.core.scheduler.max_running = max_running
+        if max_batch_tokens is not None:  # explicit: a fixed budget; None keeps the engine's (its core option, or
+            self.core.scheduler.max_batch_tokens = max_batch_tokens  # the device's default, kvboost.serving.budget)
         self.max_waiting = max_waiting
         shared = any(hasattr(tier, "refresh") for tier in getattr(engine.store, "tiers", ()))
         self.refresh_shared_s = refresh_shared_s if shared and refresh_shared_s else None

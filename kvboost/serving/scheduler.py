@@ -11,9 +11,12 @@ The rules, after SGLang's cache-aware scheduling and vLLM's v1 scheduler:
 - Admission (the core's): the head of the queue starts when ``max_running`` allows and its blocks can be had; it
   blocks the ones behind it (no request overtakes an aged one).
 - Per step: every decoding request gets its row(s) (one token, or a draft to verify), then prefilling requests
-  get chunks of their prompts in admission order until ``max_batch_tokens``. While no request decodes, nothing
-  waits on a prefill: the budget is then ``max(max_batch_tokens, idle_prefill_tokens)`` (a ``generate_batch`` of
-  many prompts prefills them in one forward).
+  get chunks of their prompts in admission order until ``max_batch_tokens``, or, with a CPU step budget
+  (``step_budget``, :mod:`kvboost.serving.budget`: the CPU default when ``max_batch_tokens`` was not set), until the
+  decode rows' tokens + ``step_budget.chunk(R)`` for R decode rows (capped by ``max_batch_tokens``). While no
+  request decodes, nothing waits on a prefill: the budget is then ``max(max_batch_tokens, idle_prefill_tokens)`` (a
+  ``generate_batch`` of many prompts prefills them in one forward). Assigning ``max_batch_tokens`` is an explicit
+  setting: it drops the step budget (a fixed budget again).
 - Preemption: when the step's rows need more blocks than can be had, the most recently admitted running request
   is preempted (the core caches its computed rows, frees its blocks and queues it again in front), never a crash.
 """
@@ -53,17 +56,35 @@ class Scheduler:
     """
 
     def __init__(self, *, max_running: int = 64, max_batch_tokens: int = 2048, cache_aware_limit: int = 64,
-                 aging_steps: int = DEFAULT_AGING_STEPS,
-                 idle_prefill_tokens: int = DEFAULT_IDLE_PREFILL_TOKENS) -> None:  # fmt: skip
+                 aging_steps: int = DEFAULT_AGING_STEPS, idle_prefill_tokens: int = DEFAULT_IDLE_PREFILL_TOKENS,
+                 step_budget: Any = None) -> None:  # fmt: skip
         for name, value in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
                             ("aging_steps", aging_steps), ("idle_prefill_tokens", idle_prefill_tokens)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
+        #: a :class:`kvboost.serving.budget.StepBudget` with rates (the CPU default) or None (fixed budget)
+        self.step_budget = step_budget
         self.cache_aware_limit, self.aging_steps, self.idle_prefill_tokens = cache_aware_limit, aging_steps, idle_prefill_tokens
         self.waiting: deque[Any] = deque()
         self.running: list[Any] = []
         self._admissions = 0
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self._max_batch_tokens
+
+    @max_batch_tokens.setter
+    def max_batch_tokens(self, value: int) -> None:
+        """An explicit budget: fixed from now on (the CPU step budget, if any, is dropped)."""
+        self._max_batch_tokens = value
+        self.step_budget = None
+
+    def set_step_budget(self, step_budget: Any) -> None:
+        """Use ``step_budget`` (:class:`kvboost.serving.budget.StepBudget`): its ``max_batch_tokens`` caps a step,
+        and, when it has rates, decode rows + ``chunk(R)`` is the budget while R requests decode."""
+        self._max_batch_tokens = step_budget.max_batch_tokens
+        self.step_budget = step_budget if step_budget.auto else None
 
     # ------------------------------------------------------------------ queues
     def add(self, request: Any) -> None:
@@ -110,10 +131,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def budget(self) -> int:
-        """This step's token budget: ``max_batch_tokens``, or more while no request decodes."""
-        if any(r.decoding for r in self.running):
+        """This step's token budget: ``max_batch_tokens`` (with a CPU step budget: the decode rows' tokens +
+        ``chunk(R)``, at most ``max_batch_tokens``), or more while no request decodes."""
+        decoding = [r for r in self.running if r.decoding]
+        if not decoding:
+            return max(self.max_batch_tokens, self.idle_prefill_tokens)
+        if self.step_budget is None:
             return self.max_batch_tokens
-        return max(self.max_batch_tokens, self.idle_prefill_tokens)
+        rows = sum(r.pending_tokens() for r in decoding)
+        return min(self.max_batch_tokens, rows + self.step_budget.chunk(len(decoding)))
 
     def plan_step(self, blocks_needed: Callable[[Any, int], int], make_room: Callable[[int], int]) -> StepPlan:
         """The rows of this step; preempts (newest first) while their blocks cannot be had. ``make_room(n)`` frees

@@ -1,0 +1,224 @@
+"""The engine step's token budget on CPU: how many prompt tokens a step may carry while requests decode.
+
+Every decoding request waits for the whole step its row is in, so a step that carries a prefill chunk stalls every
+decoding row for the chunk's time. With the old default budget (2,048 tokens per step, sized for GPUs, where a
+2,048-token chunk costs little more than a decode step) kvboost-server on 2 CPU cores (Intel AMX, bf16, 32
+closed-loop ShareGPT clients) had an inter-token latency of p50 147 ms and p99 1.7 s: a 2,048-token chunk takes
+~1.5 s there (~1,300 prefill tokens/s) against ~0.1-0.15 s for a decode step of ~32 rows (issue 44).
+
+The rule (CPU, ``max_batch_tokens`` not set by the user)::
+
+    budget(R decode rows) = decode tokens + chunk(R),   chunk(R) = STALL_RATIO * decode_step_s(R) / prefill_token_s
+
+clamped to ``[MIN_CHUNK, MAX_CHUNK]`` and rounded down to a multiple of ``CHUNK_QUANTUM``: a step with decode rows
+takes at most ``1 + STALL_RATIO`` (2.5x) a pure decode step, so the inter-token p99 stays within ~3x the p50 while
+prefill still gets 60% of the machine under load. ``decode_step_s(R) = decode_base_s + decode_row_s * R`` and
+``prefill_token_s`` are :class:`Rates`: measured on the engine's own runner by :func:`measure_rates` (the server
+does it right after warm-up, in two passes, the first meeting new shapes: on 2 AVX2 cores for the bundled model
+~55 s then ~5 s; prefill chunks and decode steps on scratch blocks, minimum of the repetitions), or, before
+that, a prior from the CPU's matrix ISA and core count (:func:`prior_rates`, figures below). While no request
+decodes the scheduler keeps the large idle budget (``idle_prefill_tokens``, 16,384): nothing waits on a prefill
+then, so time to first token at low load is unchanged.
+
+Explicit settings win everywhere (``--max-batch-tokens``, ``engine.core.max_batch_tokens``, ``core={"max_batch_tokens":
+...}``, assigning ``scheduler.max_batch_tokens``): the budget is then that fixed number, as before. GPUs keep 2,048
+(a chunk there costs a few ms; :data:`GPU_MAX_BATCH_TOKENS`).
+
+Prior figures (2 threads, SmolLM2-135M, the per-core rates scale with the core count; decode steps do not):
+
+- ``amx`` (Intel Sapphire Rapids and later, bf16 on AMX tiles, ~2 TFLOP/s on 2 threads): ~650 prefill tokens/s per
+  core (2,048 tokens in ~1.5 s on 2 cores, issue 44); a decode step ~25 ms + ~3 ms per row.
+- ``avx512_bf16`` (AMD Zen 4, ~410 GFLOP/s bf16 on 2 threads, ~1/5 of AMX): ~150 tokens/s per core; decode ~30 ms +
+  ~3 ms per row.
+- ``avx2`` (fp32, e.g. an AVX2-only AMD EPYC; :func:`measure_rates` on 2 cores, shared machine): ~130-165 prefill
+  tokens/s per core (256-token chunks at 256 / 1,024 context); decode ~45 ms at 1 row, ~260 ms at 32 (1,024 context):
+  ~40 ms + ~7 ms per row. ``other``: a guess below AVX2.
+
+The measurement replaces the prior when it runs; ``describe()`` says which one the budget came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: The budget on GPUs, and the budget the CLI used to default to everywhere.
+GPU_MAX_BATCH_TOKENS = 2048
+#: A step's prefill chunk may take this many pure decode steps (so a step takes <= 1 + STALL_RATIO of one).
+STALL_RATIO = 1.5
+#: Bounds of the CPU chunk: below MIN_CHUNK per-step overhead dominates; MAX_CHUNK is the old (GPU) budget.
+MIN_CHUNK, MAX_CHUNK = 32, GPU_MAX_BATCH_TOKENS
+#: The chunk is a multiple of this (shapes repeat, the log reads simply).
+CHUNK_QUANTUM = 16
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds a CPU step costs: ``decode_base_s + decode_row_s * R`` for a pure decode step of R rows, and
+    ``prefill_token_s`` per prompt token of a chunk. ``source``: ``measured`` or ``prior (<isa>, <n> cores)``."""
+
+    prefill_token_s: float
+    decode_base_s: float
+    decode_row_s: float
+    source: str
+
+    def decode_step_s(self, rows: int) -> float:
+        return self.decode_base_s + self.decode_row_s * max(1, rows)
+
+
+#: isa -> (prefill tokens/s per core, decode step base seconds, decode seconds per row): see the module docstring.
+PRIOR: dict[str, tuple[float, float, float]] = {
+    "amx": (650.0, 0.025, 0.003),
+    "avx512_bf16": (150.0, 0.030, 0.003),
+    "avx2": (150.0, 0.040, 0.007),
+    "other": (100.0, 0.050, 0.005),
+}
+
+
+def cpu_isa(flags: frozenset[str] | None = None) -> str:
+    """The CPU's matrix ISA as the rule names it: ``amx`` | ``avx512_bf16`` | ``avx2`` | ``other``."""
+    if flags is None:
+        from kvboost.env import cpu_flags
+
+        flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    if "avx2" in flags:
+        return "avx2"
+    return "other"
+
+
+def cpu_cores() -> int:
+    """Threads torch computes on (what a step's GEMMs use), else the CPUs this process may run on."""
+    try:
+        import torch
+
+        return max(1, int(torch.get_num_threads()))
+    except Exception:  # noqa: BLE001 - no torch: the affinity mask
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def prior_rates(isa: str, cores: int) -> Rates:
+    """Rates modelled from the ISA and the core count (:data:`PRIOR`); prefill scales with cores, decode not."""
+    per_core, base, row = PRIOR.get(isa, PRIOR["other"])
+    return Rates(1.0 / (per_core * max(1, cores)), base, row, f"prior ({isa}, {cores} cores)")
+
+
+def chunk_tokens(rates: Rates, decode_rows: int, ratio: float = STALL_RATIO) -> int:
+    """The prompt tokens a step with ``decode_rows`` decode rows may carry: ``ratio`` decode steps' worth."""
+    if rates.prefill_token_s <= 0:
+        return MAX_CHUNK
+    n = int(ratio * rates.decode_step_s(decode_rows) / rates.prefill_token_s)
+    n = max(MIN_CHUNK, min(MAX_CHUNK, n))
+    return max(MIN_CHUNK, n // CHUNK_QUANTUM * CHUNK_QUANTUM)
+
+
+@dataclass
+class StepBudget:
+    """What the scheduler asks each step: ``chunk(R)`` prompt tokens besides R decode rows (``rates`` set), or a
+    fixed ``max_batch_tokens`` (``rates`` None). ``reason`` says where it came from."""
+
+    max_batch_tokens: int
+    rates: Rates | None
+    reason: str
+    ratio: float = STALL_RATIO
+
+    @property
+    def auto(self) -> bool:
+        return self.rates is not None
+
+    def chunk(self, decode_rows: int) -> int:
+        if self.rates is None:
+            return self.max_batch_tokens
+        return chunk_tokens(self.rates, decode_rows, self.ratio)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": "cpu-auto" if self.auto else "fixed", "max_batch_tokens": self.max_batch_tokens,
+                               "reason": self.reason}  # fmt: skip
+        if self.rates is not None:
+            r = self.rates
+            out.update(source=r.source, stall_ratio=self.ratio, prefill_tokens_per_s=round(1 / r.prefill_token_s, 1),
+                       decode_step_ms_1=round(r.decode_step_s(1) * 1e3, 2),
+                       decode_step_ms_32=round(r.decode_step_s(32) * 1e3, 2),
+                       chunk_at_1=self.chunk(1), chunk_at_8=self.chunk(8), chunk_at_32=self.chunk(32))  # fmt: skip
+        return out
+
+    def summary(self) -> str:
+        if self.rates is None:
+            return f"max_batch_tokens={self.max_batch_tokens} ({self.reason})"
+        r = self.rates
+        return (f"step budget cpu-auto: decode rows + {self.chunk(1)}..{self.chunk(32)} prompt tokens (1..32 rows; "
+                f"chunk = {self.ratio:g} decode steps; {r.source}: {1 / r.prefill_token_s:.0f} prefill tok/s, decode "
+                f"step {r.decode_step_s(1) * 1e3:.0f} ms at 1 row, {r.decode_step_s(32) * 1e3:.0f} ms at 32); idle "
+                f"prefill budget unchanged")  # fmt: skip
+
+
+def choose(device_type: str, explicit: int | None, *, isa: str | None = None, cores: int | None = None,
+           rates: Rates | None = None) -> StepBudget:  # fmt: skip
+    """The step budget: ``explicit`` when given (fixed), 2,048 off CPU, else the CPU rule over ``rates`` (default:
+    the prior of ``isa`` and ``cores``, this machine's when None). Deterministic given its arguments."""
+    if explicit is not None:
+        return StepBudget(int(explicit), None, "set explicitly")
+    if device_type != "cpu":
+        return StepBudget(GPU_MAX_BATCH_TOKENS, None, f"{device_type} default")
+    if rates is None:
+        isa = isa if isa is not None else cpu_isa()
+        rates = prior_rates(isa, cores if cores is not None else cpu_cores())
+    return StepBudget(GPU_MAX_BATCH_TOKENS, rates, "CPU default: prefill chunk sized to the decode step")
+
+
+def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 256, chunk: int = 256,
+                  rows: tuple[int, int] = (1, 8), repeats: int = 3) -> Rates:  # fmt: skip
+    """Time the engine's own runner on scratch blocks: a ``chunk``-token prompt chunk over a ``context``-token
+    context, and pure decode steps of ``rows`` rows (minimum over ``repeats``; two row counts give the base and the
+    per-row cost). Call it inside ``core.exclusive()`` with the pool's blocks to spare (a few hundred rows)."""
+    import torch
+
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, max(4, vocab), (n,), generator=g).tolist()
+
+    tables: list[Any] = []
+    try:
+        with torch.inference_mode():
+            prefill = BlockTable(pool)
+            tables.append(prefill)
+            runner.run(ForwardBatch.build([SeqInput(prefill, ids(context))]))
+            best = float("inf")
+            for _ in range(max(1, repeats - 1)):
+                prefill.truncate(context)
+                start = time.perf_counter()
+                runner.run(ForwardBatch.build([SeqInput(prefill, ids(chunk))]))
+                best = min(best, time.perf_counter() - start)
+            prefill_token_s = best / chunk
+            step: dict[int, float] = {}
+            decode_ctx = 32
+            for n in rows:
+                batch_tables = [BlockTable(pool) for _ in range(n)]
+                tables.extend(batch_tables)
+                runner.run(ForwardBatch.build([SeqInput(t, ids(decode_ctx)) for t in batch_tables]))
+                runner.run(ForwardBatch.build([SeqInput(t, ids(1)) for t in batch_tables]))  # first decode: unmeasured
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    runner.run(ForwardBatch.build([SeqInput(t, ids(1)) for t in batch_tables]))
+                    best = min(best, time.perf_counter() - start)
+                step[n] = best
+    finally:
+        for table in tables:
+            table.release()
+    lo, hi = rows
+    per_row = max(0.0, (step[hi] - step[lo]) / (hi - lo)) if hi != lo else 0.0
+    base = max(1e-4, step[lo] - per_row * lo)
+    return Rates(prefill_token_s, base, per_row, "measured")
