@@ -18,7 +18,7 @@ model load, and an unknown keyword is answered with the accepted ones (and the n
 original keyword            here
 ==========================  ==========================================================================================
 ``recompute_strategy``      ``recompute=`` (:class:`RecomputeStrategy` or its value; a registered plugin name too)
-``recompute_ratio``         the strategy's ``ratio`` (``cacheblend``, ``oracle``, ``query_aware``)
+``recompute_ratio``         the strategy's ``ratio`` (``cacheblend``, ``oracle``, ``query_aware``, ``relevance``, ``compose``)
 ``recompute_overlap``       ``selective``'s ``r`` (tokens recomputed where a run of reused tokens starts)
 ``chunk_size``              the chunker's ``chunk_size`` (``fixed`` unless ``chunker=`` names another)
 ``chunk_boundary_window``   ``chunker={"name": "boundary_window", "window": ...}`` (0: ``fixed``)
@@ -83,6 +83,10 @@ class RecomputeStrategy(str, enum.Enum):
     FULL = "full"  # recompute every reused token (the quality reference)
     ORACLE = "oracle"  # research only: top ratio by true deviation (costs a full prefill)
     QUERY_AWARE = "query_aware"  # top ratio by the attention the closing question pays them
+    EPIC = "epic"  # the first k tokens of every reused chunk (EPIC's LegoLink)
+    RELEVANCE = "relevance"  # top ratio by layer-normalised question attention (ProphetKV / CacheClip-style)
+    COMPOSE = "compose"  # two strategies composed (default: epic's first tokens, then query_aware's top)
+    APE = "ape"  # no recompute; an attention temperature on the reused chunks (APE)
 
     @property
     def plugin(self) -> str:
