@@ -209,6 +209,7 @@ class Musique(PassagesAfterHead, Workload):
     """MuSiQue questions over their top retrieved passages, each passage its own cached chunk; token F1."""
 
     config_class = MusiqueConfig
+    head_ends_with = PASSAGES_HEADER
 
     def __init__(self, *, env: WorkloadEnv, **fields: Any) -> None:
         cfg = MusiqueConfig(**fields)
@@ -242,22 +243,8 @@ class Musique(PassagesAfterHead, Workload):
         """The prompt text: the chat template with the generation prompt."""
         return self.tokenizer.apply_chat_template(self.messages(item), tokenize=False, add_generation_prompt=True)
 
-    def shared_head(self) -> str:
-        """The prompt text before the first passage's separator, common to every question (checked)."""
-        heads = {self.render(item).split(self.cfg.separator, 1)[0] for item in self.items[:3]}
-        if len(heads) != 1:
-            raise ValueError("musique: the prompts do not share one head before the passages")
-        head = heads.pop()
-        if not head.endswith(PASSAGES_HEADER):
-            raise ValueError(f"musique: the shared head {head!r} does not end with {PASSAGES_HEADER!r}")
-        return head
-
-    def num_requests_upper_bound(self) -> int:
-        return len(self.items)
-
-    def smaller_overrides(self, fraction: float) -> dict[str, int]:
-        """Fewer questions, for about ``fraction`` of the requests."""
-        return {"num_queries": max(1, int(fraction * len(self.items)))}
+    def item_prompt(self, item: MusiqueItem) -> str:
+        return self.render(item)
 
     def requests(self) -> Iterator[Request]:
         for item in self.items:

@@ -186,6 +186,7 @@ class Needle(PassagesAfterHead, Workload):
     """One planted magic number per query in ~``context_tokens`` of generated filler passages; exact match."""
 
     config_class = NeedleConfig
+    head_ends_with = INSTRUCTION
 
     def __init__(self, *, env: WorkloadEnv, **fields: Any) -> None:
         cfg = NeedleConfig(**fields)
@@ -289,24 +290,10 @@ class Needle(PassagesAfterHead, Workload):
     def prompt(self, item: NeedleItem) -> str:
         return self.render(item.key, item.passages)
 
-    def shared_head(self) -> str:
-        """The prompt text before the first passage's separator, common to every query (checked)."""
-        heads = {self.prompt(item).split(self.cfg.separator, 1)[0] for item in self.items[:3]}
-        if len(heads) != 1:
-            raise ValueError("needle: the prompts do not share one head before the passages")
-        head = heads.pop()
-        if not head.endswith(INSTRUCTION):
-            raise ValueError(f"needle: the shared head {head!r} does not end with the instruction")
-        return head
+    def item_prompt(self, item: NeedleItem) -> str:
+        return self.prompt(item)
 
     # -------------------------------------------------------------------------------------- requests
-    def num_requests_upper_bound(self) -> int:
-        return len(self.items)
-
-    def smaller_overrides(self, fraction: float) -> dict[str, int]:
-        """Fewer queries, for about ``fraction`` of the requests."""
-        return {"num_queries": max(1, int(fraction * len(self.items)))}
-
     def requests(self) -> Iterator[Request]:
         for item in self.items:
             prompt = self.prompt(item)

@@ -16,15 +16,35 @@ WARM_PASSAGES = ("per_query", "all", "none")
 
 
 class PassagesAfterHead:
-    """Mixin of a workload whose items have ``passages`` and an ``item_id`` equal to their request's id; the
-    workload defines ``shared_head()`` and has ``cfg.warm_passages`` and ``cfg.separator`` (what joins the head
-    and a passage in its prompts)."""
+    """Mixin of a workload whose items have ``passages`` and an ``item_id`` equal to their request's id, one request
+    per item; the workload defines ``item_prompt(item)`` (the prompt text) and ``head_ends_with`` (the text just
+    before the first passage), and has ``cfg.warm_passages`` and ``cfg.separator`` (what joins the head and a
+    passage in its prompts)."""
 
     cfg: Any
     items: list[Any]
+    registry_name: str
+    head_ends_with: str = ""
 
-    def shared_head(self) -> str:  # pragma: no cover - the workload's own
+    def item_prompt(self, item: Any) -> str:  # pragma: no cover - the workload's own
         raise NotImplementedError
+
+    def shared_head(self) -> str:
+        """The prompt text before the first passage's separator, common to every request (checked)."""
+        heads = {self.item_prompt(item).split(self.cfg.separator, 1)[0] for item in self.items[:3]}
+        if len(heads) != 1:
+            raise ValueError(f"{self.registry_name}: the prompts do not share one head before the passages")
+        head = heads.pop()
+        if not head.endswith(self.head_ends_with):
+            raise ValueError(f"{self.registry_name}: the shared head {head!r} does not end with {self.head_ends_with!r}")
+        return head
+
+    def num_requests_upper_bound(self) -> int:
+        return len(self.items)
+
+    def smaller_overrides(self, fraction: float) -> dict[str, int]:
+        """Fewer requests, for about ``fraction`` of them."""
+        return {"num_queries": max(1, int(fraction * len(self.items)))}
 
     def _head_and_separator(self) -> str:
         head = getattr(self, "_passage_head", None)
