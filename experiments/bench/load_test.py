@@ -696,10 +696,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     start = target.add_mutually_exclusive_group()
     start.add_argument("--server", choices=["kvboost"], help="start kvboost-server as a subprocess and test it")
-    start.add_argument("--peer", choices=["llamacpp", "transformers"], help="start a peer server and test it")
+    start.add_argument("--peer", choices=["llamacpp", "transformers", "llama-server"],
+                       help="start a peer server and test it (llama-server: built once from source, cached; "
+                            "experiments/bench/peer_server.py)")  # fmt: skip
     target.add_argument("--server-model", default=None, help="weights for the started server (default: bundled)")
     target.add_argument("--server-args", default="", help="extra arguments for the started server (shell-quoted)")
     target.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for it to be ready")
+    target.add_argument("--peer-parallel", type=int, default=None,
+                        help="--peer llama-server: slots (-np; default: the concurrency)")  # fmt: skip
+    target.add_argument("--peer-ctx", type=int, default=None,
+                        help="--peer llama-server: context of all slots (-c; default: slots x 2048)")  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--users", type=int, default=None, help="users (default: the concurrency, or 8 with --rate)")
     w.add_argument("--turns", type=int, default=4)
@@ -826,7 +832,14 @@ def _record(r: RequestResult) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     kind = args.server or args.peer
-    if kind:
+    if kind == "llama-server":
+        from experiments.bench.peer_server import load_test_peer
+
+        log_path = Path(tempfile.mkdtemp(prefix="kvboost-load-")) / f"{args.name}.{kind}.log"
+        with load_test_peer(args, log_path) as server:
+            print(f"{kind} ready at {server.url} (log: {log_path})", flush=True)
+            payload = asyncio.run(run(args, server.url, f"{kind} (started here: {shlex.join(server.command)})"))
+    elif kind:
         log_path = Path(tempfile.mkdtemp(prefix="kvboost-load-")) / f"{args.name}.{kind}.log"
         with ManagedServer(kind, model=args.server_model, api_key=args.api_key, extra=shlex.split(args.server_args),
                            ready_timeout_s=args.server_timeout, log_path=log_path) as server:  # fmt: skip

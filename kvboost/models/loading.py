@@ -53,7 +53,8 @@ def bundled_gguf_path() -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
+    """An exclusive lock on ``path`` (created) for the block: one process at a time builds what others then reuse."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -81,7 +82,7 @@ def converted_gguf_dir(gguf: Path, name: str, *, check_tokenizer: bool = True) -
     target = kvboost_cache_dir() / "models" / f"{name}-{tag}"
     if (target / "config.json").is_file():
         return target
-    with _file_lock(target.parent / f"{target.name}.lock"):  # not with_suffix: the name may hold dots
+    with file_lock(target.parent / f"{target.name}.lock"):  # not with_suffix: the name may hold dots
         if (target / "config.json").is_file():  # another process converted it meanwhile
             return target
         log.warning("kvboost: converting the GGUF model %s once into %s", gguf.name, target)
