@@ -54,7 +54,7 @@ from typing import Any
 
 from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, Workload, WorkloadEnv
-from experiments.workloads.passages import WARM_PASSAGES, PassagesAfterHead
+from experiments.workloads.passages import PassagesAfterHead, check_passage_fields
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PATH = "../shared/data/musique_s_dev.json"
@@ -195,12 +195,9 @@ class MusiqueConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
-        if self.warm_passages not in WARM_PASSAGES:
-            raise ValueError(f"workload.warm_passages must be one of {WARM_PASSAGES}, got {self.warm_passages!r}")
+        check_passage_fields(self.warm_passages, self.separator)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"workload.seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.separator, str) or not self.separator:
-            raise ValueError("workload.separator must be a non-empty string")
         check_data_path(self.data_path)  # the config check runs this: a bad path fails before any model loads
 
 

@@ -55,7 +55,7 @@ from typing import Any
 from experiments.workloads import WORKLOADS
 from experiments.workloads.base import Request, Workload, WorkloadEnv
 from experiments.workloads.musique import answer_line, token_f1
-from experiments.workloads.passages import WARM_PASSAGES, PassagesAfterHead
+from experiments.workloads.passages import PassagesAfterHead, check_passage_fields
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using only the text you are given."
 INSTRUCTION = (
@@ -175,10 +175,7 @@ class NeedleConfig:
                 raise ValueError(f"workload.depths must be null or a non-empty list of numbers in [0, 1], got "
                                  f"{self.depths!r}")  # fmt: skip
             self.depths = [float(d) for d in depths]
-        if self.warm_passages not in WARM_PASSAGES:
-            raise ValueError(f"workload.warm_passages must be one of {WARM_PASSAGES}, got {self.warm_passages!r}")
-        if not isinstance(self.separator, str) or not self.separator:
-            raise ValueError("workload.separator must be a non-empty string")
+        check_passage_fields(self.warm_passages, self.separator)
 
 
 @WORKLOADS.register("needle")

@@ -15,6 +15,15 @@ from experiments.workloads.base import Request
 WARM_PASSAGES = ("per_query", "all", "none")
 
 
+def check_passage_fields(warm_passages: object, separator: object) -> None:
+    """The config fields every passage workload has: ``warm_passages`` one of :data:`WARM_PASSAGES`, ``separator`` a
+    non-empty string."""
+    if warm_passages not in WARM_PASSAGES:
+        raise ValueError(f"workload.warm_passages must be one of {WARM_PASSAGES}, got {warm_passages!r}")
+    if not isinstance(separator, str) or not separator:
+        raise ValueError("workload.separator must be a non-empty string")
+
+
 class PassagesAfterHead:
     """Mixin of a workload whose items have ``passages`` and an ``item_id`` equal to their request's id, one request
     per item; the workload defines ``item_prompt(item)`` (the prompt text) and ``head_ends_with`` (the text just

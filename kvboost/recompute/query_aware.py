@@ -48,16 +48,17 @@ class QueryAware(ScoredStrategy):
 
     def __init__(self, ratio: float = 0.2, from_layer: float = 0.5, heads: str = "max",
                  to_layer: float = 1.0, oracle_agreement: bool = False) -> None:  # fmt: skip
-        self.oracle_agreement = check_flag("query_aware", "oracle_agreement", oracle_agreement)
-        self.ratio = check_fraction("query_aware", "ratio", ratio)
-        self.from_layer = check_fraction("query_aware", "from_layer", from_layer)
-        self.to_layer = check_fraction("query_aware", "to_layer", to_layer)
+        name = self.registry_name  # a subclass (relevance) reports its own name
+        self.oracle_agreement = check_flag(name, "oracle_agreement", oracle_agreement)
+        self.ratio = check_fraction(name, "ratio", ratio)
+        self.from_layer = check_fraction(name, "from_layer", from_layer)
+        self.to_layer = check_fraction(name, "to_layer", to_layer)
         if self.to_layer < self.from_layer:
             raise ValueError(
-                f"recompute strategy 'query_aware': to_layer ({to_layer}) must not be below from_layer ({from_layer})"
+                f"recompute strategy {name!r}: to_layer ({to_layer}) must not be below from_layer ({from_layer})"
             )
         if heads not in HEAD_REDUCTIONS:
-            raise ValueError(f"recompute strategy 'query_aware': heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
+            raise ValueError(f"recompute strategy {name!r}: heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
         self.heads = heads
 
     def reader_layers(self, num_layers: int) -> tuple[int, ...]:

@@ -62,11 +62,8 @@ class RelevanceRecompute(QueryAware):
                 raise ValueError(
                     f"recompute strategy 'relevance': {name} must be a non-negative integer, got {value!r}"
                 )
-        try:
-            super().__init__(ratio=ratio, from_layer=from_layer, heads=heads, to_layer=to_layer,
-                             oracle_agreement=oracle_agreement)  # fmt: skip
-        except ValueError as exc:  # the same checks, under this strategy's name
-            raise ValueError(str(exc).replace("'query_aware'", "'relevance'")) from None
+        super().__init__(ratio=ratio, from_layer=from_layer, heads=heads, to_layer=to_layer,
+                         oracle_agreement=oracle_agreement)  # fmt: skip
         self.skip_first, self.window = skip_first, window
 
     def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None

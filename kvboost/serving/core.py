@@ -80,9 +80,8 @@ class EngineCore:
         adapter = getattr(engine, "adapter", None)
         device = adapter.device.type if adapter is not None else "cpu"
         step_budget = budget_rule.choose(device, max_batch_tokens)
-        self.scheduler = Scheduler(max_running=max_running, max_batch_tokens=step_budget.max_batch_tokens,
-                                   cache_aware_limit=cache_aware_limit, aging_steps=aging_steps)  # fmt: skip
-        self.scheduler.set_step_budget(step_budget)
+        self.scheduler = Scheduler(max_running=max_running, cache_aware_limit=cache_aware_limit,
+                                   aging_steps=aging_steps, step_budget=step_budget)  # fmt: skip
         #: the budget's choice (``budget_info()`` describes what is in force now)
         self.budget_choice = step_budget
         self.configure(max_waiting=max_waiting, request_timeout_s=request_timeout_s)

@@ -64,7 +64,9 @@ class Scheduler:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
         #: a :class:`kvboost.serving.budget.StepBudget` with rates (the CPU default) or None (fixed budget)
-        self.step_budget = step_budget
+        self.step_budget: Any = None
+        if step_budget is not None:  # its max_batch_tokens replaces the argument's
+            self.set_step_budget(step_budget)
         self.cache_aware_limit, self.aging_steps, self.idle_prefill_tokens = cache_aware_limit, aging_steps, idle_prefill_tokens
         self.waiting: deque[Any] = deque()
         self.running: list[Any] = []
