@@ -38,6 +38,7 @@ from kvboost.original_api import GenerationMode, RecomputeStrategy, engine_mode,
 from kvboost.prompts import Prompt, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
+from kvboost.reuse.prefill import ReferenceMemo
 from kvboost.runtime import pipeline
 from kvboost.runtime.config import build_runner, choose_runner
 from kvboost.serving.scheduler import DEFAULT_IDLE_PREFILL_TOKENS
@@ -163,6 +164,8 @@ class InferenceEngine:
         self.chunker, self.hasher, self.recompute, self.quantizer = chunker, hasher, recompute, quantizer
         self.store_generated, self.chat, self.speculative = store_generated, chat, speculative
         self.store_canonical = bool(store_canonical)
+        # oracle_agreement's reference prefills, once per prompt and cached rows (kvboost.reuse.prefill)
+        self.reference_memo = ReferenceMemo()
         self.adapter = ModelAdapter(model, model_identity or getattr(model.config, "_name_or_path", "") or "unnamed")
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_kv_bytes = parse_bytes(max_kv_bytes) if max_kv_bytes is not None else None

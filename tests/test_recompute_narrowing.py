@@ -364,6 +364,35 @@ def test_agreement_is_recorded_when_asked(name):
     assert not {"oracle_recall", "oracle_rank_corr", "oracle_agreement_ms"} & set(plain.extra)
 
 
+def test_the_agreement_reference_runs_once_per_prompt_and_cached_rows(monkeypatch):
+    """A leaderboard runs one prompt under many strategies: the oracle's reference prefill (kept out of TTFT) runs
+    once for them (``engine.reference_memo``), with the numbers a fresh engine computes; other cached rows miss."""
+    import kvboost.reuse.prefill as prefill_module
+    from kvboost.reuse.prefill import ReferenceMemo
+
+    calls = []
+    original = prefill_module.reference_deviation
+    monkeypatch.setattr(prefill_module, "reference_deviation", lambda ctx, plan: calls.append(1) or original(ctx, plan))
+    engine = _agreement_engine({"name": "cacheblend", "ratio": 0.15, "oracle_agreement": True})
+    engine.generate(PROMPT, max_new_tokens=2, store=False)
+    engine.recompute = QueryAware(ratio=0.15, oracle_agreement=True)
+    second = engine.generate(PROMPT, max_new_tokens=2, store=False)
+    assert len(calls) == 1 and engine.reference_memo.hits == 1
+    fresh = _agreement_engine({"name": "query_aware", "ratio": 0.15, "oracle_agreement": True}).generate(
+        PROMPT, max_new_tokens=2, store=False)
+    assert second.extra["oracle_recall"] == fresh.extra["oracle_recall"]
+    assert second.extra["oracle_rank_corr"] == pytest.approx(fresh.extra["oracle_rank_corr"], abs=1e-9)
+    # other cached rows (one value changed, or stored at another position) are another key
+    plan = prefill(warmed("llama"), QueryAware(ratio=0.15))[3]
+    key = ReferenceMemo.key(plan)
+    content = next(p for p in plan.placements if p.kind == "content")
+    content.values = content.values.clone()
+    content.values.view(-1)[7] += 1e-3
+    assert ReferenceMemo.key(plan) != key
+    content.stored_start += 1
+    assert len({key, ReferenceMemo.key(plan)}) == 2
+
+
 def test_the_oracle_agrees_with_itself_and_full_recalls_everything():
     oracle = _agreement_engine({"name": "oracle", "ratio": 0.15}).generate(PROMPT, max_new_tokens=2)
     assert oracle.extra["oracle_recall"] == 1.0 and oracle.extra["oracle_rank_corr"] == pytest.approx(1.0)

@@ -67,7 +67,8 @@ def plan_for(engine: Any, request: Request) -> ReusePlan:
 def reuse_context(engine: Any) -> ReuseContext:
     """What a prefill needs from the engine."""
     scale = getattr(engine.runner, "scale", None)
-    return ReuseContext(engine.runner, engine.quantizer, engine.recompute, engine.rotator, engine.layers, scale)
+    return ReuseContext(engine.runner, engine.quantizer, engine.recompute, engine.rotator, engine.layers, scale,
+                        reference_memo=getattr(engine, "reference_memo", None))
 
 
 def prefill_with_repair(engine: Any, request: Request) -> torch.Tensor:
