@@ -86,15 +86,15 @@ def load_cpu_extension() -> Any:
     reason = cpu_extension_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"attention backend 'cpu_kernel' is unavailable: {reason}; use attn=sdpa")
-    from torch.utils.cpp_extension import load
+    from kvboost.attention.ext_build import load_extension
 
     cap = cpu_capability()
     flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
     try:
-        return load(name=f"{_EXT_NAME}_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+        return load_extension(f"{_EXT_NAME}_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
     except Exception as exc:  # the compiler's message is in exc
         raise RuntimeError(
             f"attention backend 'cpu_kernel': building {_SOURCE.name} failed ({type(exc).__name__}); "

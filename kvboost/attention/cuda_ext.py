@@ -74,14 +74,14 @@ def load_cuda_extension() -> Any:
     """
     if not torch.cuda.is_available() or torch.version.cuda is None:
         raise RuntimeError(_NO_GPU_MESSAGE)
-    from torch.utils.cpp_extension import load
+    from kvboost.attention.ext_build import load_extension
 
     sources = [str(CSRC_DIR / name) for name in _SOURCES]
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         raise RuntimeError(f"the cuda attention backend's sources are missing: {missing}")
-    return load(
-        name=_EXT_NAME,
+    return load_extension(
+        _EXT_NAME,
         sources=sources,
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "--use_fast_math", *_gencode_flags()],
