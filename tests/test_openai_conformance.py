@@ -261,6 +261,23 @@ def test_max_tokens_beyond_the_context_is_a_400_naming_the_limit(server, chat):
         assert c.get("/health").status_code == 200
 
 
+def test_a_prompt_checked_against_max_tokens_is_tokenized_once(server, monkeypatch):
+    """The server tokenizes a prompt to check ``max_tokens`` against the context; the request it submits takes those
+    tokens (``TokenizedPrompt``) instead of tokenizing the prompt again. Fails if the engine tokenizes it twice."""
+    calls = []
+    original = server.engine.tokenize_with_spans
+
+    def counting(prompt, **kwargs):
+        calls.append(prompt)
+        return original(prompt, **kwargs)
+
+    monkeypatch.setattr(server.engine, "tokenize_with_spans", counting)
+    messages = [{"role": "user", "content": "Tokenize me once, please."}]
+    status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "temperature": 0})
+    assert status == 200 and len(calls) == 1
+    assert body["usage"]["prompt_tokens"] == len(tokens_of(server, messages=messages))
+
+
 # ---------------------------------------------------------------------- n
 def test_n_samples_equal_separate_requests_seeded_by_sample_seed_and_prefill_once(server):
     prompt = "n test: one prefill, then four samples share its blocks."

@@ -180,6 +180,28 @@ def test_n_samples_fork_one_prefill_and_equal_separately_seeded_requests():
     engine.close()
 
 
+def test_max_running_counts_every_sample_of_a_request():
+    """A request with n samples takes n places once it forks: with max_running=4 two n=3 requests never run
+    together (6 sequences); alone, a request with n > max_running still runs. Fails if admission counts requests."""
+    engine = make_engine("llama", decode="eager")
+    engine.eos_ids = set()
+    core = engine.core
+    core.scheduler.max_running = 4
+    first = engine.add_request(random_ids(20, seed=1), SamplingParams(max_tokens=5, n=3, seed=1))
+    second = engine.add_request(random_ids(20, seed=2), SamplingParams(max_tokens=5, n=3, seed=2))
+    handles = [*first.samples, *second.samples]
+    most = 0
+    for _ in range(200):
+        core.step()
+        most = max(most, len(core.scheduler.running))
+        if not core.has_work():
+            break
+    assert all(h.done for h in handles) and most == 3
+    lone = engine.add_request(random_ids(20, seed=3), SamplingParams(max_tokens=3, n=6, seed=3))
+    assert [c.finish_reason for c in run_all(engine, lone.samples)] == ["length"] * 6
+    engine.close()
+
+
 def test_a_salt_never_hits_another_salts_entries():
     engine = make_engine("llama", decode="eager")
     prompt = random_ids(64, seed=12)

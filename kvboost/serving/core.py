@@ -63,7 +63,7 @@ class EngineCore:
 
     Args:
         engine: the engine (model runner, pool, store, plugins).
-        max_running: requests computed together.
+        max_running: sequences computed together (a request with n samples counts n once it forks).
         max_batch_tokens: a step's token budget while requests decode (prompt chunks fill what decode rows leave).
             None (the default): 2,048 on GPUs; on CPU a budget sized to the decode step
             (:mod:`kvboost.serving.budget`: decode rows + a chunk of ~1.5 decode steps' prefill), from the CPU's ISA
@@ -267,8 +267,13 @@ class EngineCore:
                 request.cached_prefix = self._cached_prefix(request)
         scheduler.order_waiting(self.steps)
         budget = scheduler.budget()
-        while scheduler.waiting and len(scheduler.running) < scheduler.max_running:
+        while scheduler.waiting:
             request = scheduler.waiting[0]
+            # a request with n samples takes n places (its unforked samples join the running set at its first
+            # token: EngineCore._fork); alone, it starts even when n > max_running, or it would never run
+            occupied = sum(1 + len(r.forks) for r in scheduler.running)
+            if scheduler.running and occupied + 1 + len(request.forks) > scheduler.max_running:
+                break
             try:
                 outcome = self._start(request, budget)
             except Exception as exc:

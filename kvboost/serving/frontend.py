@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,11 +31,34 @@ from kvboost.serving.requests import RequestHandle, SamplingParams, sample_seed
 _ids = itertools.count()
 
 
-def generate_request(core: Any, prompt: Prompt, params: SamplingParams, *, cache_salt: str = "",
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt tokenized once for a request that needed its length before submitting it (the server checks
+    ``max_tokens`` against the context): ``generate_request`` takes it in place of the prompt, so the prompt is
+    not tokenized twice. ``clock`` started before the tokenization, so TTFT still counts it."""
+
+    ids: list[int]
+    spans: list[Any]
+    messages: Any
+    clock: PhaseClock
+
+
+def tokenize_prompt(engine: Any, prompt: Prompt, *, chat: bool | None = None) -> TokenizedPrompt:
+    """``prompt`` tokenized as a generate request tokenizes it (validated; the chunker's spans; the chat
+    messages), on the caller's thread."""
+    clock = PhaseClock(engine.adapter.device)
+    with engine.tokenizer_lock:
+        ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
+        messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
+    return TokenizedPrompt(ids, spans, messages, clock)
+
+
+def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: SamplingParams, *, cache_salt: str = "",
                      chat: bool | None = None, request_id: str | None = None, timeout_s: float | None = None,
                      mode: str = "reuse", store: bool = True, clock: PhaseClock | None = None) -> Request:  # fmt: skip
     """A generate request for ``core``, tokenized and validated on the caller's thread (nothing of the engine
-    changes). ``mode``/``store`` as ``engine.generate``'s; ``clock``: where the request's TTFT starts (default: now)."""
+    changes). ``mode``/``store`` as ``engine.generate``'s; ``clock``: where the request's TTFT starts (default: now,
+    or a :class:`TokenizedPrompt`'s, which is then not tokenized again)."""
     engine = core.engine
     if engine._closed:
         raise RuntimeError("this engine is closed")
@@ -42,10 +66,14 @@ def generate_request(core: Any, prompt: Prompt, params: SamplingParams, *, cache
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if mode not in pipeline.MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of {pipeline.MODES}")
-    clock = clock or PhaseClock(engine.adapter.device)
-    with engine.tokenizer_lock:
-        ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
-        messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
+    if isinstance(prompt, TokenizedPrompt):
+        clock = clock or prompt.clock
+        ids, spans, messages = prompt.ids, prompt.spans, prompt.messages
+    else:
+        clock = clock or PhaseClock(engine.adapter.device)
+        with engine.tokenizer_lock:
+            ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
+            messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
     n = len(ids)
     max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
     pipeline.check_memory(engine, n + max_new)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvboost.prompts import Prompt
+from kvboost.serving.frontend import TokenizedPrompt, tokenize_prompt
 from kvboost.serving.requests import LoopStopped, RequestHandle, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,9 @@ class EngineLoop:
             raise LoopStopped("the engine loop is shutting down")
         return self.core.submit(request)
 
-    def tokenize(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
-        with self.engine.tokenizer_lock:
-            return self.engine.tokenize_with_spans(prompt, chat=chat)[0]
+    def tokenize(self, prompt: Prompt, *, chat: bool | None = None) -> TokenizedPrompt:
+        """``prompt`` tokenized as a request would be (thread-safe); ``submit`` takes the result in its place."""
+        return tokenize_prompt(self.engine, prompt, chat=chat)
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the loop thread between steps; its result (or exception) in the future."""

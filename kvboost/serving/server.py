@@ -47,6 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost.prompts import PromptError
 from kvboost.serving import protocol as P
+from kvboost.serving.frontend import TokenizedPrompt
 from kvboost.serving.metrics import ServerMetrics
 from kvboost.serving.requests import Completion, LoopStopped, QueueFull, RequestHandle
 from kvboost.serving.tenancy import AuthError, Tenancy, Tenant
@@ -240,25 +241,28 @@ class _Service:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    async def tokenize(self, prompt: Any, chat: bool, param: str) -> list[int]:
+    async def tokenize(self, prompt: Any, chat: bool, param: str) -> TokenizedPrompt:
         try:
             return await run_in_threadpool(self.loop.tokenize, prompt, chat=chat)
         except CLIENT_ERRORS as exc:
             raise _prompt_error(exc, param) from None
 
-    async def max_tokens(self, body: P._GenerationBody, prompt: Any, chat: bool, param: str) -> int:
+    async def max_tokens(self, body: P._GenerationBody, prompt: Any, chat: bool,
+                         param: str) -> tuple[int, TokenizedPrompt | None]:  # fmt: skip
         """The request's token budget. A ``max_tokens`` the client sent that does not fit the context after the
         prompt is a 400 naming the limit (vLLM's message); an omitted one is the rest of the context (chat) or
         OpenAI's 16 (completions), clamped to what fits. The prompt is tokenized here first only when a limit may
         apply (``max_tokens`` sent, ``max_model_len`` below the model's, a KV pool smaller than the context, or a
         chat request without ``max_tokens``, which gets the rest of what fits); the loop clamps to the model's
-        context itself."""
+        context itself. Returns the budget and the tokenized prompt when it was tokenized here (``submit`` takes it,
+        so the prompt is tokenized once)."""
         requested = body.requested_max_tokens()
         explicit = body.max_tokens is not None or getattr(body, "max_completion_tokens", None) is not None
         limit = min(self.max_model_len, self.kv_rows)
         if limit >= self.context and not explicit:
-            return requested if requested is not None else self.context
-        n = len(await self.tokenize(prompt, chat, param))
+            return (requested if requested is not None else self.context), None
+        tokenized = await self.tokenize(prompt, chat, param)
+        n = len(tokenized.ids)
         if n >= self.max_model_len:
             raise APIError(400, f"the prompt has {n} tokens; this server's context is {self.max_model_len} tokens "
                            "(at least one is needed for the answer)", param=param,
@@ -270,7 +274,7 @@ class _Service:
                            f"Please reduce the length of the {where} or completion.", param=body.max_tokens_param(),
                            code="context_length_exceeded")  # fmt: skip
         room = max(1, limit - n)
-        return room if requested is None else min(requested, room)
+        return (room if requested is None else min(requested, room)), tokenized
 
     def submit(self, prompt: Any, body: P._GenerationBody, max_tokens: int, tenant: Tenant, chat: bool, rid: str,
                param: str) -> RequestHandle:  # fmt: skip
@@ -415,8 +419,8 @@ class _Service:
         param = "messages" if chat else "prompt"
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         created = P.now()
-        max_tokens = await self.max_tokens(body, prompt, chat, param)
-        handle = await run_in_threadpool(self.submit, prompt, body, max_tokens, tenant, chat, rid, param)
+        max_tokens, tokenized = await self.max_tokens(body, prompt, chat, param)
+        handle = await run_in_threadpool(self.submit, tokenized or prompt, body, max_tokens, tenant, chat, rid, param)
         handles = list(handle.samples)
         if body.stream:
             return EventSourceResponse(self.stream(handles, tenant, rid=rid, created=created, chat=chat, body=body),
@@ -549,7 +553,7 @@ def create_app(
         service.check_model(body.model)
         chat = body.messages is not None
         prompt = [m.plain() for m in body.messages] if chat else body.prompt
-        ids = await service.tokenize(prompt, chat, "messages" if chat else "prompt")
+        ids = (await service.tokenize(prompt, chat, "messages" if chat else "prompt")).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len}
 
     @app.post("/v1/cache/warm", summary="Compute and store the KV of a text (optionally pinned)")
