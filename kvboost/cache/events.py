@@ -395,7 +395,9 @@ class KVEventSink:
         self.publisher = publisher
         self.block_hash = block_hash
         self.hasher = hasher
-        self.batches = 0
+        self.batches = 0  # batches emitted (handed to the publisher)
+        self.events = 0  # events in them
+        self.resyncs = 0  # fresh snapshots sent after the publisher dropped batches
         self._dropped_seen = 0
 
     def hash_of(self, key: str) -> int | bytes:
@@ -424,14 +426,25 @@ class KVEventSink:
             return
         self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
         self.batches += 1
+        self.events += len(events)
 
     def needs_resync(self) -> bool:
         """True once after the publisher dropped batches (subscribers then need a fresh snapshot)."""
         dropped = int(getattr(self.publisher, "dropped", 0))
         if dropped != self._dropped_seen:
             self._dropped_seen = dropped
+            self.resyncs += 1
             return True
         return False
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``/metrics``: batches and events emitted, snapshots resent, and the publisher's own
+        (``published`` / ``dropped`` batches, ``pending`` in its queue) where it keeps them."""
+        pending = getattr(self.publisher, "pending", None)
+        return {"batches": self.batches, "events": self.events, "resyncs": self.resyncs,
+                "published": int(getattr(self.publisher, "published", self.batches)),
+                "dropped": int(getattr(self.publisher, "dropped", 0)),
+                "pending": int(pending()) if callable(pending) else 0}  # fmt: skip
 
     def shutdown(self) -> None:
         self.publisher.shutdown()

@@ -194,5 +194,18 @@ class _LoopCollector:
         yield hits
         yield used
         yield entries
+        sink = getattr(m.loop.engine, "kv_events", None)
+        if sink is not None:  # KV events on (engine.kv_events): what the publisher did, read without the loop
+            ev = sink.stats()
+            yield counter("kvboost:kv_events_batches", "KV-event batches the cache emitted.", ev["batches"])
+            yield counter("kvboost:kv_events", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) emitted.",
+                          ev["events"])  # fmt: skip
+            yield counter("kvboost:kv_events_published", "KV-event batches the publisher sent.", ev["published"])
+            yield counter("kvboost:kv_events_dropped", "KV-event batches dropped because the publisher's queue was "
+                          "full (subscribers then get a fresh snapshot).", ev["dropped"])  # fmt: skip
+            yield counter("kvboost:kv_events_resyncs", "Snapshots (AllBlocksCleared + every entry) sent again after "
+                          "dropped batches.", ev["resyncs"])  # fmt: skip
+            yield gauge("kvboost:kv_events_pending", "KV-event batches waiting in the publisher's queue.",
+                        ev["pending"])  # fmt: skip
         yield counter("kvboost:cache_corrupt_entries_dropped", "Damaged records a tier below memory found, deleted and "
                       "recomputed (never served).", m._corrupt)  # fmt: skip

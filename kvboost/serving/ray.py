@@ -20,12 +20,26 @@
   ``max_imbalance`` longer than the shortest; ties and misses go to the least loaded. :class:`RoundRobinRouter` is
   the baseline. A router lives in the process that holds the handle (the ingress replica): with several ingress
   replicas each keeps its own index.
+- :class:`EventsRouter` (``--router events``) ranks by what the replicas' caches *hold*, not by where requests were
+  sent: every replica publishes its KV events (``engine.kv_events``, an ephemeral port each, with a replay socket;
+  :data:`EVENTS_ARGV`) and reports the two addresses in its replica metadata (``record_replica_metadata``; the
+  routing stats on a Ray without it); the router subscribes to each (:class:`~kvboost.cache.events.
+  KVEventSubscriber`, the batches so far replayed from sequence 0), applies what arrived before each decision to a
+  :class:`~kvboost.serving.event_routing.ClusterKVIndex`, and ranks with :class:`~kvboost.serving.event_routing.
+  EventRouter` (longest chain of the request's chunks held by the replica, a block in the shared Redis tier counting
+  for every replica; the same ``max_imbalance`` guard). For that the ingress passes the request's token ids, chunk
+  spans and tenant salt (:func:`request_route_tokens`: the served model's tokenizer and chat template and the
+  engine's chunker, loaded once in the ingress; :class:`~kvboost.serving.event_routing.RequestTokenizer`).
 - ``GET /kvboost/routing`` on the ingress: the router name and how many generation requests each replica answered.
+- ``GET /metrics`` on the ingress: every replica's ``/metrics``, each series with a ``replica`` label added
+  (:func:`merge_metrics`; sum with ``sum without (replica) (...)`` in PromQL), fetched by requests the router sends to
+  one given replica each (``route_to``).
 
 Run (one machine: a local Ray; a cluster: ``--address auto`` on its head node, see the README)::
 
     python -m kvboost.serving.ray --replicas 2 --router prefix --redis-url redis://127.0.0.1:6379/0
     python -m kvboost.serving.ray --replicas 2 --router round_robin model=tiny_random threads=1
+    python -m kvboost.serving.ray --replicas 2 --router events --redis-url redis://127.0.0.1:6379/0
 
 Everything not an option of this entry (``--dtype``, ``--max-running``, ``recompute=...``) goes to every replica's
 ``kvboost-server`` command line. Ray is an optional dependency (extra ``cluster``); this module imports without it,
@@ -49,6 +63,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
+from kvboost.serving.event_routing import EventRouter, RequestTokenizer
 from kvboost.serving.routing import (
     DEFAULT_CHUNK_CHARS,
     DEFAULT_INDEX_CAPACITY,
@@ -69,9 +84,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 RAY_HINT = ("Ray Serve is not installed: pip install -e '.[cluster]' (ray[serve]; the custom request router API "
             "is alpha and was tested with ray 2.60)")
 ROUTE_KEYS = "route_keys"
+ROUTE_TO = "route_to"  # a request for one given replica (the ingress's /metrics fan-out)
 DEFAULT_REFRESH_S = 0.5
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-ROUTERS = ("prefix", "round_robin")
+ROUTERS = ("prefix", "round_robin", "events")
+#: the replicas' KV-event sockets for the events router: an ephemeral port each (reported to the router)
+EVENTS_ARGV = ("engine.kv_events.enabled=true", "engine.kv_events.endpoint=tcp://*:*",
+               "engine.kv_events.replay_endpoint=tcp://*:*", "engine.kv_events.topic=kvboost")
 # hop-by-hop / length headers: the ingress re-streams the body, so it sets its own framing
 _DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
@@ -155,9 +174,83 @@ def request_route_keys(path: str, body: bytes, authorization: str | None,
         return None
 
 
+def request_route_tokens(path: str, body: bytes, authorization: str | None, tokenize: RequestTokenizer,
+                         tenancy: Any = None) -> dict[str, Any] | None:  # fmt: skip
+    """What the events router matches: the prompt's token ids and chunk spans as the engine computes them, and the
+    cache salt the server derives (``tenancy``: a :class:`kvboost.serving.tenancy.Tenancy` with the replicas' keys
+    and secret; None: the open tenant). None when the body is not a generation request the router can read, or its
+    key is unknown (the replica answers the error)."""
+    if path not in GENERATION_PATHS:
+        return None
+    try:
+        data = json.loads(body)
+        chat = path.endswith("chat/completions")
+        prompt = data["messages"] if chat else data["prompt"]
+        if chat:  # the server renders the plain messages (content parts joined): the same text here
+            from kvboost.serving.protocol import ChatCompletionRequest
+
+            prompt = ChatCompletionRequest(**data).plain_messages()
+        ids, spans = tokenize(prompt, chat=chat)
+        from kvboost.serving.tenancy import OPEN_TENANT
+
+        tenant = tenancy.authenticate(authorization) if tenancy is not None else OPEN_TENANT
+        salt = tenant.cache_salt(data.get("cache_salt"))
+    except Exception:  # noqa: BLE001 - anything unreadable is the replica's to refuse, with its own error
+        return None
+    return {"ids": ids, "spans": [(sp.start, sp.end) for sp in spans], "salt": salt}
+
+
+def load_request_tokenizer(cfg: dict[str, Any]) -> RequestTokenizer:
+    """The served model's tokenizer and the engine's chunker, from a replica's composed config (the model's
+    weights are not loaded: a random-init model uses the bundled tokenizer, a named one its own)."""
+    from transformers import AutoTokenizer
+
+    from kvboost.models.loading import bundled_model_dir, resolve_model_path
+
+    model_cfg = dict(cfg.get("model") or {})
+    path = bundled_model_dir() if model_cfg.get("random_init") else resolve_model_path(model_cfg.get("name_or_path"))
+    engine = dict(cfg.get("engine") or {})
+    return RequestTokenizer.from_config(AutoTokenizer.from_pretrained(path), cfg.get("chunker", "fixed"),
+                                        engine.get("chat"))  # fmt: skip
+
+
+class _ReplicaFeed:
+    """The ``index`` a :class:`~kvboost.cache.events.KVEventSubscriber` applies batches to, forwarding them to the
+    cluster index under one replica's name."""
+
+    def __init__(self, index: Any, replica: Hashable) -> None:
+        self.index, self.replica = index, replica
+
+    def apply(self, batch: Any) -> None:
+        self.index.apply(self.replica, batch)
+
+
+def connect_events(index: Any, replica: Hashable, endpoint: str, replay_endpoint: str | None,
+                   topic: str = "kvboost") -> Any:  # fmt: skip
+    """A subscriber to one replica's KV events feeding ``index`` (a ClusterKVIndex) under ``replica``, caught up
+    with what the replay buffer holds (the replica published its opening snapshot before anyone listened)."""
+    from kvboost.cache.events import KVEventSubscriber
+
+    sub = KVEventSubscriber(endpoint, replay_endpoint=replay_endpoint, topic=topic)
+    sub.index = _ReplicaFeed(index, replica)  # type: ignore[assignment]
+    for seq, batch in sub.request_replay(0):
+        if seq > sub.last_seq:
+            sub._apply(seq, batch)
+    return sub
+
+
+def reachable(endpoint: str, host: str) -> str:
+    """A bound address (``tcp://0.0.0.0:port``, ``tcp://*:port``) as another process reaches it on ``host``."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
 class RouteBook:
-    """A router's state, Ray-free: the policy (``prefix`` or ``round_robin``), the prefix index per replica and the
-    requests each replica has in flight (sent, not completed) as this router counted them."""
+    """A router's state, Ray-free: the policy (``prefix``, ``round_robin`` or ``events``), the prefix index per
+    replica (``prefix``), the KV-event subscribers and the index they feed (``events``), and the requests each
+    replica has in flight (sent, not completed) as this router counted them."""
 
     def __init__(self, policy: str = "prefix", *, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
                  capacity: int = DEFAULT_INDEX_CAPACITY) -> None:  # fmt: skip
@@ -165,17 +258,55 @@ class RouteBook:
             raise ValueError(f"unknown router {policy!r}; choose one of {list(ROUTERS)}")
         self.policy = policy
         self.prefix = PrefixRouter(capacity=capacity, max_imbalance=max_imbalance)
+        self.events = EventRouter(max_imbalance=max_imbalance)
+        self.subscribers: dict[Hashable, Any] = {}
         self.in_flight: Counter[Hashable] = Counter()
         self._turn = 0
+
+    # -------------------------------------------------------------- events policy
+    def subscribe(self, replica: Hashable, info: dict[str, Any] | None) -> bool:
+        """Follow ``replica``'s KV events (``info``: ``{"endpoint", "replay_endpoint", "topic"}`` as the replica
+        reported them), once; False when there is nothing to follow (yet)."""
+        if replica in self.subscribers:
+            return True
+        if not info or not info.get("endpoint"):
+            return False
+        try:
+            self.subscribers[replica] = connect_events(self.events.index, replica, info["endpoint"],
+                                                       info.get("replay_endpoint"), info.get("topic", "kvboost"))
+        except Exception as exc:  # noqa: BLE001 - a replica we cannot follow is ranked as holding nothing
+            log.warning("cannot follow the KV events of replica %s: %r", replica, exc)
+            return False
+        return True
+
+    def drain(self) -> int:
+        """Apply every batch that arrived from every followed replica (non-blocking); returns how many."""
+        applied = 0
+        for replica, sub in list(self.subscribers.items()):
+            try:
+                applied += sub.poll(0)
+            except Exception as exc:  # noqa: BLE001 - a broken stream: rebuild it from scratch next time
+                log.warning("KV events of replica %s failed: %r", replica, exc)
+                self._unsubscribe(replica)
+        return applied
+
+    def _unsubscribe(self, replica: Hashable) -> None:
+        sub = self.subscribers.pop(replica, None)
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                sub.close()
+        self.events.forget(replica)
 
     def queue_len(self, replica: Hashable, reported: int | None) -> int:
         """The larger of what Ray's queue-length cache says (``reported``; None = unknown) and our own count."""
         return max(self.in_flight[replica], reported or 0)
 
-    def rank(self, keys: Sequence[str] | None, replicas: Sequence[Hashable],
+    def rank(self, keys: Sequence[str] | dict[str, Any] | None, replicas: Sequence[Hashable],
              reported: dict[Hashable, int | None] | None = None) -> list[Hashable]:  # fmt: skip
         """Replicas best first. ``prefix``: :func:`~kvboost.serving.routing.choose_replica`'s ranking (the keys are
-        recorded on the first, where the request almost always goes); ``round_robin``: the next in turn first."""
+        recorded on the first, where the request almost always goes); ``round_robin``: the next in turn first;
+        ``events``: the followed replicas' events applied first, then :class:`~kvboost.serving.event_routing.
+        EventRouter`'s ranking (``keys``: :func:`request_route_tokens`' dict; None ranks by load only)."""
         replicas = sorted(replicas, key=str)  # Ray's candidate order varies; rotation needs a fixed one
         if not replicas:
             return []
@@ -184,6 +315,12 @@ class RouteBook:
             self._turn += 1
             return replicas[start:] + replicas[:start]
         queues = {r: self.queue_len(r, (reported or {}).get(r)) for r in replicas}
+        if self.policy == "events":
+            self.drain()
+            tokens = keys if isinstance(keys, dict) else {}
+            decision = self.events.choose(tokens.get("ids"), tokens.get("spans"), replicas, queues,
+                                          tokens.get("salt", ""))  # fmt: skip
+            return list(decision.ranking)
         decision = self.prefix.choose(list(keys or ()), replicas, queues)
         return list(decision.ranking)
 
@@ -197,13 +334,77 @@ class RouteBook:
     def forget(self, replica: Hashable) -> None:
         self.in_flight.pop(replica, None)
         self.prefix.forget(replica)
+        self._unsubscribe(replica)
+
+    def close(self) -> None:
+        for replica in list(self.subscribers):
+            self._unsubscribe(replica)
+
+
+def merge_metrics(texts: dict[str, str]) -> str:
+    """One Prometheus text exposition of several replicas' ``/metrics``: every sample gets a ``replica`` label
+    (its key in ``texts``), families of one name are merged (one ``# HELP`` / ``# TYPE`` each). Parsed with
+    prometheus_client's text parser; a replica whose text does not parse is left out (and logged)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    families: dict[str, Any] = {}
+    for replica, text in sorted(texts.items()):
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except Exception as exc:  # noqa: BLE001 - one bad replica must not hide the others
+            log.warning("replica %s: unreadable /metrics: %r", replica, exc)
+            continue
+        for family in parsed:
+            samples = [Sample(sample.name, {**sample.labels, "replica": str(replica)}, sample.value, sample.timestamp,
+                              sample.exemplar) for sample in family.samples]  # fmt: skip
+            merged = families.setdefault(family.name, family)
+            merged.samples = (merged.samples if merged is not family else []) + samples
+    from prometheus_client import generate_latest
+
+    class _Merged:  # generate_latest takes any object with collect(): the text is prometheus_client's own
+        def collect(self) -> Any:
+            return list(families.values())
+
+    return generate_latest(_Merged()).decode()  # type: ignore[arg-type]
+
+
+class RouterHub:
+    """The routers living in this process (Ray creates the handle's router in the process that holds the handle,
+    the ingress's): the ingress asks it which replicas there are, for its ``/metrics`` fan-out."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, float] = {}
+
+    def seen(self, replica_ids: Sequence[str]) -> None:
+        now = time.monotonic()
+        for rid in replica_ids:
+            self._replicas[rid] = now
+
+    def gone(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    def replicas(self) -> list[str]:
+        return sorted(self._replicas)
+
+
+HUB = RouterHub()
+
+
+def _hub() -> RouterHub:
+    """This process's hub, looked up in the imported module: Ray Serve may ship the deployment classes by value
+    (cloudpickle copies the globals they use), and a copied hub would never see the router's replicas."""
+    import importlib
+
+    return importlib.import_module("kvboost.serving.ray").HUB
 
 
 # ============================================================================================ entry arguments
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvboost.serving.ray",
-        description="kvboost replicas on Ray Serve behind one OpenAI-compatible ingress with a prefix-aware router. "
+        description="kvboost replicas on Ray Serve behind one OpenAI-compatible ingress with a prefix-aware router "
+                    "(by where requests were sent, or by the replicas' KV events). "
                     "Other arguments (flags and KEY=VALUE overrides) go to every replica's kvboost-server command line.",
     )  # fmt: skip
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
@@ -222,17 +423,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica (1 on a GPU cluster)")
     p.add_argument("--max-ongoing", type=int, default=64, help="requests in flight per replica (default 64)")
     p.add_argument("--max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
-                   help="prefix router: skip a replica whose queue exceeds the shortest by more (default 4)")
+                   help="prefix / events routers: skip a replica whose queue exceeds the shortest by more (default 4)")
     p.add_argument("--chunk-chars", type=int, default=DEFAULT_CHUNK_CHARS, help="characters per routing chunk")
     p.add_argument("--app-name", default="kvboost")
     return p
 
 
 def replica_argv(server_argv: Sequence[str], *, redis_url: str | None, namespace: str = "kvboost",
-                 salt_secret: str | None = None) -> list[str]:  # fmt: skip
+                 salt_secret: str | None = None, events: bool = False) -> list[str]:  # fmt: skip
     """Every replica's ``kvboost-server`` command line: the user's, plus the shared Redis tier (unless the cache is
-    set there already) and one salt secret for all (tenant salts must agree for replicas to share entries)."""
+    set there already) and one salt secret for all (tenant salts must agree for replicas to share entries);
+    ``events``: KV events on, on ephemeral ports (:data:`EVENTS_ARGV`), unless the command line sets them."""
     argv = list(server_argv)
+    if events and not any(a.split("=", 1)[0].lstrip("+~").startswith("engine.kv_events") for a in argv):
+        argv += list(EVENTS_ARGV)
     sets_cache = any(a.split("=", 1)[0].lstrip("+~").startswith("cache") for a in argv if "=" in a and
                      not a.startswith("-")) or "--disk-cache-dir" in argv  # fmt: skip
     if redis_url and not sets_cache:
@@ -274,8 +478,20 @@ if ray is not None:
         async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
             if not candidate_replicas:
                 return []
-            keys = (pending_request.kwargs or {}).get(ROUTE_KEYS) if pending_request is not None else None
+            kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
+            keys = kwargs.get(ROUTE_KEYS)
             by_id = {r.replica_id: r for r in candidate_replicas}
+            _hub().seen([rid.unique_id for rid in by_id])
+            target = kwargs.get(ROUTE_TO)
+            if target is not None:  # the ingress asks one given replica (its /metrics fan-out)
+                chosen = [r for rid, r in by_id.items() if rid.unique_id == target]
+                if pending_request is not None:
+                    pending_request.routing_context.should_backoff = True
+                return [chosen] if chosen else []
+            book = self._book()
+            if book.policy == "events":
+                for rid, replica in by_id.items():
+                    book.subscribe(rid, _events_info(replica))
             cache = getattr(self, "replica_queue_len_cache", None)
             reported = {rid: cache.get(rid) if cache is not None else None for rid in by_id}
             if pending_request is not None:
@@ -295,6 +511,16 @@ if ray is not None:
         def on_replica_actor_died(self, replica_id: Any) -> None:
             super().on_replica_actor_died(replica_id)
             self._book().forget(replica_id)
+            _hub().gone(replica_id.unique_id)
+
+    def _events_info(replica: Any) -> dict[str, Any] | None:
+        """The KV-event addresses a replica reported (its metadata on Ray >= 2.5x, else its routing stats)."""
+        for attr in ("replica_metadata", "routing_stats"):
+            with contextlib.suppress(Exception):
+                info = (getattr(replica, attr, None) or {}).get("kv_events")
+                if info:
+                    return info
+        return None
 
     class PrefixAwareRouter(_KVBoostRouter):
         """Longest prefix sent before, balanced against queue length (:mod:`kvboost.serving.routing`)."""
@@ -306,7 +532,13 @@ if ray is not None:
 
         policy = "round_robin"
 
-    ROUTER_CLASSES = {"prefix": PrefixAwareRouter, "round_robin": RoundRobinRouter}
+    class EventsRouter(_KVBoostRouter):
+        """Longest prefix the replica's cache holds, from its KV events (:mod:`kvboost.serving.event_routing`),
+        balanced against queue length."""
+
+        policy = "events"
+
+    ROUTER_CLASSES = {"prefix": PrefixAwareRouter, "round_robin": RoundRobinRouter, "events": EventsRouter}
 
     @serve.deployment
     class KVBoostReplica:
@@ -321,9 +553,26 @@ if ray is not None:
                                                             refresh_shared_s=refresh_s)  # fmt: skip
             context = serve.get_replica_context()
             self.replica = context.replica_id.unique_id if context is not None else "local"
+            self.kv_events = None
+            publisher = getattr(getattr(self.engine, "kv_events", None), "publisher", None)
+            if getattr(publisher, "endpoint", None):  # the events router subscribes here (bound: a wildcard address)
+                host = ray.util.get_node_ip_address()
+                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": "kvboost",
+                                  "replay_endpoint": reachable(publisher.replay_endpoint, host)
+                                  if publisher.replay_endpoint else None}  # fmt: skip
 
-        async def handle(self, request: dict[str, Any], route_keys: list[str] | None = None) -> AsyncIterator[Any]:
-            """Stream one HTTP request through the server's app (``route_keys`` is for the router only)."""
+        def record_replica_metadata(self) -> dict[str, Any]:
+            """Static metadata the request router reads (Ray >= 2.5x): where this replica's KV events are."""
+            return {"kv_events": self.kv_events} if self.kv_events else {}
+
+        def record_routing_stats(self) -> dict[str, Any]:
+            """The same, through routing stats (Rays without replica metadata)."""
+            return self.record_replica_metadata()
+
+        async def handle(self, request: dict[str, Any], route_keys: Any = None,
+                         route_to: str | None = None) -> AsyncIterator[Any]:  # fmt: skip
+            """Stream one HTTP request through the server's app (``route_keys`` / ``route_to`` are for the router
+            only)."""
             first = True
             async for part in call_asgi(self.app, request["method"], request["path"], query=request["query"],
                                         headers=request["headers"], body=request["body"]):  # fmt: skip
@@ -349,21 +598,71 @@ if ray is not None:
     class OpenAIIngress:
         """Forwards every HTTP request to a replica; generation requests carry their prompt's chunk keys."""
 
-        def __init__(self, replicas: Any, router: str = "prefix", chunk_chars: int = DEFAULT_CHUNK_CHARS) -> None:
+        def __init__(self, replicas: Any, router: str = "prefix", chunk_chars: int = DEFAULT_CHUNK_CHARS,
+                     server_argv: list[str] | None = None) -> None:  # fmt: skip
             self.replicas = replicas.options(stream=True)
             self.router = router
             self.chunk_chars = chunk_chars
             self.served: Counter[str] = Counter()
+            self.tokenize: RequestTokenizer | None = None
+            self.tenancy = None
+            if router == "events":  # the events router matches token ids: the replicas' tokenizer and chunker
+                from kvboost.serving.cli import build_parser as server_parser
+                from kvboost.serving.cli import compose_config, tenant_keys
+                from kvboost.serving.tenancy import Tenancy
+
+                args = server_parser().parse_args(list(server_argv or []))
+                self.tokenize = load_request_tokenizer(compose_config(args))
+                keys, secret = tenant_keys(args)
+                self.tenancy = Tenancy(keys, secret) if keys else None
 
         @ingress_app.get("/kvboost/routing")
         def routing(self) -> dict[str, Any]:
-            return {"router": self.router, "served": dict(self.served)}
+            return {"router": self.router, "served": dict(self.served), "replicas": _hub().replicas()}
+
+        @ingress_app.get("/metrics")
+        async def metrics(self, request: Request) -> Any:
+            """Every replica's /metrics, a ``replica`` label on each series (:func:`merge_metrics`)."""
+            from fastapi.responses import PlainTextResponse
+
+            if not _hub().replicas():  # no request routed yet: one through the router shows it the replicas
+                with contextlib.suppress(Exception):
+                    await self._fetch(request, "/health", None)
+            texts, failed = {}, []
+            for rid in _hub().replicas():
+                try:
+                    status, body = await asyncio.wait_for(self._fetch(request, "/metrics", rid), timeout=10)
+                except Exception as exc:  # noqa: BLE001 - a replica gone or busy: the others still answer
+                    status, body = 0, repr(exc).encode()
+                if status == 200:
+                    texts[rid] = body.decode()
+                else:
+                    failed.append(f"# kvboost: replica {rid} did not answer /metrics ({status}: {body[:200]!r})\n")
+                    log.warning("replica %s did not answer /metrics (%s)", rid, status)
+            return PlainTextResponse("".join(failed) + merge_metrics(texts),
+                                     media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
+
+        async def _fetch(self, request: Request, path: str, replica: str | None) -> tuple[int, bytes]:
+            message = {"method": "GET", "path": path, "query": b"", "headers": list(request.headers.items()),
+                       "body": b""}  # fmt: skip
+            stream = self.replicas.handle.remote(message, **({ROUTE_TO: replica} if replica else {}))
+            start, parts = None, []
+            async for part in stream:
+                if start is None:
+                    start = part
+                else:
+                    parts.append(part)
+            return (start or {}).get("status", 502), b"".join(parts)
 
         @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         async def forward(self, path: str, request: Request) -> Any:
             body = await request.body()
             path = "/" + path
-            keys = request_route_keys(path, body, request.headers.get("authorization"), self.chunk_chars)
+            if self.tokenize is not None:
+                keys = request_route_tokens(path, body, request.headers.get("authorization"), self.tokenize,
+                                            self.tenancy)  # fmt: skip
+            else:
+                keys = request_route_keys(path, body, request.headers.get("authorization"), self.chunk_chars)
             message = {"method": request.method, "path": path, "query": request.url.query.encode("latin-1"),
                        "headers": list(request.headers.items()), "body": body}  # fmt: skip
             stream = self.replicas.handle.remote(message, **{ROUTE_KEYS: keys})
@@ -395,12 +694,15 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
 
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of {list(ROUTERS)}")
+    if router == "events":
+        server_argv = replica_argv(server_argv, redis_url=None, events=True)
     router_config = RequestRouterConfig(request_router_class=ROUTER_CLASSES[router],
-                                        request_router_kwargs={"max_imbalance": max_imbalance})  # fmt: skip
+                                        request_router_kwargs={"max_imbalance": max_imbalance},
+                                        request_routing_stats_period_s=1.0)  # fmt: skip
     engines = KVBoostReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing,
                                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                                      request_router_config=router_config).bind(list(server_argv), refresh_s)  # fmt: skip
-    return OpenAIIngress.bind(engines, router, chunk_chars)
+    return OpenAIIngress.bind(engines, router, chunk_chars, list(server_argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,8 @@ The rule (:func:`choose_replica`):
 
 This is a guess at where the KV is: the index records where requests were *sent*, not what the replica's cache
 still holds (the engine may have evicted it; with a shared Redis tier a miss there still finds it in Redis).
+:mod:`kvboost.serving.event_routing` applies the same rule (:func:`rank_replicas`) to what the replicas' KV events
+say their caches hold.
 """
 
 from __future__ import annotations
@@ -150,18 +152,35 @@ def choose_replica(
     ``ranking`` lists every replica, best first: the eligible ones by (matched desc, queue asc, rotation), then the
     skipped ones by queue (so a caller that finds the first one full can fall back in order).
     """
+    matched = {r: indexes[r].match(keys) if r in indexes else 0 for r in replicas}
+    return rank_replicas(replicas, matched, queue_lens, max_imbalance=max_imbalance, rotation=rotation)
+
+
+def rank_replicas(
+    replicas: Sequence[Hashable],
+    matched: Mapping[Hashable, int],
+    queue_lens: Mapping[Hashable, int],
+    *,
+    max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+    rotation: int = 0,
+    secondary: Mapping[Hashable, int] | None = None,
+) -> RouteDecision:
+    """The module's rule over given match lengths (``matched[r]``: leading chunks of the request at ``r``, by
+    whatever index; :mod:`kvboost.serving.event_routing` passes what the replicas' KV events say). ``secondary``
+    (optional, higher first) breaks ties between equal matches before the queue length does."""
     if not replicas:
         raise ValueError("no replica to choose from")
     if max_imbalance < 0:
         raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance!r}")
     n = len(replicas)
     queue = {r: max(0, int(queue_lens.get(r, 0) or 0)) for r in replicas}
-    matched = {r: indexes[r].match(keys) if r in indexes else 0 for r in replicas}
+    matched = {r: int(matched.get(r, 0) or 0) for r in replicas}
+    second = {r: int((secondary or {}).get(r, 0) or 0) for r in replicas}
     turn = {r: (i - rotation) % n for i, r in enumerate(replicas)}
     limit = min(queue.values()) + max_imbalance
     eligible = [r for r in replicas if queue[r] <= limit]
     overloaded = [r for r in replicas if queue[r] > limit]
-    eligible.sort(key=lambda r: (-matched[r], queue[r], turn[r]))
+    eligible.sort(key=lambda r: (-matched[r], -second[r], queue[r], turn[r]))
     overloaded.sort(key=lambda r: (queue[r], turn[r]))
     best = eligible[0]
     skipped = tuple(r for r in overloaded if matched[r] > matched[best])
