@@ -7,16 +7,15 @@ Running a script. From the repository root, as a module::
     python -m experiments.sims.cache_sim --help
 
 ``-m`` puts the current directory first on ``sys.path``, so the script runs this checkout's ``kvboost`` and
-``experiments`` (also in a git worktree of another commit, which the A/B scripts rely on), installed or not.
-``python experiments/bench/bench_decode.py`` works too once the project is installed (``scripts/install.sh``
-installs ``kvboost`` and ``experiments`` in editable mode); it then imports the installed checkout. That is the
-one bootstrap: no script edits ``sys.path`` to find the project. (Two scripts put *another* checkout first on
-purpose, to measure it: ``bench/ab_interleaved.py``'s worker and ``bench/bench_overhead.py --kvboost-root``; they
+``experiments`` (also in a git worktree of another commit, which the A/B scripts rely on), installed or not;
+``experiments`` itself is never installed (the wheel leaves it out), so ``-m`` from the root is the one way to run
+a script. That is the one bootstrap: no script edits ``sys.path`` to find the project. (Two scripts put *another* checkout first on
+purpose, to measure it: ``bench/ab.py``'s request worker and ``bench/bench_overhead.py --kvboost-root``; they
 use :func:`use_checkout`.)
 
 Contents: paths (:data:`REPO_ROOT`, :data:`RESULTS_DIR`), CLI conventions (:func:`add_threads_arg`,
 :func:`set_threads`), timing (:func:`time_ms`, :func:`median_ms`), statistics (:func:`percentile` and the
-helpers built on it, re-exported from :mod:`experiments.report`, where the runner's summaries use the same
+helpers built on it, re-exported from :mod:`kvboost.lab.report`, where the runner's summaries use the same
 definition), writers (:func:`write_json`, :func:`write_markdown`), :func:`stop_process` (a server the script
 started), :func:`script_module` (a module of ``scripts/``, which is not a package).
 
@@ -29,18 +28,19 @@ in the load test all mean this.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 # The one percentile of the project (and the helpers built on it) live in the runner's report module, which the
 # summaries of run.py use: a p90 in a benchmark table and in summary.json mean the same thing.
-from experiments.report import (
+from kvboost.lab.report import (
     cached_new_shape,
     median_range,
     percentile,
@@ -48,6 +48,7 @@ from experiments.report import (
     serve_prefix_hit,
     spread,
 )
+from kvboost.paths import CONFIG_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
@@ -88,14 +89,39 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def compose_run_config(overrides: list[str]) -> dict[str, Any]:
-    """The config ``python run.py OVERRIDES`` would run (Hydra compose over ``configs/``), as plain containers."""
+def compose_run_config(overrides: Sequence[str] = (), **parts: Any) -> dict[str, Any]:
+    """The config ``python run.py OVERRIDES`` would run (Hydra compose over ``kvboost/configs/``), as plain containers.
+
+    ``parts``: what a benchmark sets after composing, for values Hydra's override grammar says badly (a plugin
+    spec built in code, a cache stack with a temporary folder): a config group (``cache=[...]``, ``quant={...}``)
+    replaces the composed one; an engine option (``decode="eager"``, :data:`kvboost.build.ENGINE_OPTIONS`) goes
+    into ``engine``; a model field (``dtype="bfloat16"``, :data:`kvboost.build.MODEL_FIELDS`) into ``model``.
+    The result is what :func:`kvboost.build.build_engine` takes: every benchmark builds its engine that way.
+    """
+    from kvboost.build import ENGINE_OPTIONS, MODEL_FIELDS
+
+    out: dict[str, Any] = json.loads(_composed(tuple(overrides)))  # a fresh copy per call: callers change it
+    for key, value in parts.items():
+        if key in ENGINE_OPTIONS:
+            out["engine"] = {**(out.get("engine") or {}), key: value}
+        elif key in MODEL_FIELDS:
+            out["model"] = {**(out.get("model") or {}), key: value}
+        elif key in out:
+            out[key] = value
+        else:  # a typo must not become a silently ignored key
+            raise ValueError(f"compose_run_config: {key!r} is no config group, engine option or model field")
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _composed(overrides: tuple[str, ...]) -> str:
+    """The composed config as JSON text, once per overrides (a benchmark composes one per engine it builds)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return json.dumps(OmegaConf.to_container(cfg, resolve=True))
 
 
 def use_checkout(root: str | Path) -> Path:

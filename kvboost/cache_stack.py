@@ -6,7 +6,7 @@ Hydra reads ``cache=[memory,disk]`` as a list of options of the ``cache`` group 
 commands take these overrides out before Hydra sees them (:func:`split_cache_overrides`) and put the stack into
 the composed config afterwards (:func:`cache_stack`):
 
-- ``cache=[memory,disk]``: each name's ``configs/cache/<name>.yaml``;
+- ``cache=[memory,disk]``: each name's ``kvboost/configs/cache/<name>.yaml``;
 - ``cache=[{name: memory, capacity: 1GiB}, {name: disk, path: /data/kv}]``: each mapping over its name's yaml;
 - ``cache.1.path=/data/kv``: one field of one tier of the stack (index from 0).
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+from kvboost.paths import CONFIG_DIR
 
 
 class CacheOverrideError(ValueError):
@@ -99,7 +99,7 @@ def split_cache_overrides(overrides: list[str]) -> tuple[list[str], CacheStackSp
 
 
 def tier_defaults(name: str, config_dir: Path = CONFIG_DIR) -> dict[str, Any]:
-    """The fields of ``configs/cache/<name>.yaml``; CacheOverrideError listing the tiers when there is none."""
+    """The fields of ``kvboost/configs/cache/<name>.yaml``; CacheOverrideError listing the tiers when there is none."""
     from omegaconf import OmegaConf
 
     path = config_dir / "cache" / f"{name}.yaml"

@@ -7,7 +7,7 @@
 
 ``past_key_values`` is HF's legacy form (per layer ``(keys, values)`` of shape ``[batch, kv_heads, seq, head_dim]``)
 or an HF ``Cache`` (``DynamicCache``). ``bits``: 8 / 4 / 2 run the ``kivi8`` / ``kivi4`` / ``kivi2`` plugins
-(:mod:`kvboost.quant.kivi`, ``configs/quant/kivi*.yaml``: the same code the engine's ``quant=kivi8`` stores chunks
+(:mod:`kvboost.quant.kivi`, ``kvboost/configs/quant/kivi*.yaml``: the same code the engine's ``quant=kivi8`` stores chunks
 with; group size and error bound documented there); 16 stores the tensors as they are (``quant=none``).
 
 Differences from the original: quantization is asymmetric min-max with a zero point per group (the original was
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-# ``bits`` -> the KV quantizer plugin (``configs/quant``): the one table the constructor's kv_cache_bits uses too.
+# ``bits`` -> the KV quantizer plugin (``kvboost/configs/quant``): the one table the constructor's kv_cache_bits uses too.
 from kvboost.original_api import KV_CACHE_BITS as BITS_TO_PLUGIN
 
 
@@ -53,7 +53,7 @@ def _layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def quantize_kv(kv: Any, bits: int = 8, *, group_size: int | None = None, residual: int = 0) -> QuantizedKV:
     """Quantize ``kv`` (HF ``past_key_values``: per layer ``(keys, values)`` ``[batch, kv_heads, seq, head_dim]``,
     or an HF ``Cache``) with KIVI at ``bits`` (8, 4, 2; 16: no quantization). ``group_size`` and ``residual`` are the
-    quantizer's (default: the plugin's, see ``configs/quant``)."""
+    quantizer's (default: the plugin's, see ``kvboost/configs/quant``)."""
     from kvboost.registry import KV_QUANT
 
     if isinstance(bits, bool) or bits not in BITS_TO_PLUGIN:

@@ -73,7 +73,7 @@ _ENGINE_MODES = {GenerationMode.BASELINE: "cold", GenerationMode.PREFIX_CACHE: "
 
 class RecomputeStrategy(str, enum.Enum):
     """``recompute_strategy=`` of the original API; :attr:`plugin` is the recompute plugin it selects
-    (``configs/recompute/<plugin>.yaml``). Not to be confused with :class:`kvboost.recompute.base.RecomputeStrategy`,
+    (``kvboost/configs/recompute/<plugin>.yaml``). Not to be confused with :class:`kvboost.recompute.base.RecomputeStrategy`,
     the plugins' interface."""
 
     SELECTIVE = "selective"  # the original's default: recompute where a run of reused tokens starts

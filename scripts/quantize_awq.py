@@ -56,7 +56,7 @@ def awq_output_dir(method: str = "awq", group_size: int = 64) -> Path:
 
 def sharegpt_sample() -> list:
     """The fixed ShareGPT sample (conversations, in order) that calibration and evaluation split."""
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
 
     return load_conversations(min_turns=1, num_conversations=SAMPLE_CONVERSATIONS, seed=SAMPLE_SEED)
 

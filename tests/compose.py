@@ -1,10 +1,8 @@
-"""Compose the project's Hydra config (``configs/config.yaml``) with overrides, as ``run.py`` would, in a test."""
+"""Compose the project's Hydra config (``kvboost/configs/config.yaml``) with overrides, as ``run.py`` would, in a test."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+from kvboost.paths import CONFIG_DIR
 
 
 def compose(overrides: list[str], *, hydra: bool = False):

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from tiny import tiny_model
 
-from experiments.accuracy_table import (
+from kvboost.lab.accuracy_table import (
     accuracy_by_reuse,
     add_accuracy_by_reuse,
     bucket_labels,
     bucket_of,
     format_accuracy_table,
 )
-from experiments.workloads import WORKLOADS
-from experiments.workloads.accuracy import TEMPLATES, is_correct, make_facts, normalize_answer
-from experiments.workloads.base import WorkloadEnv
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.accuracy import TEMPLATES, is_correct, make_facts, normalize_answer
+from kvboost.lab.workloads.base import WorkloadEnv
+from kvboost.paths import CONFIG_DIR
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 SMALL = {"perplexity_conversations": 2, "perplexity_turns": 3, "recall_tasks": 6, "filler_turns": 2,
          "max_prompt_tokens": 1500}  # fmt: skip
 
@@ -155,8 +154,8 @@ def test_yaml_composes_passes_the_startup_check_and_matches_the_dataclass():
 
     from omegaconf import OmegaConf
 
-    from experiments.config_check import check_config
-    from experiments.workloads.accuracy import AccuracyConfig
+    from kvboost.lab.config_check import check_config
+    from kvboost.lab.workloads.accuracy import AccuracyConfig
 
     cfg = OmegaConf.to_container(_compose(["workload=accuracy"]), resolve=True)
     check_config(cfg)
@@ -286,7 +285,7 @@ def test_add_to_summary_only_when_something_was_scored():
 
 # ----------------------------------------------------------------------------------------- end to end
 def test_tiny_end_to_end_writes_the_table(tmp_path, tok):
-    from experiments.runner import run_experiment
+    from kvboost.lab.runner import run_experiment
 
     cfg = _compose([
         "workload=accuracy", "logger=none", "warmup=false", "workload.perplexity_conversations=1",

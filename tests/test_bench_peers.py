@@ -141,8 +141,8 @@ def test_parse_assignments_and_parser():
 def test_torch_system_on_a_tiny_engine_ignores_eos():
     from tiny import ToyTokenizer, tiny_model
 
-    from experiments.modes import MODES
     from kvboost.engine import InferenceEngine
+    from kvboost.lab.modes import MODES
 
     engine = InferenceEngine(tiny_model("llama"), ToyTokenizer())
     try:

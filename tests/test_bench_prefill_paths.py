@@ -8,7 +8,7 @@ import json
 import pytest
 
 from experiments.bench.bench_prefill_paths import main
-from experiments.report import cached_new_shape
+from kvboost.lab.report import cached_new_shape
 
 pytestmark = pytest.mark.integration
 

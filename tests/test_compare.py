@@ -1,4 +1,4 @@
-"""Comparison across runs (experiments/compare.py) on fake run folders with known numbers."""
+"""Comparison across runs (kvboost/lab/compare.py) on fake run folders with known numbers."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the experiments/ runner is not an installed package
     sys.path.insert(0, str(ROOT))
 
-from experiments.compare import CompareError, SummaryWarning, compare, find_summaries, main  # noqa: E402
-from experiments.report import summarize, write_summary  # noqa: E402
+from kvboost.lab.compare import CompareError, SummaryWarning, compare, find_summaries, main  # noqa: E402
+from kvboost.lab.report import summarize, write_summary  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

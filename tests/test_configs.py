@@ -10,7 +10,8 @@ import pytest
 from compose import CONFIG_DIR, compose
 from omegaconf import OmegaConf
 
-from experiments.config_check import ENGINE_OPTIONS, check_config, engine_signature_options
+from kvboost.build import ENGINE_OPTIONS, engine_signature_options
+from kvboost.lab.config_check import check_config
 
 GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment"))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
@@ -22,19 +23,19 @@ def test_every_option_composes_and_checks(group, option):
     cfg = OmegaConf.to_container(compose([f"{group}={option}"]), resolve=True)
     check_config(cfg)
     if group in ("chunker", "hasher", "recompute", "quant", "attn", "cache", "eviction", "workload", "logger"):
-        assert cfg[group]["name"] == option, f"configs/{group}/{option}.yaml must name itself"
+        assert cfg[group]["name"] == option, f"kvboost/configs/{group}/{option}.yaml must name itself"
 
 
 def test_every_config_group_mirrors_its_registry():
-    from experiments.modes import MODES
-    from experiments.workloads import WORKLOADS
+    from kvboost.lab.modes import MODES
+    from kvboost.lab.workloads import WORKLOADS
     from kvboost.registry import ALL_REGISTRIES
 
     registries = {**ALL_REGISTRIES, "workload": WORKLOADS}
     for group, registry in registries.items():
         names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
-        assert names, f"configs/{group}/ is missing"
-        assert names == set(registry.names()), f"configs/{group}/ and the {group} registry differ"
+        assert names, f"kvboost/configs/{group}/ is missing"
+        assert names == set(registry.names()), f"kvboost/configs/{group}/ and the {group} registry differ"
     assert set(MODES.names()) == {"baseline", "hf_prefix", "kvboost_cold", "kvboost", "transformers_cb"}
 
 

@@ -1,4 +1,4 @@
-"""Named experiments (configs/experiment/*.yaml), launchers and the sweep objective.
+"""Named experiments (kvboost/configs/experiment/*.yaml), launchers and the sweep objective.
 
 Every experiment composes with Hydra's compose API, passes the start-up check and runs shrunk to a tiny size on
 a tiny random model (lightning-hydra-template's tests/test_sweeps.py habit); every launcher config composes.
@@ -13,9 +13,9 @@ from compose import CONFIG_DIR, compose
 from omegaconf import OmegaConf
 from tiny import tiny_model
 
-from experiments.config_check import check_config
-from experiments.objective import BROKEN_CONSTRAINT, ObjectiveError, sweep_objective
-from experiments.runner import run_experiment
+from kvboost.lab.config_check import check_config
+from kvboost.lab.objective import BROKEN_CONSTRAINT, ObjectiveError, sweep_objective
+from kvboost.lab.runner import run_experiment
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 LAUNCHERS = sorted(p.stem for p in (CONFIG_DIR / "hydra" / "launcher").glob("*.yaml"))

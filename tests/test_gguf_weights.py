@@ -179,7 +179,8 @@ def test_unknown_weights_value_names_the_accepted_ones():
 
 
 def test_config_check_knows_model_weights():
-    from experiments.config_check import check_config, engine_options
+    from kvboost.build import engine_options
+    from kvboost.lab.config_check import check_config
 
     base = {"model": {"name_or_path": None, "weights": "gguf_int4"}}
     check_config(base)

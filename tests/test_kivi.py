@@ -21,6 +21,7 @@ from tiny import make_engine, random_ids
 from kernels_triton import kivi_reference as ref
 from kvboost.cache import KVEntry
 from kvboost.cache import payload as fmt
+from kvboost.paths import CONFIG_DIR
 from kvboost.quality import first_token_kl
 from kvboost.quant.kivi import KiviPayload, KiviQuantizer
 from kvboost.registry import KV_QUANT
@@ -304,11 +305,10 @@ def test_config_errors_name_the_field():
 
 
 def test_yaml_configs_build():
-    from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    root = Path(__file__).resolve().parents[1] / "configs" / "quant"
+    root = CONFIG_DIR / "quant"
     for b in BITS:
         q = KV_QUANT.build(OmegaConf.load(root / f"kivi{b}.yaml"))
         assert q.bits == b and q.group_size == (64 if b == 4 else 32) and q.residual == 0

@@ -171,7 +171,7 @@ def test_the_engine_config_group_turns_events_on():
     from compose import compose
     from omegaconf import OmegaConf
 
-    from experiments.runner import build_engine
+    from kvboost.build import build_engine
 
     port = free_port()
     cfg = OmegaConf.to_container(compose(["model=tiny_random", "engine.decode=eager", "engine.kv_events.enabled=true",

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the route
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from experiments.bench import load_test as lt
-from experiments.sharegpt_data import Conversation, Turn
+from kvboost.lab.sharegpt_data import Conversation, Turn
 
 
 def _conversations(n: int, turns: int) -> list[Conversation]:

@@ -13,7 +13,7 @@ import pytest
 from compose import compose
 from omegaconf import OmegaConf
 
-from experiments.config_check import check_config
+from kvboost.lab.config_check import check_config
 from kvboost.models import catalog
 from kvboost.models.catalog import CatalogModel, ModelNotInstalledError
 

@@ -13,10 +13,10 @@ import pytest
 from compose import compose
 from tiny import tiny_model
 
-from experiments.config_check import check_config
-from experiments.runner import run_experiment
-from experiments.workloads import musique as mq
-from experiments.workloads.base import WorkloadEnv
+from kvboost.lab.config_check import check_config
+from kvboost.lab.runner import run_experiment
+from kvboost.lab.workloads import musique as mq
+from kvboost.lab.workloads.base import WorkloadEnv
 
 # ------------------------------------------------------------------------------------------ token F1
 
@@ -200,7 +200,7 @@ def test_a_bad_data_path_fails_at_the_config_check_before_any_model_loads(tmp_pa
         check_config(dict(cfg))
     assert str(missing) in str(info.value)
 
-    from experiments import runner
+    from kvboost.lab import runner
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the data path was checked")
@@ -270,7 +270,7 @@ RAG_FIELDS = {"num_documents": 4, "num_queries": 3, "docs_per_query": 3, "doc_to
 def test_rag_reorder_layouts(smollm_tokenizer):
     """question_both (default): the question before and after the documents; question_after: only after them,
     and the shared head (what documents are warmed after) ends with "Documents:"."""
-    from experiments.workloads.rag_reorder import RagReorder
+    from kvboost.lab.workloads.rag_reorder import RagReorder
 
     both = RagReorder(env=_env(smollm_tokenizer), **RAG_FIELDS)
     after = RagReorder(env=_env(smollm_tokenizer), layout="question_after", **RAG_FIELDS)

@@ -15,12 +15,12 @@ from compose import compose
 from omegaconf import OmegaConf
 from tiny import tiny_model
 
-from experiments.config_check import check_config
-from experiments.runner import run_experiment
-from experiments.workloads import WORKLOADS
-from experiments.workloads import needle as nd
-from experiments.workloads.base import WorkloadEnv
-from experiments.workloads.musique import token_f1
+from kvboost.lab.config_check import check_config
+from kvboost.lab.runner import run_experiment
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads import needle as nd
+from kvboost.lab.workloads.base import WorkloadEnv
+from kvboost.lab.workloads.musique import token_f1
 
 
 def _env(tokenizer):

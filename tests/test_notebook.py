@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvboost.paths import CONFIG_DIR
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -43,13 +45,13 @@ def sweep(tmp_path_factory) -> Path:
     from tiny import tiny_model
     from transformers import AutoTokenizer
 
-    from experiments.runner import run_experiment
+    from kvboost.lab.runner import run_experiment
     from kvboost.models.loading import bundled_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir())
     root = tmp_path_factory.mktemp("multirun") / "2025-01-01" / "12-00-00"
     for name, overrides in RUNS.items():
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=[*overrides, *SHARED])
         model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
         run_experiment(cfg, out_dir=root / name, model=model, tokenizer=tokenizer)
@@ -126,7 +128,7 @@ def test_committed_notebook_is_valid_and_has_no_outputs():
 
 
 def test_notebook_draws_every_figure_of_a_sweep(sweep, jupyter_dir, tmp_path):
-    from experiments.report import fmt_speedup, fmt_spread
+    from kvboost.lab.report import fmt_speedup, fmt_spread
 
     figures = tmp_path / "figures"
     nb = execute(jupyter_dir, tmp_path, KVBOOST_RESULTS=str(sweep), KVBOOST_FIGURES=str(figures))

@@ -15,8 +15,9 @@ import kvboost.models.options as loading_options
 from kvboost import KVBoost
 from kvboost.engine import GenerationMode, RecomputeStrategy
 from kvboost.original_api import kv_bytes_per_token
+from kvboost.paths import CONFIG_DIR
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = CONFIG_DIR
 SEP = "\n\n"
 DOCS = [
     "Alpha document: the red fox lives in the northern forest and eats berries in the summer. " * 2,

@@ -15,7 +15,7 @@ import pytest
 from compose import compose
 from omegaconf import OmegaConf
 
-from experiments.config_check import check_config
+from kvboost.lab.config_check import check_config
 from kvboost.registry import RECOMPUTE, UnknownPluginError
 
 PACKAGE = "last_n_strategies"

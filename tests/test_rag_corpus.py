@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from experiments import rag_corpus as rc
+from kvboost.lab import rag_corpus as rc
 
 
 @pytest.fixture(scope="module")

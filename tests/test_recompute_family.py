@@ -13,6 +13,7 @@ import torch
 from test_recompute_narrowing import content_plan, diff, prefill, recording, warmed
 
 from kvboost.cache.entry import approximate_segment_key, segment_only_key
+from kvboost.paths import CONFIG_DIR
 from kvboost.plan import KIND_CODES, ComputeSchedule, Placement, ReusePlan
 from kvboost.recompute import (
     AdaptiveParallelEncoding,
@@ -341,12 +342,10 @@ def test_ape_tempers_a_plan_once_and_never_an_entry_it_stored():
 
 @pytest.mark.parametrize("name", ["epic", "ape", "relevance", "compose"])
 def test_each_new_strategy_has_a_config_and_a_cited_paper(name):
-    import pathlib
 
     import yaml
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    cfg = yaml.safe_load((root / "configs" / "recompute" / f"{name}.yaml").read_text())
+    cfg = yaml.safe_load((CONFIG_DIR / "recompute" / f"{name}.yaml").read_text())
     assert cfg["name"] == name and cfg.get("description")
     RECOMPUTE.validate(cfg)
     strategy = RECOMPUTE.build(cfg)

@@ -429,7 +429,7 @@ def test_agreement_reaches_the_runners_records(tmp_path, smollm_tokenizer):
     from compose import compose
     from tiny import tiny_model
 
-    from experiments.runner import run_experiment
+    from kvboost.lab.runner import run_experiment
 
     overrides = ["workload=rag_reorder", "recompute=cacheblend", "recompute.oracle_agreement=true", "logger=none",
                  "workload.num_documents=4", "workload.num_queries=2", "workload.docs_per_query=3",

@@ -86,7 +86,7 @@ def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
         registry_module.load_entry_point_plugins()
         assert "third_party_fixed" in CHUNKERS.names()
     finally:
-        # Leave the registry as the other tests expect it (configs/chunker/ mirrors it).
+        # Leave the registry as the other tests expect it (kvboost/configs/chunker/ mirrors it).
         CHUNKERS.unregister("third_party_fixed")
         sys.modules.pop("my_kvboost_plugin", None)
 

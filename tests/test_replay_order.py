@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.workloads.base import WorkloadEnv
-from experiments.workloads.sharegpt_replay import SharegptReplay
+from kvboost.lab.workloads.base import WorkloadEnv
+from kvboost.lab.workloads.sharegpt_replay import SharegptReplay
 
 
 def _replay(**fields) -> SharegptReplay:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the experiments/ runner is not an installed package
     sys.path.insert(0, str(ROOT))
 
-from experiments.report import (  # noqa: E402
+from kvboost.lab.report import (  # noqa: E402
     bootstrap_ratio_ci,
     format_table,
     percentile,

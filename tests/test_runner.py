@@ -8,7 +8,7 @@ import pytest
 from compose import compose
 from tiny import tiny_model
 
-from experiments.runner import run_experiment
+from kvboost.lab.runner import run_experiment
 
 
 def test_compose_overrides_reach_the_config():
@@ -99,7 +99,7 @@ def test_unknown_workload_and_mode_are_clear_errors(tmp_path):
      ("engine.prefill_weights=packed", "engine.prefill_weights must be"), ("engine.prefill_weights=plain", None)],
 )  # fmt: skip
 def test_config_typos_fail_before_the_model_is_loaded(tmp_path, override, message):
-    from experiments.config_check import check_config
+    from kvboost.lab.config_check import check_config
 
     cfg = compose(["logger=none", *override.split()])
     plain = __import__("omegaconf").OmegaConf.to_container(cfg, resolve=True)
@@ -138,7 +138,7 @@ def test_rag_reorder_end_to_end(tmp_path, smollm_tokenizer):
 
 
 def test_a_failed_run_gives_the_model_back(tmp_path, smollm_tokenizer, monkeypatch):
-    from experiments.workloads.sharegpt_replay import SharegptReplay
+    from kvboost.lab.workloads.sharegpt_replay import SharegptReplay
 
     def broken(self):
         raise RuntimeError("workload failed mid-run")
@@ -155,7 +155,7 @@ def test_a_failed_run_gives_the_model_back(tmp_path, smollm_tokenizer, monkeypat
 
 def test_mode_order_is_shuffled_per_request_and_seeded(tmp_path, smollm_tokenizer, monkeypatch):
     """No mode is always measured first: the order changes between requests, and the same seed repeats it."""
-    import experiments.runner as runner
+    import kvboost.lab.runner as runner
 
     def orders(out):
         seen: list[str] = []
@@ -203,8 +203,8 @@ def test_random_model_run_with_an_int8_head_reports_it(tmp_path):
 def test_rag_reorder_warms_documents_after_the_shared_head(tmp_path, smollm_tokenizer):
     """warm_context=head: each document is warmed after the prompts' shared head; its segment key is unchanged,
     so the documents are still content hits in every query."""
-    from experiments.workloads.base import WorkloadEnv
-    from experiments.workloads.rag_reorder import RagReorder
+    from kvboost.lab.workloads.base import WorkloadEnv
+    from kvboost.lab.workloads.rag_reorder import RagReorder
 
     env = WorkloadEnv(tokenizer=smollm_tokenizer, count_tokens=lambda t: len(smollm_tokenizer(t)["input_ids"]))
     fields = {"num_documents": 4, "num_queries": 3, "docs_per_query": 2, "doc_tokens": 64}

@@ -15,10 +15,10 @@ import pytest
 from compose import compose
 from tiny import tiny_model
 
-from experiments import run_control
-from experiments.cache_stack import CacheOverrideError, cache_stack, split_cache_overrides
-from experiments.run_control import RunEstimate, RunInterrupted, exit_code
-from experiments.runner import run_experiment
+from kvboost.cache_stack import CacheOverrideError, cache_stack, split_cache_overrides
+from kvboost.lab import run_control
+from kvboost.lab.run_control import RunEstimate, RunInterrupted, exit_code
+from kvboost.lab.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _records(path: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------ interrupt
 def _interrupt_after(monkeypatch, calls: int, exc: BaseException) -> None:
     """Make the ``calls``-th measured generate (after warm-up) raise ``exc`` (a Ctrl-C or SIGTERM mid-run)."""
-    from experiments import modes
+    from kvboost.lab import modes
 
     count = {"n": 0}
     for cls in (modes._HFMode, modes._EngineMode):
@@ -53,7 +53,7 @@ def _interrupt_after(monkeypatch, calls: int, exc: BaseException) -> None:
 
 
 def modes_warmup():
-    from experiments.runner import WARMUP_MESSAGES
+    from kvboost.lab.runner import WARMUP_MESSAGES
 
     return WARMUP_MESSAGES
 
@@ -78,7 +78,7 @@ def test_an_interrupted_run_keeps_records_and_writes_the_summary(tmp_path, smoll
 
 
 def test_records_are_on_disk_as_requests_finish(tmp_path, smollm_tokenizer, monkeypatch):
-    from experiments import runner
+    from kvboost.lab import runner
 
     seen: list[int] = []
     original = runner.RecordSink.write
@@ -141,8 +141,8 @@ def test_a_short_run_gets_the_estimate_without_the_hint():
 
 
 def test_workloads_say_how_to_keep_a_fraction_of_their_requests(smollm_tokenizer):
-    from experiments.workloads import WORKLOADS
-    from experiments.workloads.base import WorkloadEnv
+    from kvboost.lab.workloads import WORKLOADS
+    from kvboost.lab.workloads.base import WorkloadEnv
 
     env = WorkloadEnv(tokenizer=smollm_tokenizer, count_tokens=lambda p: 10)
     replay = WORKLOADS.build({"name": "sharegpt_replay", "num_conversations": 4, "max_turns": 4}, env=env)
@@ -164,7 +164,7 @@ def test_the_runner_prints_the_estimate_and_a_warm_up_bar(tmp_path, smollm_token
 
 # ------------------------------------------------------------------------------------------ legend
 def test_the_table_says_what_greedy_match_means():
-    from experiments.report import greedy_match_legend
+    from kvboost.lab.report import greedy_match_legend
 
     def legend(summary):
         text = greedy_match_legend(summary)
@@ -178,7 +178,7 @@ def test_the_table_says_what_greedy_match_means():
 
 
 def test_rag_figures_come_with_their_explanation():
-    from experiments.report import explain_hf_prefix, format_overhead
+    from kvboost.lab.report import explain_hf_prefix, format_overhead
 
     slow = {"modes": {"hf_prefix": {"overall": {"speedup_vs_baseline_p50": 0.53, "reuse_ratio": 0.02}}}}
     assert "0.53x" in explain_hf_prefix(slow) and "causal mask" in explain_hf_prefix(slow)
@@ -273,7 +273,7 @@ def test_an_objective_mode_that_is_not_run_fails_a_sweep_before_loading(tmp_path
     (["quant=kivi8", "quant.bits=3"], "bits"),
 ])  # fmt: skip
 def test_plugin_values_fail_before_the_model_loads(tmp_path, monkeypatch, override, message):
-    from experiments import runner
+    from kvboost.lab import runner
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the config was checked")

@@ -328,7 +328,7 @@ class Reference:
     """A fresh engine of the server's config: cold generation alone, tokenization, the canonical next-turn ids."""
 
     def __init__(self) -> None:
-        from experiments.runner import build_engine
+        from kvboost.build import build_engine
         from kvboost.serving.cli import build_parser, compose_config
 
         cfg = compose_config(build_parser().parse_args(OVERRIDES))

@@ -93,7 +93,7 @@ def assert_rewritten_intact(path: Path, timeout: float = 30.0) -> None:
 
 def reference(messages: list[dict[str, str]]) -> list[int]:
     """The greedy tokens of a fresh engine (same config, nothing cached) for ``messages``."""
-    from experiments.runner import build_engine
+    from kvboost.build import build_engine
     from kvboost.serving.cli import build_parser, compose_config
 
     cfg = compose_config(build_parser().parse_args(OVERRIDES))

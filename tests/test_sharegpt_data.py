@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the experiments/ runner is not an installed package
     sys.path.insert(0, str(ROOT))
 
-from experiments import sharegpt_data  # noqa: E402
-from experiments.sharegpt_data import (  # noqa: E402
+from kvboost.lab import sharegpt_data  # noqa: E402
+from kvboost.lab.sharegpt_data import (  # noqa: E402
     Conversation,
     Turn,
     dataset_stats,

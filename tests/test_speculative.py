@@ -302,10 +302,9 @@ def test_every_draft_strategy_meets_the_contract(name):
     assert 0 <= b.extra["accepted_tokens"] <= b.extra["drafted_tokens"]
     assert 1 <= b.extra["target_forwards"] <= b.generated_tokens - 1
     # propose() directly: at most k valid ids, the context untouched.
-    from kvboost.speculative.base import DraftRequest
-
     from kvboost.kv.block_table import BlockTable
     from kvboost.runtime.batch import ForwardBatch, SeqInput
+    from kvboost.speculative.base import DraftRequest
 
     table = BlockTable(engine.pool)
     with torch.inference_mode():
@@ -388,7 +387,8 @@ def test_layer_skip_with_an_int8_head(decode):
 
 
 def test_config_check_refuses_bad_speculative_fields():
-    from experiments.config_check import check_config, engine_options
+    from kvboost.build import engine_options
+    from kvboost.lab.config_check import check_config
 
     cfg = {"speculative": {"name": "prompt_lookup", "num_draft": 0}}
     with pytest.raises(ValueError, match="num_draft"):

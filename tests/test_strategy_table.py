@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 
 from experiments.bench import strategy_table as st
-from experiments.report import paired_difference_ci, wilson_interval
+from kvboost.lab.report import paired_difference_ci, wilson_interval
 
 
 def test_wilson_interval_known_values():
@@ -176,7 +176,7 @@ def test_bad_spec_on_the_command_line_is_a_usage_error(tmp_path, capsys):
 @pytest.mark.parametrize("spec, message", [("no_such_strategy", "no_such_strategy"),
                                            ("cacheblend:no_such_field=1", "no_such_field")])  # fmt: skip
 def test_an_unknown_strategy_or_field_fails_before_the_model_loads(spec, message, tmp_path, monkeypatch):
-    from experiments import runner
+    from kvboost.lab import runner
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the strategies were checked")

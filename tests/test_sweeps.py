@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from tiny import tiny_model
 
-from experiments.runner import run_experiment
+from kvboost.lab.runner import run_experiment
+from kvboost.paths import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny_random", "logger=none", "warmup=false", "workload.num_conversations=1", "workload.max_turns=2",
@@ -40,7 +41,7 @@ def test_a_joblib_multirun_of_two_jobs_writes_two_result_folders(tmp_path):
         assert run["overrides"][-1] == f"seed={number}" and run["job_num"] == number
         assert run["sweep_dir"] == str(sweep)
     # the runs compare with one command
-    subprocess.run([sys.executable, "-m", "experiments.compare", str(sweep)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "kvboost.lab.compare", str(sweep)], cwd=ROOT, check=True, capture_output=True)
     table = (sweep / "comparison.md").read_text()
     assert "seed=0" in table and "seed=1" in table
 
@@ -87,7 +88,7 @@ def test_wandb_offline_run_folder(tmp_path, capsys, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir())
     overrides = ["experiment=chat_replay", "workload.num_conversations=2", "workload.max_turns=2",
                  "workload.max_new_tokens=2", "workload.max_prompt_tokens=400", "warmup=false", "logger=wandb"]  # fmt: skip
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     run_info = {"overrides": overrides, "experiment": "chat_replay", "sweep_dir": "multirun/sweep-under-test", "job_num": 0}
     model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)

@@ -67,7 +67,8 @@ def run(trials: int, num_prompts: int, memory: str, work: Path, latencies: list[
     import torch
 
     from experiments.checks.kv_quant_check import _prompts
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.cache import disk as disk_mod
     from kvboost.models.loading import load_model_and_tokenizer
 
@@ -78,8 +79,8 @@ def run(trials: int, num_prompts: int, memory: str, work: Path, latencies: list[
     texts = _prompts(num_prompts, tokenizer)
     question = tokenizer("\nUser: Can you summarise that in one line?\nAssistant:")["input_ids"]
     master = work / "master"
-    with KVBoost(model, tokenizer, model_identity=str(path), chunker=chunker,
-                 cache={"name": "disk", "path": str(master), "capacity": "8GiB"}) as engine:  # fmt: skip
+    master_cfg = compose_run_config(chunker=chunker, cache={"name": "disk", "path": str(master), "capacity": "8GiB"})
+    with build_engine(master_cfg, model, tokenizer, model_identity=str(path)) as engine:
         ids = [tokenizer(t)["input_ids"] for t in texts]
         with torch.inference_mode():
             for prompt_ids in ids:
@@ -102,7 +103,8 @@ def run(trials: int, num_prompts: int, memory: str, work: Path, latencies: list[
             dropped = _drop_page_cache(folder)
             cache = [{"name": "memory", "capacity": memory},
                      {"name": "disk", "path": str(folder), "capacity": "8GiB", "background_bytes": ARMS[arm]}]
-            with KVBoost(model, tokenizer, model_identity=str(path), chunker=chunker, cache=cache) as engine:
+            with build_engine(compose_run_config(chunker=chunker, cache=cache), model, tokenizer,
+                              model_identity=str(path)) as engine:  # fmt: skip
                 for i, prompt in enumerate(prompts):
                     r = engine.generate(prompt, max_new_tokens=1)
                     rows.append({"read_latency_ms": latency, "trial": trial, "arm": arm, "prompt": i,

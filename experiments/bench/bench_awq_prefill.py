@@ -30,8 +30,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 from experiments.checks.awq_perplexity import heldout_text, perplexity
-from experiments.environment import describe_environment
 from experiments.common import median_range
+from kvboost.lab.environment import describe_environment
 
 RESULTS = ROOT / "experiments" / "results" / "awq"
 
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     awq_output_dir = script_module("quantize_awq").awq_output_dir
 
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.models.loading import bundled_model_dir, load_model_and_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"no AWQ folder at {folder}: run `python scripts/quantize_awq.py` first (or pass --model)")
 
     head = None if args.lm_head == "none" else args.lm_head
-    engines = {kind: KVBoost.from_pretrained(str(folder), dtype=args.dtype, lm_head=head,
-                                             awq_prefill=None if kind == "int4" else kind)
+    engines = {kind: build_engine(compose_run_config(name_or_path=str(folder), dtype=args.dtype, lm_head=head,
+                                                     awq_prefill=None if kind == "int4" else kind))
                for kind in ("int4", "dense")}  # fmt: skip
     for engine in engines.values():
         engine.warmup()

@@ -25,18 +25,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment  # noqa: E402
 from experiments.common import rotated  # noqa: E402
+from kvboost.lab.environment import describe_environment  # noqa: E402
 
 SYSTEMS = ("kvboost_batch", "kvboost_one_by_one", "transformers_cb")
 
 
 def sharegpt_prompts(tokenizer: Any, count: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """``count`` chat-templated first user messages of ShareGPT conversations, each at most ``max_tokens``."""
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
 
     prompts: list[list[int]] = []
     pool = load_conversations(min_turns=1, max_turns=1, num_conversations=count * 4, seed=seed)
@@ -64,9 +63,9 @@ def run_kvboost_singles(engine: Any, prompts: list[list[int]], new_tokens: int) 
 
 
 def run_transformers_cb(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """The runner's ``transformers_cb`` mode (``experiments.modes``): transformers' continuous batching on the
+    """The runner's ``transformers_cb`` mode (``kvboost.lab.modes``): transformers' continuous batching on the
     engine's model, kvboost's backend stepped aside for the call; its wall time covers ``model.generate_batch``."""
-    from experiments.modes import MODES
+    from kvboost.lab.modes import MODES
 
     results = MODES.get("transformers_cb")(engine).generate_batch(prompts, new_tokens)
     return results[0].total_ms / 1e3, [r.output_ids for r in results]
@@ -88,11 +87,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     set_threads(args.threads)
 
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.models.loading import load_model_and_tokenizer
 
     model, tokenizer, path = load_model_and_tokenizer(args.model, dtype=args.dtype)
-    engine = KVBoost(model, tokenizer, model_identity=path)
+    engine = build_engine(compose_run_config(), model, tokenizer, model_identity=path)
     engine.eos_ids = set()  # every system generates exactly --new-tokens tokens
     engine.warmup()
     prompts_all = sharegpt_prompts(tokenizer, max(args.batch_sizes), args.max_prompt_tokens)

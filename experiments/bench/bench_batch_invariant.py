@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.common import RESULTS_DIR, cached_new_shape, median_range, rotated, serve_prefix_hit
-from experiments.environment import describe_environment
+from kvboost.lab.environment import describe_environment
 
 RESULTS = RESULTS_DIR / "bf16_exactness" / "cost"
 ENGINES = {"sdpa": {}, "batch_invariant": {"attn": "batch_invariant"}}
@@ -39,10 +39,11 @@ BEFORE = {"batch_invariant_tiles": {"attn": {"name": "batch_invariant", "rows": 
 
 
 def run(dtype: str, shapes: list[tuple[int, int]], rounds: int, tokens: int, before: bool = False) -> dict[str, Any]:
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
 
     configs = {**ENGINES, **(BEFORE if before else {})}
-    engines = {name: KVBoost.from_pretrained(dtype=dtype, **opts) for name, opts in configs.items()}
+    engines = {name: build_engine(compose_run_config(dtype=dtype, **opts)) for name, opts in configs.items()}
     for engine in engines.values():
         engine.warmup()
         # One untimed request: attn=batch_invariant's row probes (per GEMM shape, on first use) run here.

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
 from experiments.common import cached_new_shape, median_ms, median_range, rotated, serve_prefix_hit
 from kvboost.attention.cpu_ext import cpu_attention_forward, load_cpu_extension
+from kvboost.lab.environment import describe_environment
 
 RESULTS = ROOT / "experiments" / "results" / "decode"
 SHAPES = "0:600,200:42,600:174,1000:188,1000:255,2000:255,1000:1"
@@ -88,9 +88,11 @@ def measure_engines(args: argparse.Namespace, shapes: list[tuple[int, int]]) -> 
     import random
 
     from experiments.bench.bench_peers import Arch, compute_floor_ms, measure_matmul_rate
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
 
-    engines = {attn: KVBoost.from_pretrained(dtype=args.engine_dtype, attn=attn, prefill_weights=args.prefill_weights)
+    engines = {attn: build_engine(compose_run_config([f"attn={attn}"], dtype=args.engine_dtype,
+                                                     prefill_weights=args.prefill_weights))
                for attn in ("sdpa", "cpu_kernel")}  # fmt: skip
     for engine in engines.values():
         engine.warmup()

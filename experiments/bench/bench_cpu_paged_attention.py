@@ -48,9 +48,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
 from experiments.common import percentile, rotated
 from kvboost.attention.cpu_ext import cpu_attention_forward, cpu_paged_attention_forward, load_cpu_extension
+from kvboost.lab.environment import describe_environment
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 DECODE_BATCHES = (1, 8, 32)

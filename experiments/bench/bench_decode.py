@@ -31,12 +31,13 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
-from kvboost import KVBoost
+from experiments.common import compose_run_config
+from kvboost.build import build_engine
+from kvboost.lab.environment import describe_environment
 from kvboost.models.awq import AWQ_TENSORS
 from kvboost.models.compute import describe
-from kvboost.runtime.llama import has_int4_projections
 from kvboost.models.loading import load_model_and_tokenizer
+from kvboost.runtime.llama import has_int4_projections
 
 PATHS = ("hf", "eager", "compiled", "graphed")  # graphed: CUDA only (one CUDA graph per token)
 AWQ_BUFFERS = (*AWQ_TENSORS, "bias")  # an AWQ linear keeps its bias as a buffer too
@@ -107,7 +108,8 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         paths.remove("graphed")
         print("not on a CUDA device: the graphed path (CUDA graphs) is skipped")
     for name in paths:
-        engine = KVBoost(model, tokenizer, model_identity=path, decode=name, share_model=bool(engines))
+        engine = build_engine(compose_run_config(decode=name), model, tokenizer, model_identity=path,
+                              share_model=bool(engines))  # fmt: skip
         compile_s[name] = engine.warmup()["decode_compile_s"]
         engines[name] = engine
     gen = torch.Generator().manual_seed(args.seed)

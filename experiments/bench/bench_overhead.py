@@ -48,8 +48,8 @@ KVBOOST_ROOT = _select_root(sys.argv)
 import torch  # noqa: E402
 
 from experiments.common import median_ms as _median_ms  # noqa: E402
-from experiments.environment import describe_environment  # noqa: E402
 from kvboost import KVBoost  # noqa: E402
+from kvboost.lab.environment import describe_environment  # noqa: E402
 from kvboost.lookup import chunk_prompt, lookup  # noqa: E402
 
 
@@ -177,6 +177,8 @@ def main() -> None:
     model, tokenizer, path = load_model_and_tokenizer(args.model, dtype=args.dtype)
     if args.max_positions:
         model.config.max_position_embeddings = args.max_positions
+    # The public constructor, not kvboost.build.build_engine: --kvboost-root measures older checkouts, which
+    # may have no kvboost.build; every checkout has KVBoost(model, tokenizer, ...).
     engine = KVBoost(model, tokenizer, model_identity=path, cache={"name": "memory", "capacity": "8GiB"})
     rows = [measure(engine, n, args.new_tokens, args.repeats) for n in args.lengths]
     print(f"kvboost from {KVBOOST_ROOT}")

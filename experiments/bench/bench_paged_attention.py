@@ -50,9 +50,9 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
 from kernels_triton.flash_attn import flash_attn_forward
 from kernels_triton.paged_attention import _num_sms, choose_path, paged_attention
+from kvboost.lab.environment import describe_environment
 
 MODELS = {"qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}
 BLOCK_SIZE = 16

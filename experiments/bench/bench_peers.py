@@ -8,11 +8,11 @@ One process, the same prompts (the same token ids) for every system, users seque
 |                      | common token prefix with what it evaluated last (prompt + answer) is kept, the rest is run  |
 | `llama_cpp_ramcache` | llama.cpp ``create_completion(ids)`` with ``LlamaRAMCache``: the state after every request  |
 |                      | is saved, the saved state with the longest common prefix is restored before the next        |
-| `hf_baseline`        | HF cold prefill (``experiments/hf_baselines.py: HFNoCache``, runner mode ``baseline``)      |
+| `hf_baseline`        | HF cold prefill (``kvboost/lab/hf_baselines.py: HFNoCache``, runner mode ``baseline``)      |
 | `hf_prefix`          | HF carrying the previous request's cache (``HFPrefixCache``, runner mode ``hf_prefix``)     |
 | `kvboost`            | the engine with its store (runner mode ``kvboost``), warmed only by earlier turns           |
 
-Prompts are the ShareGPT replay's (``experiments/workloads/sharegpt_replay.py``, the dataset's own history),
+Prompts are the ShareGPT replay's (``kvboost/lab/workloads/sharegpt_replay.py``, the dataset's own history),
 tokenized once with the kvboost engine's tokenizer (chat template), and every system gets those token ids, so
 TTFT runs from token ids in to the first token id out for all of them (no tokenization inside any timer).
 llama.cpp runs the bundled Q4_1 GGUF (the file the HF model is dequantized from): its greedy tokens differ from
@@ -31,9 +31,9 @@ measured in the same process on ``[m, hidden] x [hidden, intermediate]`` for ``m
 of kvboost's requests. ``ttft_over_floor`` = TTFT / floor per request.
 
 Why a script beside ``run.py`` and not a runner mode. It reuses the runner's pieces: the run config (the same
-Hydra ``configs/``, composed here), ``config_check.engine_options`` / ``split_workload_config``, the workload
+Hydra ``kvboost/configs/``, composed here), ``kvboost.build.engine_options`` / ``split_workload_config``, the workload
 registry (the ShareGPT replay's requests), the runner's modes (``baseline``, ``hf_prefix``, ``kvboost`` from
-``experiments/modes.py``) and its warm-up messages. What it does not share is the request loop, on purpose: every
+``kvboost/lab/modes.py``) and its warm-up messages. What it does not share is the request loop, on purpose: every
 system, llama.cpp included, gets the same pre-tokenized ids (the runner's modes take prompt text and time the
 tokenization), each request is served by all systems in a shuffled order before the next, and the output adds
 what only this comparison has (llama.cpp's build, the compute floor, both user orders). Statistics use the one
@@ -368,7 +368,7 @@ def _record(system: str, order: str, request: Any, ids: list[int], m: dict[str, 
 
 
 class TorchSystem:
-    """A runner mode of ``experiments/modes.py`` (hf_baseline = ``baseline``, hf_prefix, kvboost) on token ids."""
+    """A runner mode of ``kvboost/lab/modes.py`` (hf_baseline = ``baseline``, hf_prefix, kvboost) on token ids."""
 
     def __init__(self, name: str, mode: Any, *, ignore_eos: bool) -> None:
         self.name, self.mode = name, mode
@@ -511,19 +511,20 @@ class LlamaRamCacheSystem:
 
 
 # ============================================================================================ the run
-def compose_config(dtype: str, overrides: Sequence[str]) -> dict[str, Any]:
-    """The project's run config (configs/config.yaml, what ``python run.py`` uses) with overrides."""
+def compose_config(dtype: str, overrides: Sequence[str], **parts: Any) -> dict[str, Any]:
+    """The project's run config (kvboost/configs/config.yaml, what ``python run.py`` uses) with overrides (and
+    ``parts``: ``--kvboost-arg`` values, set as :func:`experiments.common.compose_run_config` sets them)."""
     from experiments.common import compose_run_config
 
-    return compose_run_config(["logger=none", f"model.dtype={dtype}", *overrides])
+    return compose_run_config(["logger=none", f"model.dtype={dtype}", *overrides], **parts)
 
 
 def build_requests(
     engine: Any, workload_fields: dict[str, Any], orders: Sequence[str]
 ) -> dict[str, list[tuple[Any, list[int]]]]:
     """Per order, the replay's requests with their token ids (the engine's tokenizer, chat template)."""
-    from experiments.workloads import WORKLOADS
-    from experiments.workloads.base import WorkloadEnv
+    from kvboost.lab.workloads import WORKLOADS
+    from kvboost.lab.workloads.base import WorkloadEnv
 
     if workload_fields.get("history_source", "dataset") != "dataset":
         raise ValueError("bench_peers replays the dataset's own history (workload.history_source=dataset)")
@@ -576,11 +577,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
 
-    from experiments.config_check import engine_options, split_workload_config
-    from experiments.environment import describe_environment
-    from experiments.modes import MODES
-    from experiments.runner import WARMUP_MESSAGES
-    from kvboost.engine import InferenceEngine
+    from kvboost.build import build_engine, engine_options
+    from kvboost.lab.config_check import split_workload_config
+    from kvboost.lab.environment import describe_environment
+    from kvboost.lab.modes import MODES
+    from kvboost.lab.runner import WARMUP_MESSAGES
     from kvboost.models.gguf_weights import weight_format_counts
     from kvboost.models.loading import bundled_gguf_path
 
@@ -596,16 +597,15 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     set_threads(args.threads)
 
-    cfg = compose_config(args.dtype, args.override)
+    kvboost_args = parse_assignments(args.kvboost_arg)
+    cfg = compose_config(args.dtype, args.override, **kvboost_args)
     _, workload_fields, _, _ = split_workload_config(cfg)
     workload_fields.update(num_conversations=args.num_conversations, max_turns=args.max_turns,
                            max_new_tokens=args.max_new_tokens, seed=args.seed)  # fmt: skip
-    kvboost_args = parse_assignments(args.kvboost_arg)
-    options = {**engine_options(cfg), **kvboost_args}
+    options = engine_options(cfg)  # for the report: what the engine was built with
     model_cfg = cfg.get("model") or {}
     t_load = time.perf_counter()
-    engine = InferenceEngine.from_pretrained(model_cfg.get("name_or_path"), dtype=args.dtype,
-                                             device=model_cfg.get("device"), **options)  # fmt: skip
+    engine = build_engine(cfg)
     load_s = time.perf_counter() - t_load
     try:
         eos_ids = set(engine.eos_ids)  # before --ignore-eos empties the runners' sets

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
+from kvboost.lab.environment import describe_environment
 
 
 def timed(fn: Callable[[], torch.Tensor], repeats: int) -> float:

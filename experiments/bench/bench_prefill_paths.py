@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
 from experiments.common import cached_new_shape, median_range, rotated, serve_prefix_hit
+from kvboost.lab.environment import describe_environment
 
 RESULTS = ROOT / "experiments" / "results" / "decode"
 
@@ -47,9 +47,10 @@ def engine_options(dtype: str) -> dict[str, dict[str, str]]:
 
 
 def run(dtype: str, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
 
-    engines = {path: KVBoost.from_pretrained(dtype=dtype, **opts) for path, opts in engine_options(dtype).items()}
+    engines = {path: build_engine(compose_run_config(dtype=dtype, **opts)) for path, opts in engine_options(dtype).items()}
     for engine in engines.values():
         engine.warmup()
     names = list(engines)

@@ -288,7 +288,7 @@ def replay_prompts(engine: Any, args: argparse.Namespace) -> tuple[list[dict[str
     """The ``replay`` prompts (token ids) and, per prompt, plain decoding's answer ids generated up front."""
     from tqdm.auto import tqdm
 
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
 
     if args.conversations == 0:
         return [], {}
@@ -313,7 +313,7 @@ def replay_prompts(engine: Any, args: argparse.Namespace) -> tuple[list[dict[str
 
 def quote_prompts(engine: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The ``quote`` prompts: an instruction (rotating over ``QUOTE_INSTRUCTIONS``) and a real ShareGPT message."""
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
 
     if args.quote_prompts == 0:
         return []
@@ -348,14 +348,15 @@ def strategy_spec(name: str, draft: str | None, dtype: str) -> Any:
 
 def build_engines(args: argparse.Namespace, strategies: list[str], draft: str | None) -> tuple[dict[str, Any], Any]:
     """One engine per strategy on one model object; all share the first engine's runner (one compiled graph)."""
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.models.loading import load_model_and_tokenizer
 
     model, tokenizer, path = load_model_and_tokenizer(None, dtype=args.dtype)
     engines: dict[str, Any] = {}
     for name in [BASELINE, *[s for s in strategies if s != BASELINE]]:  # the baseline owns the model
-        engine = KVBoost(model, tokenizer, model_identity=path, decode=args.decode, share_model=bool(engines),
-                         speculative=strategy_spec(name, draft, args.dtype))  # fmt: skip
+        cfg = compose_run_config(decode=args.decode, speculative=strategy_spec(name, draft, args.dtype))
+        engine = build_engine(cfg, model, tokenizer, model_identity=path, share_model=bool(engines))
         # engines sharing the model share its KV pool and, with the same path, its runner: one compiled graph
         engines[name] = engine
     engines[BASELINE].warmup()
@@ -452,9 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from experiments.environment import describe_environment
-
     from experiments.common import set_threads
+    from kvboost.lab.environment import describe_environment
 
 
     set_threads(args.threads)

@@ -1,6 +1,6 @@
 """Load test for any OpenAI-compatible server: ShareGPT multi-turn sessions, streamed, latency and throughput.
 
-Workload. ``--users`` users, each replaying one real ShareGPT conversation (``experiments/sharegpt_data.py``) for
+Workload. ``--users`` users, each replaying one real ShareGPT conversation (``kvboost/lab/sharegpt_data.py``) for
 ``--turns`` turns. Turn ``k``'s prompt is the chat so far: by default the history holds the *dataset's* assistant
 messages (``--history dataset``), so every prompt is the same whatever the server answers and two servers are
 measured on the same prompts; ``--history server`` puts the server's own answers in the history instead. A user
@@ -15,7 +15,7 @@ think time.
 Measured per request (streaming, ``temperature`` 0 by default): TTFT (send -> first non-empty text chunk), ITL (gaps
 between text chunks; a chunk may carry several tokens), TPOT ((end - first token) / (output tokens - 1)), end-to-end
 latency, and ``usage``: prompt, completion and cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``;
-the report says when the server does not send it). Reported: p50/p99 of each (``experiments/report.py:
+the report says when the server does not send it). Reported: p50/p99 of each (``kvboost/lab/report.py:
 percentile``), request and output-token throughput over the run's wall time, errors by HTTP status (or
 ``connection`` / ``timeout``), the cached fraction of prompt tokens, and TTFT p50 on turn 1 vs turns >= 2.
 
@@ -170,7 +170,7 @@ def build_trace(sessions: Sequence[Session], *, rate: float | None = None, seed:
 def load_sessions(users: int, turns: int, *, seed: int = 0, max_user_chars: int | None = 2000,
                   max_prompt_chars: int | None = 4000) -> list[Session]:  # fmt: skip
     """Sessions from the packaged ShareGPT file: ``users`` conversations with at least ``turns`` turns."""
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
 
     conversations = load_conversations(min_turns=turns, max_turns=turns, num_conversations=users, seed=seed,
                                        max_user_chars=max_user_chars, max_prompt_chars=max_prompt_chars)  # fmt: skip
@@ -575,12 +575,12 @@ async def resolve_model(client: Any, url: str, model: str | None) -> str:
 
 
 def environment() -> dict[str, Any]:
-    """The project's environment record (experiments.environment), with the CPU's model name and the client and
+    """The project's environment record (kvboost.lab.environment), with the CPU's model name and the client and
     peer versions a load test depends on."""
     from importlib import metadata
 
-    from experiments.environment import describe_environment
     from kvboost.env import cpu_model_name
+    from kvboost.lab.environment import describe_environment
 
     def version(p: str) -> str | None:
         try:

@@ -27,16 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RESULTS_DIR, add_threads_arg, set_threads, write_json, write_markdown
-from experiments.environment import describe_environment
+from kvboost.lab.environment import describe_environment
 
 ARMS = ("canonical_on", "canonical_off")
 
 
 def build_engines(dtype: str) -> dict[str, Any]:
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
 
-    on = KVBoost.from_pretrained(dtype=dtype, store_canonical=True)
-    off = KVBoost(on.model, on.tokenizer, model_identity=on.adapter.identity, share_model=True, store_canonical=False)
+    on = build_engine(compose_run_config(dtype=dtype, store_canonical=True))
+    off = build_engine(compose_run_config(dtype=dtype, store_canonical=False), on.model, on.tokenizer,
+                       model_identity=on.adapter.identity, share_model=True)
     return {"canonical_on": on, "canonical_off": off}
 
 
@@ -49,10 +51,10 @@ def history_tokens(engine: Any, messages: list[dict[str, str]]) -> int:
 
 
 def run(args: argparse.Namespace, on_progress: Any = None) -> dict[str, Any]:
-    from experiments.modes import MODES
-    from experiments.runner import WARMUP_MESSAGES
-    from experiments.workloads import WORKLOADS
-    from experiments.workloads.base import WorkloadEnv
+    from kvboost.lab.modes import MODES
+    from kvboost.lab.runner import WARMUP_MESSAGES
+    from kvboost.lab.workloads import WORKLOADS
+    from kvboost.lab.workloads.base import WorkloadEnv
     from kvboost.quality import compare_generations
 
     engines = build_engines(args.dtype)

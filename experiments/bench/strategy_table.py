@@ -29,7 +29,7 @@ can be set per workload as ``name:key=value,...`` (``musique:num_passages=4,data
 ``--queries`` sets ``workload.num_queries`` for all.
 
 Strategies (``--strategies``): ``name`` or ``name:key=value,key=value`` where ``name`` is a recompute config
-(``configs/recompute/<name>.yaml``, or a plugin package's, found through the ``kvboost.plugins`` entry point with
+(``kvboost/configs/recompute/<name>.yaml``, or a plugin package's, found through the ``kvboost.plugins`` entry point with
 no flag) and each ``key`` any field of it (dotted for nested ones), values in Hydra's override syntax:
 ``cacheblend:ratio=0.15,check_layers=[1]``, ``compose:first.k=8,ratio=0.2``, ``epic:k=32``. The old
 ``name:0.3`` means ``name:ratio=0.3``. A strategy whose config has a ``ratio`` field and whose spec does not set
@@ -55,7 +55,7 @@ Outputs in ``--out``:
   measured fraction of reused (token, layer) pairs recomputed);
 - ``summary.json``: all of it as numbers (and the plot data); ``summary.md``: per workload and model, the best
   strategy at each ratio, and whether any strategy at >= 2.5x TTFT is within 0.02 of the full prefill's score;
-- ``--logger wandb``: one W&B run (``configs/logger/wandb.yaml``, offline unless configured) with the leaderboard
+- ``--logger wandb``: one W&B run (``kvboost/configs/logger/wandb.yaml``, offline unless configured) with the leaderboard
   as a ``wandb.Table`` (all cells, and one per cell) and the plots as images.
 """
 
@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import add_threads_arg, percentile, set_threads, write_json, write_markdown
-from experiments.report import bootstrap_median_ci, paired_difference_ci, wilson_interval
+from kvboost.lab.report import bootstrap_median_ci, paired_difference_ci, wilson_interval
 
 BASELINE = "baseline"
 FULL = "full"
@@ -416,7 +416,7 @@ def _series_name(arm: str, ratio_driven: bool) -> str:
 
 def plot_cell(summary: dict[str, Any], title: str, path: Path) -> Path:
     """The score-vs-ratio PNG of one cell (matplotlib, Agg; two panels: query-agnostic, query-aware)."""
-    from experiments.report import _new_figure
+    from kvboost.lab.report import _new_figure
 
     data = plot_data(summary)
     fig, axes = _new_figure(size=(11, 4.5), ncols=2)
@@ -612,7 +612,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from experiments.common import compose_run_config
-    from experiments.config_check import check_config
+    from kvboost.lab.config_check import check_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -666,7 +666,7 @@ def _base_overrides(model: str, workload: Spec, args: argparse.Namespace) -> lis
 
 def _check_one_engine(cfgs: dict[str, dict[str, Any]]) -> None:
     """The workloads of one model share its engine: their engine settings (chunker, cache...) must agree."""
-    from experiments.config_check import engine_options
+    from kvboost.build import engine_options
 
     options = {label: {k: v for k, v in engine_options(cfg).items() if k != "recompute"} for label, cfg in cfgs.items()}
     labels = list(options)
@@ -718,11 +718,12 @@ def _run_model(model: str, cfgs: dict[str, dict[str, Any]], workloads: dict[str,
     dtype and times into ``info`` (also when interrupted)."""
     from tqdm.auto import tqdm
 
-    from experiments.config_check import split_workload_config
-    from experiments.hf_baselines import HFNoCache
-    from experiments.runner import WARMUP_MESSAGES, build_engine, quality_fields
-    from experiments.workloads import WORKLOADS
-    from experiments.workloads.base import WorkloadEnv
+    from kvboost.build import build_engine
+    from kvboost.lab.config_check import split_workload_config
+    from kvboost.lab.hf_baselines import HFNoCache
+    from kvboost.lab.runner import WARMUP_MESSAGES, quality_fields
+    from kvboost.lab.workloads import WORKLOADS
+    from kvboost.lab.workloads.base import WorkloadEnv
 
     t0 = time.perf_counter()
     engine = build_engine(next(iter(cfgs.values())))
@@ -890,11 +891,11 @@ def wandb_rows(cells: dict[str, dict[str, Any]]) -> list[list[Any]]:
 
 
 def log_to_wandb(cells: dict[str, dict[str, Any]], meta: dict[str, Any], out: Path, logger: str) -> None:
-    """One W&B run through the project's logger (``experiments.loggers``, ``configs/logger/<logger>.yaml``): the
+    """One W&B run through the project's logger (``kvboost.lab.loggers``, ``kvboost/configs/logger/<logger>.yaml``): the
     leaderboard as a table (all cells, and one per cell), each cell's plot as an image, each cell's parity
     verdict in the run summary."""
     from experiments.common import compose_run_config
-    from experiments.loggers import build_logger
+    from kvboost.lab.loggers import build_logger
 
     cfg = compose_run_config([f"logger={logger}"])
     run = build_logger(cfg.get("logger"), out_dir=out, config={"strategy_table": meta},
@@ -920,7 +921,7 @@ def main(argv: list[str] | None = None) -> None:
                                      epilog="See the module docstring (python -c 'import experiments.bench."
                                             "strategy_table as m; help(m)') for what each output holds.")  # fmt: skip
     parser.add_argument("--models", "--model", nargs="+", default=list(DEFAULT_MODELS),
-                        help="configs/model names, loaded one after another (smollm2, qwen_coder_0_5b)")  # fmt: skip
+                        help="kvboost/configs/model names, loaded one after another (smollm2, qwen_coder_0_5b)")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="model.dtype (float32, bfloat16); default: the model yaml's")
     parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS),
                         help="musique, needle, rag_reorder (both layouts) or rag_reorder:question_after; "
@@ -948,7 +949,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--override", nargs="*", default=[], help="more Hydra overrides, e.g. attn=cpu_kernel")
     parser.add_argument("--order-seed", type=int, default=0, help="seed of the arms' order per query")
     parser.add_argument(
-        "--logger", default="none", help="none | wandb (configs/logger): the leaderboard as a W&B table"
+        "--logger", default="none", help="none | wandb (kvboost/configs/logger): the leaderboard as a W&B table"
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--append", action="store_true", help="add to an existing records.jsonl (more draws)")

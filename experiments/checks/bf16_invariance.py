@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from experiments.environment import describe_environment
 from kvboost.attention.batch_invariant import BatchInvariantBackend, invariant_attention, tiled_linear
+from kvboost.lab.environment import describe_environment
 from kvboost.models.compute import cpu_bf16_isa, matmul_path
 
 #: (start, length) of the recomputed calls: suffixes after prefixes of ragged and aligned lengths.

@@ -61,11 +61,12 @@ def _load_trace(work: Path) -> list[dict[str, Any]]:
 
 
 def _engine(args: argparse.Namespace, cache: Any, model_and_tok: tuple[Any, Any, str] | None = None):
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.models.loading import load_model_and_tokenizer
 
     model, tok, path = model_and_tok or load_model_and_tokenizer(None)
-    return KVBoost(model, tok, model_identity=path, cache=cache), (model, tok, path)
+    return build_engine(compose_run_config(cache=cache), model, tok, model_identity=path), (model, tok, path)
 
 
 def _replay(engine: Any, requests: list[dict[str, Any]], *, cold: bool = False) -> list[dict[str, Any]]:
@@ -363,7 +364,7 @@ def _by_request(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, A
 
 
 def summarize(work: Path, args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any]:
-    from experiments.environment import describe_environment
+    from kvboost.lab.environment import describe_environment
 
     single, a, b, c = (json.loads((work / f"{n}.json").read_text()) for n in ("single", "A", "B", "C"))
     crash, latency = (json.loads((work / f"{n}.json").read_text()) for n in ("crash", "latency"))

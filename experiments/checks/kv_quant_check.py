@@ -18,7 +18,7 @@ Two steps, results merged into ``experiments/results/kv_quant/kv_quant.json``:
 
    ``replay_NAME`` folders give greedy match rate and first-token KL of ``kvboost`` vs ``baseline``;
    ``accuracy_NAME`` folders the teacher-forced perplexity of the ``kvboost`` (history served from the quantized
-   cache) vs ``kvboost_cold`` rows of the ``accuracy_by_reuse`` table (experiments/accuracy_table.py), over all
+   cache) vs ``kvboost_cold`` rows of the ``accuracy_by_reuse`` table (kvboost/lab/accuracy_table.py), over all
    requests (``all``) and per reuse bucket.
 """
 
@@ -56,7 +56,7 @@ def _save(update: dict[str, Any]) -> Path:
 
 # ---------------------------------------------------------------------------------------------- bytes
 def _prompts(num: int, tokenizer) -> list[str]:
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
 
     convs = load_conversations(min_turns=3, max_turns=4, num_conversations=num, seed=0, max_user_chars=1500,
                                max_assistant_chars=1500, max_prompt_chars=6000)  # fmt: skip
@@ -72,15 +72,16 @@ def _prompts(num: int, tokenizer) -> list[str]:
 def measure_bytes(num_prompts: int = 4, quants: dict[str, Any] = QUANTS) -> dict[str, Any]:
     import torch
 
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.models.loading import load_model_and_tokenizer
 
     model, tokenizer, path = load_model_and_tokenizer(None, dtype="float32")
     prompts = _prompts(num_prompts, tokenizer)
     rows: dict[str, Any] = {}
     for name, spec in quants.items():
-        engine = KVBoost(model, tokenizer, model_identity=str(path), quant=spec,
-                         chunker={"name": "fixed", "chunk_size": 64})  # fmt: skip
+        cfg = compose_run_config(quant=spec, chunker={"name": "fixed", "chunk_size": 64})
+        engine = build_engine(cfg, model, tokenizer, model_identity=str(path))
         start = time.perf_counter()
         with torch.inference_mode():
             for p in prompts:

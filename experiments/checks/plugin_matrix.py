@@ -6,8 +6,9 @@
         --out experiments/results/plugin_matrix/qwen_coder_0_5b_fp32
     python -m experiments.checks.plugin_matrix --model smollm2 --only recompute attn:sdpa   # a part of the matrix
 
-The weights are loaded once; every cell builds its engine(s) on that model object (``InferenceEngine(model,
-tokenizer, model_identity=..., **plugin_options)``) and closes them before the next cell. The cells iterate over
+The weights are loaded once; every cell builds its engine(s) on that model object (``build_engine(
+compose_run_config(**plugin_options), model, tokenizer, model_identity=...)``: the run config's defaults, the
+cell's plugins) and closes them before the next cell. The cells iterate over
 each registry's names (``kvboost.registry.ALL_REGISTRIES``), so a new plugin appears in the matrix by itself.
 
 What each family's cell asserts (the exactness tolerance is ``kvboost.quality.exactness_promise``: first-token
@@ -162,7 +163,7 @@ def _finite(result: Any) -> bool:
 def _compare(cold: Any, candidate: Any) -> dict[str, Any]:
     """The runner's quality fields of ``candidate`` against ``cold`` (greedy match, first divergence, first-token KL,
     max |logit diff|), with both token sequences."""
-    from experiments.runner import quality_fields
+    from kvboost.lab.runner import quality_fields
 
     return {**quality_fields(cold, candidate), "cold_ids": list(cold.output_ids), "ids": list(candidate.output_ids)}
 
@@ -195,10 +196,11 @@ class Matrix:
         return {"name": name, **fields} if fields else name
 
     def engine(self, **options: Any) -> Any:
-        from kvboost.engine import InferenceEngine
+        from experiments.common import compose_run_config
+        from kvboost.build import build_engine
 
         opts = {"chunker": self.chunker_spec(), **self.engine_options, **options}
-        return InferenceEngine(self.model, self.tokenizer, model_identity=self.identity, **opts)
+        return build_engine(compose_run_config(**opts), self.model, self.tokenizer, model_identity=self.identity)
 
     def run_engine(self, options: dict[str, Any], body: Callable[[Any], Any]) -> Any:
         """``body(engine)`` on a fresh engine, closed (the model given back) whatever happens."""

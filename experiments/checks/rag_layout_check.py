@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from experiments import rag_corpus
+from kvboost.lab import rag_corpus
 from kvboost.runtime.hf_generic import cache_kwarg  # past_key_values before transformers 5.24, cache after
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "rag_layout" / "baseline_accuracy.json"

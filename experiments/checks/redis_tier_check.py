@@ -57,11 +57,12 @@ def _load_trace(work: Path) -> list[dict[str, Any]]:
 
 
 def _engine(cache: Any, **options: Any):
-    from kvboost import KVBoost
+    from experiments.common import compose_run_config
+    from kvboost.build import build_engine
     from kvboost.models.loading import load_model_and_tokenizer
 
     model, tok, path = load_model_and_tokenizer(None)
-    return KVBoost(model, tok, model_identity=path, cache=cache, **options)
+    return build_engine(compose_run_config(cache=cache, **options), model, tok, model_identity=path)
 
 
 def _replay(engine: Any, requests: list[dict[str, Any]], *, cold: bool = False, salt: str = "") -> list[dict]:
@@ -274,7 +275,7 @@ def _by_request(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, A
 
 
 def summarize(work: Path, args: argparse.Namespace, seconds: dict[str, float], server: dict) -> dict[str, Any]:
-    from experiments.environment import describe_environment
+    from kvboost.lab.environment import describe_environment
 
     single, a, b, c, latency = (json.loads((work / f"{n}.json").read_text())
                                 for n in ("single", "A", "B", "C", "latency"))  # fmt: skip

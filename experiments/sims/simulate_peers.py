@@ -532,7 +532,7 @@ def plot_results(results: Mapping[str, Mapping[str, Any]], path: str | Path, cap
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-    from experiments.report import line_styles
+    from kvboost.lab.report import line_styles
 
     orders = [o for o in ORDERS if o in results] + [o for o in results if o not in ORDERS]
     systems = list(dict.fromkeys(s for o in orders for s in results[o]))

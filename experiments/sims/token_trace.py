@@ -1,6 +1,6 @@
 """A ShareGPT request trace as token ids, without a model: what cache simulations replay.
 
-Each request is one turn of the ShareGPT replay (``experiments/workloads/sharegpt_replay.py``, history from the
+Each request is one turn of the ShareGPT replay (``kvboost/lab/workloads/sharegpt_replay.py``, history from the
 dataset), tokenized exactly as the engine's chunker tokenizes it (the chat template rendered to text, then the
 chunker's ``tokenize``), in the replay's order: sequential (one conversation after another) or interleaved
 (turn t of ``users`` conversations before turn t+1). Simulators (``experiments/sims/simulate_peers.py``,
@@ -15,10 +15,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from experiments.workloads.base import WorkloadEnv
-from experiments.workloads.sharegpt_replay import SharegptReplay
-from kvboost.registry import CHUNKERS
+from kvboost.lab.workloads.base import WorkloadEnv
+from kvboost.lab.workloads.sharegpt_replay import SharegptReplay
 from kvboost.prompts import prompt_text_or_ids
+from kvboost.registry import CHUNKERS
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Hydra imports every module under the ``hydra_plugins`` namespace package (kvboost ships this one) and calls each
 ``SearchPathPlugin`` whenever it composes a config: ``run.py``, a ``-m`` sweep, the compose API of the tests and
-tools. :class:`KvboostSearchPathPlugin` appends, after kvboost's own ``configs/``, the config folder of every
+tools. :class:`KvboostSearchPathPlugin` appends, after kvboost's own ``kvboost/configs/``, the config folder of every
 installed plugin package, so ``python run.py recompute=last_n`` selects ``<package>/configs/recompute/last_n.yaml``
 with no flag.
 
@@ -22,7 +22,7 @@ kvboost's registry still imports the code on first lookup. A single-module plugi
 its own: it uses ``kvboost.configs``. Those entry points do name a package to find (its parent packages' imports
 run).
 
-The folders come after kvboost's own ``configs/`` (and any ``hydra.searchpath``): a plugin adds options to the
+The folders come after kvboost's own ``kvboost/configs/`` (and any ``hydra.searchpath``): a plugin adds options to the
 groups (``recompute/last_n.yaml``, ``experiment/my_study.yaml``) but cannot replace a built-in yaml of the same
 name. A folder that cannot be found is skipped with a warning; composing never fails because of a plugin.
 """

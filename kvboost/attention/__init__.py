@@ -6,7 +6,7 @@ backend is checked or installed, so this import never needs triton, a GPU or a c
 
     from kvboost.registry import ATTENTION
 
-    backend = ATTENTION.build("triton")     # or {"name": "triton"} from configs/attn/triton.yaml
+    backend = ATTENTION.build("triton")     # or {"name": "triton"} from kvboost/configs/attn/triton.yaml
     backend.install(model)                  # raises RuntimeError with a clear message if it cannot run here
     model(input_ids)
     backend.stats()                         # {"backend": "triton", "kernel_calls": ..., "fallback_calls": ...}

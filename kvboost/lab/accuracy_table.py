@@ -2,7 +2,7 @@
 
 Per mode and per reuse-ratio bucket: task accuracy (records with ``correct``), perplexity of scored reference
 text (records with ``answer_logprob`` and ``score_tokens`` but no ``correct``: held-out replies, see
-``experiments/workloads/accuracy.py``), and the same numbers for the *cold reference* on the very same
+``kvboost/lab/workloads/accuracy.py``), and the same numbers for the *cold reference* on the very same
 requests, with the log-probability deltas paired by ``request_id``. The reference is ``kvboost_cold`` when the
 run has it (the engine's own path without the cache: only reuse differs), else ``baseline``.
 
@@ -27,7 +27,7 @@ Per cell (``table["modes"][MODE][BUCKET]``):
 - ``answer_logprob_delta``: mean of ``answer_logprob - reference's`` over the paired tasks.
 
 A statistic without data is None. Only each request's first repeat counts (repeats are for timing).
-For a finished run: ``python -m experiments.accuracy_table outputs/DATE/TIME``.
+For a finished run: ``python -m kvboost.lab.accuracy_table outputs/DATE/TIME``.
 """
 
 from __future__ import annotations
@@ -250,12 +250,12 @@ def format_accuracy_table(table: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m experiments.accuracy_table RUN_DIR_OR_RECORDS_JSONL [--json]``: the table of a finished run."""
+    """``python -m kvboost.lab.accuracy_table RUN_DIR_OR_RECORDS_JSONL [--json]``: the table of a finished run."""
     import argparse
     import json
     from pathlib import Path
 
-    from experiments.report import read_records
+    from kvboost.lab.report import read_records
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("path", help="a run's output folder or its records.jsonl")

@@ -1,9 +1,9 @@
 """Compare runs: one row per run (a Hydra multirun's jobs, or run folders), a Markdown and CSV table, plots.
 
-    python -m experiments.compare multirun/2025-01-01/12-00-00            # every job of a sweep
-    python -m experiments.compare outputs/A outputs/B --out cmp --mode kvboost --x speedup
+    python -m kvboost.lab.compare multirun/2025-01-01/12-00-00            # every job of a sweep
+    python -m kvboost.lab.compare outputs/A outputs/B --out cmp --mode kvboost --x speedup
 
-Each run folder holds ``summary.json`` (written by the runner, see ``experiments/report.py``) and, for Hydra
+Each run folder holds ``summary.json`` (written by the runner, see ``kvboost/lab/report.py``) and, for Hydra
 runs, ``.hydra/overrides.yaml`` (the overrides that define the run; without it the folder's name is the
 label, minus a Hydra job number prefix such as ``3_``). Overrides every run shares are listed once above the
 table; each row is labelled by the rest.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from experiments.report import _natural_key, fmt_ms, fmt_speedup, fmt_spread, line_styles
+from kvboost.lab.report import _natural_key, fmt_ms, fmt_speedup, fmt_spread, line_styles
 
 DEFAULT_MODE = "kvboost"
 DEFAULT_REFERENCE = "kvboost_cold"
@@ -307,7 +307,7 @@ def format_markdown(runs: Sequence[Run], columns: Sequence[str], mode: str, refe
 
 # -------------------------------------------------------------------------------------------------- plots
 def _figure(size: tuple[float, float] = (8, 5)) -> tuple[Any, Any]:
-    # Figure + Agg canvas directly, as in experiments/report.py: no pyplot global state
+    # Figure + Agg canvas directly, as in kvboost/lab/report.py: no pyplot global state
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from experiments.hf_baselines import HFNoCache, HFPrefixCache
+from kvboost.lab.hf_baselines import HFNoCache, HFPrefixCache
 from kvboost.prompts import Prompt
 from kvboost.registry import Registry
 from kvboost.types import GenerationResult

@@ -1,6 +1,6 @@
 """The number a sweeper optimises: one run's summary reduced to a float (lower is better).
 
-``objective`` in the run config (``configs/config.yaml``)::
+``objective`` in the run config (``kvboost/configs/config.yaml``)::
 
     objective:
       mode: kvboost            # whose metric

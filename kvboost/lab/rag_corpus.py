@@ -1,7 +1,7 @@
 """A RAG corpus with planted facts, and queries over reordered document subsets (the ``rag_reorder`` workload).
 
 Documents are real text: long, prose-like, almost-pure-ASCII assistant messages from the ShareGPT data
-(``experiments/sharegpt_data.py``), cut at a sentence end to about ``doc_tokens`` tokens. Into each one a single
+(``kvboost/lab/sharegpt_data.py``), cut at a sentence end to about ``doc_tokens`` tokens. Into each one a single
 *fact sentence* about a made-up subject is planted at a random interior sentence boundary (never before the first
 or after the last sentence), e.g. ``Project Juniper has the access code 4817.`` Subjects are unique within
 a corpus, and so are the answers (4-digit numbers that occur in no document's text), so a question has exactly
@@ -34,7 +34,7 @@ prefilled after the generation prompt, so the model continues with `` 4817.``. T
 
 API::
 
-    from experiments.rag_corpus import build_corpus, build_queries, render_prompt, is_correct
+    from kvboost.lab.rag_corpus import build_corpus, build_queries, render_prompt, is_correct
     docs = build_corpus(num_documents=24, seed=0, doc_tokens=280,
                         count_tokens=lambda t: len(tok(t, add_special_tokens=False)["input_ids"]))
     queries = build_queries(docs, num_queries=60, docs_per_query=5, seed=0)
@@ -210,7 +210,7 @@ def _is_prose(text: str) -> bool:
 def _candidate_messages(seed: int, path: Any = None, min_chars: int = 1400, max_chars: int = 12000):
     """Yield ``(source, text)`` of long, mostly-ASCII assistant messages, in a seeded order, one per
     conversation family (``abc_0``, ``abc_1``... count once), decoding conversations lazily by byte span."""
-    from experiments import sharegpt_data as sg
+    from kvboost.lab import sharegpt_data as sg
 
     with sg._source_path(path) as src:
         index = sg._load_index(src)  # cached index: no full parse after the first use

@@ -1,13 +1,14 @@
-"""Hydra entry point: ``python run.py [group=name ...] [key=value ...]``; ``-m`` sweeps.
+"""Hydra entry point of the research runner: ``python run.py [group=name ...] [key=value ...]`` in a clone, or
+``kvboost-run`` / ``python -m kvboost.lab`` from an installed wheel (``pip install 'kvboost[lab]'``); ``-m`` sweeps.
 
     python run.py                                             # ShareGPT replay, bundled SmolLM2, CPU
-    python run.py experiment=rag_blend                        # a named experiment (configs/experiment/)
+    python run.py experiment=rag_blend                        # a named experiment (kvboost/configs/experiment/)
     python run.py workload.num_conversations=8 workload.max_turns=6 logger=none
     python run.py -m recompute=none,full chunker.chunk_size=32,64
     python run.py 'cache=[memory,disk]' cache.1.path=/data/kv                # a stack of tiers, fastest first
     python run.py -m experiment=chat_replay workload.interleave=false,true hydra/launcher=local
 
-The job returns the sweep objective (``objective`` in the config, ``experiments/objective.py``), which Hydra's
+The job returns the sweep objective (``objective`` in the config, ``kvboost/lab/objective.py``), which Hydra's
 Optuna sweeper minimises (``experiment=tune_rag``); other launchers ignore it.
 
 Interrupted (Ctrl-C, SIGTERM), a run writes the summary of the requests that finished (records.jsonl is written
@@ -27,10 +28,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.cache_stack import CacheOverrideError, CacheStackSpec, apply_cache_stack, split_cache_overrides
-from experiments.objective import objective_mode_not_run, sweep_objective
-from experiments.run_control import RunInterrupted, exit_code
-from experiments.runner import run_experiment
+from kvboost.cache_stack import CacheOverrideError, CacheStackSpec, apply_cache_stack, split_cache_overrides
+from kvboost.lab.objective import objective_mode_not_run, sweep_objective
+from kvboost.lab.run_control import RunInterrupted, exit_code
+from kvboost.lab.runner import run_experiment
+from kvboost.paths import CONFIG_PATH
 
 #: cache=[memory,disk] / cache=[{name: ...}, ...] / cache.1.path=...: a stack of tiers, which Hydra would merge into
 #: one tier (or reject); taken out of the command line before Hydra reads it, put into the composed config in main()
@@ -57,7 +59,7 @@ def hydra_run_info() -> dict[str, object]:
     }
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> float | None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,7 +84,12 @@ def main(cfg: DictConfig) -> float | None:
     return sweep_objective(summary, objective)
 
 
-
-if __name__ == "__main__":
+def cli() -> None:
+    """``run.py`` / ``kvboost-run`` / ``python -m kvboost.lab``: the cache-stack overrides taken out, then Hydra."""
+    global CACHE_STACK
     sys.argv[1:], CACHE_STACK = take_cache_overrides(sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from experiments.report import write_records
+from kvboost.lab.report import write_records
 
 #: an estimate above this (seconds) prints how to shrink the run
 HINT_ABOVE_S = 600.0

@@ -27,16 +27,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from experiments.accuracy_table import add_accuracy_by_reuse, format_accuracy_table
-from experiments.config_check import check_config, engine_options, split_workload_config
-from experiments.environment import describe_environment
-from experiments.loggers import build_logger
-from experiments.modes import MODES
-from experiments.report import explain_hf_prefix, format_overhead, format_table, plot_summary, summarize, write_summary
-from experiments.run_control import RecordSink, RunEstimate, RunInterrupted, interruptible
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, WorkloadEnv
+from kvboost.build import build_engine
 from kvboost.engine import InferenceEngine
+from kvboost.lab.accuracy_table import add_accuracy_by_reuse, format_accuracy_table
+from kvboost.lab.config_check import check_config, split_workload_config
+from kvboost.lab.environment import describe_environment
+from kvboost.lab.loggers import build_logger
+from kvboost.lab.modes import MODES
+from kvboost.lab.report import explain_hf_prefix, format_overhead, format_table, plot_summary, summarize, write_summary
+from kvboost.lab.run_control import RecordSink, RunEstimate, RunInterrupted, interruptible
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, WorkloadEnv
 from kvboost.models.compute import describe as describe_compute
 from kvboost.models.gguf_weights import weight_format_counts
 from kvboost.quality import compare_generations
@@ -56,39 +57,6 @@ def _plain(cfg: Any) -> dict[str, Any]:
 
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     return dict(cfg)
-
-
-def build_engine(cfg: dict[str, Any], model: Any = None, tokenizer: Any = None) -> InferenceEngine:
-    """The engine described by ``cfg`` (groups model/chunker/hasher/cache/eviction/recompute/quant/attn).
-
-    ``model``/``tokenizer`` may be given (tests pass tiny random models); otherwise ``cfg.model`` is loaded.
-    """
-    options = engine_options(cfg)
-    lm_head = options.pop("lm_head", None)  # from_pretrained applies it; a random model gets it below
-    awq_prefill = options.pop("awq_prefill", None)  # likewise
-    weights = options.pop("weights", None) or "dense"  # likewise (model.weights: dense | gguf_int4)
-    if model is not None:
-        return InferenceEngine(model, tokenizer, **options)
-    model_cfg = dict(cfg.get("model") or {})
-    if model_cfg.get("random_init"):
-        from kvboost.models.loading import random_model_and_tokenizer
-
-        if weights != "dense":
-            raise ValueError(f"model.weights={weights} runs a GGUF file's tensors; model.random_init is not one")
-        model, tokenizer, identity = random_model_and_tokenizer(
-            dict(model_cfg["random_init"]), seed=int(model_cfg.get("random_seed") or 0),
-            dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
-        )  # fmt: skip
-        from kvboost.models.awq import set_awq_prefill
-        from kvboost.models.int8_head import quantize_lm_head
-
-        quantize_lm_head(model, lm_head)
-        set_awq_prefill(model, awq_prefill)
-        return InferenceEngine(model, tokenizer, model_identity=identity, **options)
-    return InferenceEngine.from_pretrained(
-        model_cfg.get("name_or_path"), dtype=model_cfg.get("dtype", "float32"), device=model_cfg.get("device"),
-        lm_head=lm_head, awq_prefill=awq_prefill, weights=weights, **options,
-    )  # fmt: skip
 
 
 def quality_fields(reference: GenerationResult, result: GenerationResult) -> dict[str, Any]:
@@ -177,7 +145,7 @@ def run_experiment(
 
     ``records.jsonl`` grows as requests finish. Interrupted (Ctrl-C, or SIGTERM in the main thread), the run
     writes ``summary.json`` and prints the table of what finished (``summary["run"]["interrupted"]``), then
-    raises :class:`~experiments.run_control.RunInterrupted` (a KeyboardInterrupt).
+    raises :class:`~kvboost.lab.run_control.RunInterrupted` (a KeyboardInterrupt).
     """
     cfg = _plain(cfg)
     check_config(cfg)  # before any model is loaded: a typo or a bad value fails now, naming the field

@@ -24,7 +24,7 @@ Normalization (one rule set, applied both when indexing and when loading):
 
 Example::
 
-    from experiments.sharegpt_data import load_conversations
+    from kvboost.lab.sharegpt_data import load_conversations
     convs = load_conversations(min_turns=4, max_turns=6, num_conversations=8, seed=0,
                                max_user_chars=2000, max_prompt_chars=12000)
 """

@@ -6,7 +6,7 @@ scale/zero per channel per group of ``group_size`` tokens), values per token (on
 byte).  Layout, arithmetic and error bound: ``kernels_triton/kivi_reference.py``; kernels:
 ``kernels_triton/kivi.py``.
 
-Settings (``configs/quant/kivi{8,4,2}.yaml``):
+Settings (``kvboost/configs/quant/kivi{8,4,2}.yaml``):
 
 * ``bits``: fixed by the name (8, 4, 2); given explicitly it must agree with the name.
 * ``group_size``: a positive multiple of the codes per byte.  Default 32 (the paper's) for kivi8 and kivi2, 64

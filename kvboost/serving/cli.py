@@ -5,7 +5,7 @@
     kvboost-server --disk-cache-dir /data/kv --kv-cache-bits 8 recompute=cacheblend chunker=separator
     kvboost-server model=tiny_random engine.decode=eager      # a random tiny model: every path in seconds
 
-Trailing ``key=value`` arguments are Hydra overrides of ``configs/config.yaml``, composed exactly as ``run.py``
+Trailing ``key=value`` arguments are Hydra overrides of ``kvboost/configs/config.yaml``, composed exactly as ``run.py``
 composes them; the flags are shorthands for the common ones (``--recompute-strategy X`` = ``recompute=X``,
 ``--kv-cache-bits 8`` = ``quant=kivi8``, ``--chunk-size N`` = ``chunker.chunk_size=N``, ``--model P`` =
 ``model.name_or_path=P``, ``--dtype D`` = ``model.dtype=D``, ``--disk-cache-dir D`` = a memory tier over a
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from kvboost.original_api import KV_CACHE_BITS as KV_BITS  # one table of stored KV bits: 16 / 8 / 4 / 2
+from kvboost.paths import CONFIG_DIR
 from kvboost.serving.loop import DEFAULT_REQUEST_TIMEOUT_S
 
 log = logging.getLogger("kvboost.server")
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 #: seconds uvicorn waits for open connections at SIGINT/SIGTERM before cancelling them (streams end at once)
 GRACEFUL_SHUTDOWN_S = 10
@@ -77,7 +77,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kvboost-server", description="OpenAI-compatible HTTP server over the kvboost engine loop.",
-        epilog="Trailing KEY=VALUE arguments are Hydra overrides of configs/config.yaml (as for run.py), e.g. "
+        epilog="Trailing KEY=VALUE arguments are Hydra overrides of kvboost/configs/config.yaml (as for run.py), e.g. "
                "recompute=cacheblend quant=kivi8 'cache=[memory,redis]' engine.decode=eager model=tiny_random.",
     )  # fmt: skip
     p.add_argument("--model", help="HF id or local folder (default: the bundled SmolLM2-135M-Instruct)")
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for compatibility, no effect: the loop batches whatever is waiting at each step "
                         "(continuous batching), so no request waits for a window")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of configs/config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of kvboost/configs/config.yaml")
     return p
 
 
@@ -144,15 +144,15 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def compose_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The run config of ``configs/config.yaml`` + the flags + the overrides, checked (no model loaded)."""
+    """The run config of ``kvboost/configs/config.yaml`` + the flags + the overrides, checked (no model loaded)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from experiments.cache_stack import CacheOverrideError, apply_cache_stack, split_cache_overrides
-    from experiments.config_check import check_config
+    from kvboost.build import check_engine_config
+    from kvboost.cache_stack import CacheOverrideError, apply_cache_stack, split_cache_overrides
 
     if not CONFIG_DIR.is_dir():
-        raise UsageError(f"the config folder {CONFIG_DIR} is missing (kvboost-server runs from a source checkout)")
+        raise UsageError(f"the config folder {CONFIG_DIR} is missing (the package is incomplete: reinstall kvboost)")
     flags = flag_overrides(args)
     for override in args.overrides:
         key, value = _split(override)
@@ -163,7 +163,7 @@ def compose_config(args: argparse.Namespace) -> dict[str, Any]:
         if args.disk_cache_dir and (key in ("cache", "cache.1.path") or key.startswith("cache.path")):
             raise UsageError(f"{override!r}: --disk-cache-dir sets the cache tiers and the disk folder; give either "
                              "the flag or this override")  # fmt: skip
-    try:  # cache=[memory,disk] and cache.1.path=...: a stack of tiers, as run.py reads them (experiments.cache_stack)
+    try:  # cache=[memory,disk] and cache.1.path=...: a stack of tiers, as run.py reads them (kvboost.cache_stack)
         hydra_overrides, stack = split_cache_overrides(list(args.overrides))
     except CacheOverrideError as exc:
         raise UsageError(str(exc)) from exc
@@ -184,7 +184,7 @@ def compose_config(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"config: {exc}") from exc
     plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     try:
-        check_config(plain)
+        check_engine_config(plain)
     except Exception as exc:
         raise UsageError(f"config: {exc}") from exc
     return plain
@@ -277,7 +277,7 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
     config; the engine is closed again if a later step fails. ``loop_options`` go to :class:`EngineLoop`."""
     import torch
 
-    from experiments.runner import build_engine
+    from kvboost.build import build_engine
     from kvboost.serving.loop import EngineLoop
     from kvboost.serving.server import create_app
 

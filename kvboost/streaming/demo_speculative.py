@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding on the bundled model: ``python -m kvboost.streaming.demo_speculative``.
 
 The original KVBoost shipped this demo under ``kvboost.streaming``; here the draft strategies are the ``DRAFT``
-plugins (:mod:`kvboost.speculative`, ``configs/speculative``) and work with or without layer streaming. One model is
+plugins (:mod:`kvboost.speculative`, ``kvboost/configs/speculative``) and work with or without layer streaming. One model is
 loaded; a plain engine decodes a prompt greedily, then an engine with the draft strategy decodes it again over the
 same model. Greedy speculative decoding gives the plain tokens (the target verifies every draft), so the demo prints
 both decode speeds and whether the outputs match; it exits 1 if they do not.

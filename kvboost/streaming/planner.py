@@ -1,6 +1,6 @@
 """The ``streaming:`` config and the memory planner.
 
-Config fields (``KVBoost.from_pretrained(path, streaming={...})`` or ``configs/streaming/*.yaml``):
+Config fields (``KVBoost.from_pretrained(path, streaming={...})`` or ``kvboost/configs/streaming/*.yaml``):
 
 - ``resident_layers: K``: the first K decoder layers stay resident; or
 - ``resident_first: F`` / ``resident_last: L``: the first F and the last L layers stay resident; or

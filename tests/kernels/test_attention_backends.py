@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from kvboost.paths import CONFIG_DIR
+
 # Triton reads TRITON_INTERPRET when a kernel is decorated (kernels_triton.flash_attn import); without a GPU
 # it must be set before that, so before anything below can import the kernels.
 if not torch.cuda.is_available():
@@ -385,7 +387,7 @@ def test_unknown_backend_lists_registered_names():
 
 
 def test_configs_build_their_backends():
-    paths = sorted((ROOT / "configs" / "attn").glob("*.yaml"))
+    paths = sorted((CONFIG_DIR / "attn").glob("*.yaml"))
     assert {p.stem for p in paths} >= {"sdpa", "eager", "triton", "cuda"}
     for path in paths:
         cfg = yaml.safe_load(path.read_text())

@@ -8,8 +8,8 @@ from kvboost.registry import Registry
 
 WORKLOADS = Registry(
     "workload",
-    ("experiments.workloads.sharegpt_replay", "experiments.workloads.rag_reorder", "experiments.workloads.accuracy",
-     "experiments.workloads.batch", "experiments.workloads.musique", "experiments.workloads.needle"),
+    ("kvboost.lab.workloads.sharegpt_replay", "kvboost.lab.workloads.rag_reorder", "kvboost.lab.workloads.accuracy",
+     "kvboost.lab.workloads.batch", "kvboost.lab.workloads.musique", "kvboost.lab.workloads.needle"),
 )
 
 __all__ = ["WORKLOADS"]

@@ -16,7 +16,7 @@ Whatever the run configures (chunker, recompute strategy, KV quantizer...) is wh
     bundled tokenizer. (With a segmenting chunker the prompt is tokenized per segment; the reply's ids are
     still the same text's ids.) The runner records ``answer_logprob`` = the summed natural-log probability of
     those tokens; the number of tokens is in the record as ``score_tokens``, so a request's perplexity is
-    ``exp(-answer_logprob / score_tokens)`` (``experiments/accuracy_table.py``).
+    ``exp(-answer_logprob / score_tokens)`` (``kvboost/lab/accuracy_table.py``).
 
 (b) Known-answer recall (``recall_tasks`` chats): a fact is planted in the first user turn ("Please remember
     this: the PIN for my bike lock is 4821."; several templates, values drawn from a seeded RNG: 4-digit
@@ -51,9 +51,9 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from experiments.sharegpt_data import Conversation, load_conversations
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, Workload, WorkloadEnv
+from kvboost.lab.sharegpt_data import Conversation, load_conversations
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, Workload, WorkloadEnv
 
 ACK = "Got it, I will remember that."
 PLANT_PREFIX = "Please remember this for later: "

@@ -1,8 +1,8 @@
 """Workload interface: the requests a run measures, in order, with what to check them against.
 
-A workload is registered in ``WORKLOADS`` (``experiments/workloads/__init__.py``) under its config name and
+A workload is registered in ``WORKLOADS`` (``kvboost/lab/workloads/__init__.py``) under its config name and
 built as ``factory(env=WorkloadEnv(...), **fields_of_configs/workload/<name>.yaml)``. Besides the fields of its
-own, every workload config has ``modes`` (runner modes, ``experiments/modes.py``), ``repeats`` (measurements
+own, every workload config has ``modes`` (runner modes, ``kvboost/lab/modes.py``), ``repeats`` (measurements
 per request and mode, for timing spread) and ``max_new_tokens``; the runner reads those.
 """
 
@@ -76,7 +76,7 @@ class Workload(ABC):
 
     def score(self, request: Request, output_text: str) -> dict[str, float]:
         """Scores of an answer copied into its record (e.g. ``{"f1": 0.67}``; {} where the workload has none);
-        ``summary["accuracy"][mode]`` gets the mean of those named in ``experiments.report._SCORE_FIELDS`` as
+        ``summary["accuracy"][mode]`` gets the mean of those named in ``kvboost.lab.report._SCORE_FIELDS`` as
         ``<name>_mean``."""
         return {}
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, Workload, WorkloadEnv
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, Workload, WorkloadEnv
 
 
 @dataclass
@@ -48,7 +48,7 @@ class BatchWorkload(Workload):
     batched = True
 
     def __init__(self, *, env: WorkloadEnv, **fields) -> None:
-        from experiments.sharegpt_data import load_conversations
+        from kvboost.lab.sharegpt_data import load_conversations
 
         cfg = BatchConfig(**fields)
         self.cfg = cfg

@@ -52,11 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, Workload, WorkloadEnv
-from experiments.workloads.passages import PassagesAfterHead, check_passage_fields
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, Workload, WorkloadEnv
+from kvboost.lab.workloads.passages import PassagesAfterHead, check_passage_fields
+from kvboost.paths import project_root
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PATH = "../shared/data/musique_s_dev.json"
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. Answer the question directly based on the "
@@ -122,7 +122,7 @@ class MusiqueItem:
 def resolve_data_path(data_path: str | Path) -> Path:
     """``data_path`` as a path: absolute as given, relative against the project root."""
     path = Path(data_path).expanduser()
-    return path if path.is_absolute() else PROJECT_ROOT / path
+    return path if path.is_absolute() else project_root() / path
 
 
 def check_data_path(data_path: str | Path) -> Path:
@@ -131,7 +131,7 @@ def check_data_path(data_path: str | Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(
             f"workload.data_path: no MuSiQue file at {path} (given {str(data_path)!r}; a relative path is resolved "
-            f"against the project root {PROJECT_ROOT}). The default {DEFAULT_DATA_PATH} is the shared data folder "
+            f"against the project root {project_root()}). The default {DEFAULT_DATA_PATH} is the shared data folder "
             "beside the project; or set workload.data_path=/path/to/musique.json"
         )
     return path

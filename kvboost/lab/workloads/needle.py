@@ -37,7 +37,7 @@ uniformly per query; a list (e.g. ``[0.0, 0.25, 0.5, 0.75, 1.0]``) gives query `
 
 Scored per record: ``correct``, whether the first number of the answer (digits, thousands separators dropped) is
 the needle's number (RULER's metric is whether the number occurs in the answer; the first number is stricter: a
-model that lists numbers gets no credit); ``f1``, the SQuAD token F1 (:func:`experiments.workloads.musique.token_f1`)
+model that lists numbers gets no credit); ``f1``, the SQuAD token F1 (:func:`kvboost.lab.workloads.musique.token_f1`)
 of the answer's first non-empty line against the number (1.0 for ``4829183.``, 0.5 for ``4829183 is it``). The
 summary's ``accuracy`` gives per mode the exact-match rate and ``f1_mean``. Greedy, ``max_new_tokens`` (16).
 
@@ -52,10 +52,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, Workload, WorkloadEnv
-from experiments.workloads.musique import answer_line, token_f1
-from experiments.workloads.passages import PassagesAfterHead, check_passage_fields
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, Workload, WorkloadEnv
+from kvboost.lab.workloads.musique import answer_line, token_f1
+from kvboost.lab.workloads.passages import PassagesAfterHead, check_passage_fields
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using only the text you are given."
 INSTRUCTION = (

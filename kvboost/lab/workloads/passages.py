@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.workloads.base import Request
+from kvboost.lab.workloads.base import Request
 
 WARM_PASSAGES = ("per_query", "all", "none")
 

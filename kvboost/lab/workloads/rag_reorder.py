@@ -1,7 +1,7 @@
 """RAG with reordered documents: the same documents, retrieved in a new order and mix for every query.
 
 A corpus of documents built from real text (long ShareGPT messages), each with one planted fact, and questions
-with known answers (``experiments/rag_corpus.py``). Each query puts ``docs_per_query`` documents (one of them
+with known answers (``kvboost/lab/rag_corpus.py``). Each query puts ``docs_per_query`` documents (one of them
 holds the answer) in a fresh random order between the question asked before and after them (``layout:
 question_both``, the default; ``question_after``: only after them, the CacheBlend paper's layout, where a
 document's full-prefill KV does not depend on the question), and prefills the start of the answer. After the first queries, a prefix cache (``hf_prefix``, vLLM, SGLang, llama.cpp) finds
@@ -23,10 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from experiments import rag_corpus
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, Workload, WorkloadEnv
-
+from kvboost.lab import rag_corpus
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, Workload, WorkloadEnv
 
 WARM_CONTEXTS = ("document", "head")
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from experiments.sharegpt_data import Conversation, load_conversations
-from experiments.workloads import WORKLOADS
-from experiments.workloads.base import Request, Workload, WorkloadEnv
+from kvboost.lab.sharegpt_data import Conversation, load_conversations
+from kvboost.lab.workloads import WORKLOADS
+from kvboost.lab.workloads.base import Request, Workload, WorkloadEnv
 
 HISTORY_SOURCES = ("dataset", "model")
 
