@@ -555,3 +555,21 @@ def test_another_model_or_salt_gets_no_hits_from_the_same_folder(tmp_path, conve
     assert salted.generate(prompt, max_new_tokens=6, cache_salt="tenant-2").cached_tokens == 0
     assert salted.generate(prompt, max_new_tokens=6).cached_tokens > 0  # unsalted: the first engine's entries
     salted.close()
+
+
+def test_a_hit_from_a_write_through_tier_stored_again_keeps_the_books(tmp_path, conversations, cold_outputs):
+    """A chunk served from the write-through tier below and stored again is promoted into the pool tier; when the
+    full pool tier refuses it or evicts others to take it, the store's books must follow (the entry stays below;
+    the evicted ones move down). Before the fix the promotion ignored the pool tier's answer: the books kept
+    refused or evicted entries at the pool tier, and the next lookup of one raised "tier memory lost ... behind
+    the store's back" (seen with a 1 MiB memory tier over Redis, experiments/checks/ray_router_check)."""
+    tiers = _tiers(tmp_path, memory_chunks=2)
+    tiers[1]["write_through"] = True
+    engine = make_engine("llama", cache=tiers)
+    for t in range(4):
+        for c, conv in enumerate(conversations):
+            r = engine.generate(conv[t], max_new_tokens=6)
+            assert r.output_ids == cold_outputs[(c, t)], (c, t)
+            engine.store.verify()
+    assert engine.cache_stats()["per_tier_hits"].get("disk", 0) > 0
+    engine.close()

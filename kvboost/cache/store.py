@@ -319,8 +319,14 @@ class KVStore:
                 below = node.tier
                 self._book(entry.key, 0)
                 self._add_copy(node, below)
-                self.tiers[0].put(entry)
-                self.stats.promoted += 1
+                overflow = self.tiers[0].put(entry)
+                if any(out.key == entry.key for out in overflow):  # the pool tier refused it: it stays below
+                    self._drop_copy(node, below)
+                    self._book(entry.key, below)
+                else:
+                    self.stats.promoted += 1
+                # what the pool tier evicted to take it moves down (or onto its copy) like any eviction
+                self._evicted_from(0, [out for out in overflow if out.key != entry.key])
                 return True
         if node is not None:
             self.remove(entry.key)
