@@ -31,6 +31,15 @@ IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "results", "*.so", "*.e
 pytestmark = pytest.mark.timeout(900)
 
 
+def _has_setuptools(major: int) -> bool:
+    try:
+        from importlib.metadata import version
+
+        return int(version("setuptools").split(".")[0]) >= major
+    except Exception:  # noqa: BLE001 - not installed, or an unreadable version: let pip bring its own
+        return False
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("source")
@@ -41,7 +50,9 @@ def wheel(tmp_path_factory) -> Path:
         elif path.exists():
             shutil.copy2(path, source / name)
     dist = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    # the build backend from this environment when it has one recent enough (no download), else pip's isolated one
+    isolation = ["--no-build-isolation"] if _has_setuptools(64) else []
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
                            "-w", str(dist), str(source)], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (built,) = dist.glob("kvboost-*.whl")
