@@ -12,6 +12,7 @@ path as ``KVBoost.from_pretrained(**options)``) or, for a given or random model,
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # kvboost.engine imports much; the builder loads it when it builds
@@ -105,7 +106,7 @@ def check_engine_config(cfg: dict[str, Any]) -> None:
     unknown_model = sorted(set(model) - set(MODEL_FIELDS))
     if unknown_model:
         raise ValueError(f"model: unknown field(s) {unknown_model}; accepted: {', '.join(MODEL_FIELDS)}")
-    if model.get("random_init") is not None and not isinstance(model["random_init"], dict):
+    if model.get("random_init") is not None and not isinstance(model["random_init"], Mapping):
         raise ValueError(f"model.random_init must be a mapping of config fields, got {model['random_init']!r}")
     if model.get("lm_head") not in (None, "none", "int8"):
         raise ValueError(f"model.lm_head must be null or int8, got {model['lm_head']!r}")

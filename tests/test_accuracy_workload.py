@@ -145,7 +145,7 @@ def test_workload_is_deterministic_and_fillers_are_dropped_to_fit(tok):
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
 
