@@ -66,14 +66,9 @@ def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: Sampli
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if mode not in pipeline.MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of {pipeline.MODES}")
-    if isinstance(prompt, TokenizedPrompt):
-        clock = clock or prompt.clock
-        ids, spans, messages = prompt.ids, prompt.spans, prompt.messages
-    else:
-        clock = clock or PhaseClock(engine.adapter.device)
-        with engine.tokenizer_lock:
-            ids, spans = engine.tokenize_with_spans(prompt, chat=chat)
-            messages = chat_messages(engine.tokenizer, prompt, chat=engine.chat if chat is None else chat)
+    tokenized = prompt if isinstance(prompt, TokenizedPrompt) else tokenize_prompt(engine, prompt, chat=chat)
+    clock = clock or tokenized.clock
+    ids, spans, messages = tokenized.ids, tokenized.spans, tokenized.messages
     n = len(ids)
     max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
     pipeline.check_memory(engine, n + max_new)
