@@ -195,16 +195,7 @@ class KVStore:
             # its chunks when it finishes moves the entry up (``put`` of a run replaces it wherever it is).
             return entry
         if tier_idx > 0 and self.write_through[tier_idx]:  # promote, keeping the record as the copy
-            node = self._nodes[key]
-            self._book(key, 0)
-            self._add_copy(node, tier_idx)
-            overflow = self.tiers[0].put(entry)
-            if any(out.key == key for out in overflow):  # the first tier refused it: it stays where it was
-                self._drop_copy(node, tier_idx)
-                self._book(key, tier_idx)
-            else:
-                self.stats.promoted += 1
-            self._evicted_from(0, [out for out in overflow if out.key != key])
+            self._promote_over_copy(entry, tier_idx)
         elif tier_idx > 0:
             tier.remove(key)
             self._book(key, 0)
@@ -316,17 +307,7 @@ class KVStore:
                 self.tiers[0].put(entry)  # the pool tier replaces it in place (the new run is marked first)
                 return True
             if promoted and self.write_through[node.tier]:  # the record below stays, as the entry's copy
-                below = node.tier
-                self._book(entry.key, 0)
-                self._add_copy(node, below)
-                overflow = self.tiers[0].put(entry)
-                if any(out.key == entry.key for out in overflow):  # the pool tier refused it: it stays below
-                    self._drop_copy(node, below)
-                    self._book(entry.key, below)
-                else:
-                    self.stats.promoted += 1
-                # what the pool tier evicted to take it moves down (or onto its copy) like any eviction
-                self._evicted_from(0, [out for out in overflow if out.key != entry.key])
+                self._promote_over_copy(entry, node.tier)
                 return True
         if node is not None:
             self.remove(entry.key)
@@ -344,6 +325,21 @@ class KVStore:
             if self.write_through[tier_idx] and entry.key in self._nodes:
                 self._copy_into(tier_idx, entry)
         return True
+
+    def _promote_over_copy(self, entry: KVEntry, below: int) -> None:
+        """Move ``entry`` (booked in write-through tier ``below``) up to the first tier, keeping the record below as
+        its copy. If the first tier refuses it, it stays booked below; what the first tier evicted to take it moves
+        down (or onto its copy) like any eviction, so the books always follow the tier's answer."""
+        node = self._nodes[entry.key]
+        self._book(entry.key, 0)
+        self._add_copy(node, below)
+        overflow = self.tiers[0].put(entry)
+        if any(out.key == entry.key for out in overflow):
+            self._drop_copy(node, below)
+            self._book(entry.key, below)
+        else:
+            self.stats.promoted += 1
+        self._evicted_from(0, [out for out in overflow if out.key != entry.key])
 
     def _copy_into(self, tier_idx: int, entry: KVEntry) -> None:
         """Put a write-through copy of ``entry`` (booked in a faster tier) into tier ``tier_idx``."""
