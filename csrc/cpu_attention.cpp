@@ -766,6 +766,9 @@ at::Tensor cpu_paged_attention_forward(const at::Tensor& q, const at::Tensor& k_
   return out;
 }
 
+// The quantized decode step (cpu_quant.cpp) compiles this file into its own extension and calls the paged kernel
+// directly, so it defines KVBOOST_CPU_ATTENTION_NO_MODULE to leave this module definition out.
+#ifndef KVBOOST_CPU_ATTENTION_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &cpu_attention_forward, "CPU attention forward (kernels_triton contract)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("causal"), py::arg("scale"), py::arg("q_positions"), py::arg("kv_start"),
@@ -775,3 +778,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"), py::arg("query_start"),
         py::arg("q_positions"), py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("tile"));
 }
+#endif  // KVBOOST_CPU_ATTENTION_NO_MODULE

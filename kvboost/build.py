@@ -33,7 +33,7 @@ PLUGIN_GROUPS = {
 MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "weights", "random_init", "random_seed")
 ENGINE_OPTIONS = (
     "store_generated", "store_canonical", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill",
-    "prefill_weights", "kv", "core", "kv_events",
+    "prefill_weights", "decode_activations", "kv", "core", "kv_events",
 )  # fmt: skip
 
 
@@ -94,6 +94,11 @@ def check_engine_config(cfg: dict[str, Any]) -> None:
 
     if prefill != "auto" and prefill not in PREFILL_MODES:
         raise ValueError(f"engine.prefill must be auto or one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    activations = (cfg.get("engine") or {}).get("decode_activations", "int16")
+    from kvboost.runtime.quant_step import ACTIVATIONS
+
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"engine.decode_activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     prefill_weights = (cfg.get("engine") or {}).get("prefill_weights", "auto")
     from kvboost.models.prepack import PREFILL_WEIGHTS
 

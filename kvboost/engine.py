@@ -84,7 +84,11 @@ class InferenceEngine:
         decode, prefill, prefill_weights: the path (``kvboost.runtime.config.choose_runner``): ``decode`` ``auto`` |
             ``graphed`` (CUDA graphs) | ``compiled`` (inductor) | ``eager`` (HF's bits) | ``hf`` (HF's modules);
             ``prefill`` ``auto`` | ``fused`` | ``graphed`` | ``hf``; ``prefill_weights`` ``auto`` | ``plain`` |
-            ``prepacked``.
+            ``prepacked``. ``decode="quantized"`` (what ``auto`` picks on CPU for a GGUF model of 4-bit blocks, as
+            the bundled one) multiplies the file's own blocks (``kvboost.runtime.quant_step``).
+        decode_activations: ``decode="quantized"`` only: ``int16`` (the default: each row's 32-value groups rounded
+            to int16 codes, the dense model's function up to ~1e-5), ``int8`` (llama.cpp's arithmetic: fastest; its
+            generated rows are not stored, and greedy tokens of reuse and cold may part at near ties) or ``fp32``.
         kv: the KV pool (``{"block_size": 16, "pool_bytes": "auto", "memory_fraction": None}``, see
             ``kvboost.kv.sizing``). With a lossless quantizer and ``memory`` as the first cache tier, the pool is the
             memory tier (``kvboost.cache.pool_tier``): cached chunks are runs of its blocks. ``host_bytes`` adds a
@@ -105,6 +109,7 @@ class InferenceEngine:
         share_model: bool = False,
         max_kv_bytes: int | str | None = None, keep_buffer_bytes: int | str | None = None, decode: str = "auto",
         speculative: Any = "none", prefill: str = "auto", prefill_weights: str = "auto", kv: dict | None = None,
+        decode_activations: str = "int16",
         store_canonical: bool = True, core: dict | None = None, kv_events: Any = None,
     ) -> None:  # fmt: skip
         from kvboost.rope import RopeRotator, check_rope_reusable
@@ -150,7 +155,8 @@ class InferenceEngine:
             attention = ATTENTION.build(attn)
             attention.check_available()
             attention.check_model(model)
-        config = choose_runner(model, attention, decode=decode, prefill=prefill, prefill_weights=prefill_weights)
+        config = choose_runner(model, attention, decode=decode, prefill=prefill, prefill_weights=prefill_weights,
+                               decode_activations=decode_activations)  # fmt: skip
         speculative = DRAFT.build(speculative)
         speculative.bind(model, tokenizer)  # loads a draft model, refuses a misfit (vocabulary, layers)
         try:
@@ -164,6 +170,11 @@ class InferenceEngine:
         self.chunker, self.hasher, self.recompute, self.quantizer = chunker, hasher, recompute, quantizer
         self.store_generated, self.chat, self.speculative = store_generated, chat, speculative
         self.store_canonical = bool(store_canonical)
+        # Whether a decode step writes the K/V a prefill of the same tokens would (up to the rounding of the call's
+        # shape). decode="quantized" with int8 activations does not (its activations are rounded to 8 bits): the
+        # rows it generates are never stored, so every cached entry stays a prefill's; a chat turn's answer is then
+        # stored by the canonical store's prefill instead (kvboost.serving.frontend.canonical_store_request).
+        self.generated_rows_exact = not (config.decode == "quantized" and config.decode_activations == "int8")
         # oracle_agreement's reference prefills, once per prompt and cached rows (kvboost.reuse.prefill)
         self.reference_memo = ReferenceMemo()
         self.adapter = ModelAdapter(model, model_identity or getattr(model.config, "_name_or_path", "") or "unnamed")
@@ -299,6 +310,7 @@ class InferenceEngine:
             "prefill_weights": self.runner_config.weights,
             "prefill_weights_reason": reasons.get("weights", ""),
             "awq_prefill": getattr(self.model, "_kvboost_awq_prefill", None),
+            **({"quantized": described["quantized"]} if "quantized" in described else {}),
             "exact": described.get("exact"),
             "packed_weight_bytes": described.get("packed_weight_bytes", 0) + int(getattr(self.attention, "packed_bytes", 0)),
             "forwards": described.get("forwards"),
@@ -326,7 +338,9 @@ class InferenceEngine:
         fp = "|".join([
             self.adapter.fingerprint(), f"device={self.adapter.device.type}", f"kvq={self.quantizer.fingerprint()}",
             f"chunk={self.chunker.fingerprint()}", f"hash={self.hasher.fingerprint()}", f"attn={attn_tag}",
-            (f"runner={config.runner}/decode={config.decode}/prefill={'graphed' if config.graph_prefill else 'fused'}"
+            (f"runner={config.runner}/decode={config.decode}"
+             f"{'-' + config.decode_activations if config.decode == 'quantized' else ''}"
+             f"/prefill={'graphed' if config.graph_prefill else 'fused'}"
              f"/weights={config.weights}"), f"formats={self._weight_formats}", f"block={self.pool.block_size}",
         ])  # fmt: skip
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it

@@ -77,7 +77,10 @@ LOW_PRECISION_KL_TOLERANCE = 5e-2
 #: In bf16/fp16 the greedy tokens of reuse and cold may part where the cold run's two best tokens are this close
 #: (logits): a tie broken by rounding, not a reuse error. bf16's spacing at logits of 16-32 is 0.125; measured on
 #: the bundled model (bf16, Zen 4; 3 cut points x 9 prompts): 3 of 27 checks parted, at cold-logit margins 0.000,
-#: 0.000 (exact ties of the bf16 logits) and 0.125 (one bf16 step), with first-token KL <= 7e-3.
+#: 0.000 (exact ties of the bf16 logits) and 0.125 (one bf16 step), with first-token KL <= 7e-3. The same margin
+#: serves decode="quantized" with int8 activations (each step's activations rounded to 8 bits: a rounding that
+#: flips between two runs moves later logits); measured on the bundled model (fp32, the 3 default prompts, 12
+#: tokens): 1 of 3 checks parted, at token 11, cold-logit margin 0.19.
 NEAR_TIE_LOGITS = 0.5
 
 
@@ -146,6 +149,11 @@ def exactness_promise(engine: Any) -> tuple[float, str]:
             f"(cold logits within {NEAR_TIE_LOGITS}); use dtype=float32 or attn=batch_invariant for bit-equal reuse "
             f"(KL <= {FP32_KL_TOLERANCE:.0e}, same greedy tokens)"
         )
+    if not getattr(engine, "generated_rows_exact", True):
+        why += (f"; decode=quantized rounds each decode step's activations to int8 (llama.cpp's arithmetic): the "
+                f"first token is the prefill's, but later tokens of reuse and cold may part where the cold run's two "
+                f"best tokens are within {NEAR_TIE_LOGITS} logits (a rounding flips); engine.decode_activations=fp32 "
+                "keeps same greedy tokens")  # fmt: skip
     if lossy:
         why += (f"; KV quantizer {getattr(quantizer, 'registry_name', type(quantizer).__name__)!r} is lossy: cached "
                 "K/V are its round trip, so a failure here measures the quantizer, not the reuse")  # fmt: skip
@@ -168,7 +176,8 @@ def verify_correctness(
     says which and why; ``str(report)`` prints it with a line per prompt.
     """
     tolerance, criterion = exactness_promise(engine)
-    near_tie = NEAR_TIE_LOGITS if tolerance > FP32_KL_TOLERANCE else None
+    rounded_decode = not getattr(engine, "generated_rows_exact", True)  # int8 activations in the decode step
+    near_tie = NEAR_TIE_LOGITS if tolerance > FP32_KL_TOLERANCE or rounded_decode else None
     if kl_tolerance is not None:
         tolerance, criterion = float(kl_tolerance), f"first-token KL <= {kl_tolerance:.0e} as asked; {criterion}"
     prompts = list(prompts) if prompts is not None else list(DEFAULT_VERIFY_PROMPTS)

@@ -187,3 +187,93 @@ def test_llama_cpp_systems_reuse_prefixes():
     assert back["reused_tokens"] >= len(ids)  # restored from the saved state of the first prompt
     ram.reset()
     assert ram.generate(ids, 2)["reused_tokens"] == 0
+
+
+# ---------------------------------------------------------------------------------- llama_server (llama-server)
+# A /completion answer as llama-server 0.3.36 (llama.cpp tools/server) returns it with return_tokens=true.
+COMPLETION = {
+    "index": 0, "content": " Hello there", "tokens": [22503, 2147, EOS], "id_slot": 0, "stop": True,
+    "model": "gpt-3.5-turbo", "tokens_predicted": 3, "tokens_evaluated": 120, "stop_type": "eos",
+    "stopping_word": "", "tokens_cached": 119, "truncated": False,
+    "timings": {"cache_n": 100, "prompt_n": 20, "prompt_ms": 31.5, "prompt_per_token_ms": 1.575,
+                "prompt_per_second": 634.9, "predicted_n": 3, "predicted_ms": 40.0,
+                "predicted_per_token_ms": 20.0, "predicted_per_second": 50.0},
+}  # fmt: skip
+
+
+def test_parse_completion_reads_the_server_timings():
+    r = bp.parse_completion(COMPLETION, wall_ms=80.0)
+    assert r["ttft_ms"] == 31.5 and r["total_ms"] == r["server_wall_ms"] == 80.0  # TTFT = prompt_ms, no HTTP
+    assert r["decode_tok_s"] == pytest.approx(50.0)  # (3 - 1) tokens / 40 ms: the first token is the prefill's
+    assert r["decode_tok_s"] == pytest.approx(COMPLETION["timings"]["predicted_per_second"])
+    assert r["reused_tokens"] == 100 and r["server_prompt_n"] == 20 and r["stop_type"] == "eos"
+    assert r["output_ids"] == [22503, 2147, EOS] and r["generated_tokens"] == 3
+    one = {**COMPLETION, "tokens": [5], "timings": {**COMPLETION["timings"], "predicted_n": 1, "predicted_ms": 0.001}}
+    assert bp.parse_completion(one, 1.0)["decode_tok_s"] is None  # one token: no decode step
+    with pytest.raises(RuntimeError, match="no token ids"):
+        bp.parse_completion({**COMPLETION, "tokens": []}, 1.0)
+    # a record of it aggregates like any other system's
+    rec = bp._record("llama_server", "sequential", type("R", (), {"request_id": "a/1", "conversation_id": "a",
+                                                                 "turn": 1})(), list(range(120)), r)  # fmt: skip
+    assert bp.aggregate_overall([rec])["llama_server"]["sequential"]["reuse_ratio_token_weighted"] == 100 / 120
+
+
+def test_llama_server_request_body():
+    body = bp.LlamaServerSystem("http://127.0.0.1:1/", ignore_eos=True).request_body([1, 2, 3], 8)
+    assert body["prompt"] == [1, 2, 3] and body["n_predict"] == 8 and body["cache_prompt"] is True
+    assert body["return_tokens"] is True and body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert body["top_k"] == 1 and body["id_slot"] == 0
+
+
+def test_system_selection_and_ratio_pair():
+    assert bp.default_systems(True) == ("llama_cpp_prefix", "llama_cpp_ramcache", "hf_baseline", "hf_prefix", "kvboost")
+    assert bp.default_systems(False) == ("llama_server", "hf_baseline", "hf_prefix", "kvboost")
+    assert bp.build_parser().parse_args([]).systems is None  # resolved in run() by what is installed
+    assert bp.ratio_pair(["llama_server", "llama_cpp_prefix", "kvboost"]) == ("kvboost", "llama_cpp_prefix")
+    assert bp.ratio_pair(["kvboost", "llama_server"]) == ("kvboost", "llama_server")
+    assert bp.ratio_pair(["kvboost"]) == bp.RATIO_PAIR  # nothing to divide by: the table leaves the column out
+    recs = [dict(r, system="llama_server") if r["system"] == "llama_cpp_prefix" else r for r in _fake_records()]
+    result = {
+        "title": "fake", "orders": ["sequential"], "by_turn": bp.aggregate_by_turn(recs),
+        "overall": bp.aggregate_overall(recs), "ratio_pair": list(bp.ratio_pair(["kvboost", "llama_server"])),
+        "ratio_by_turn": bp.ratio_by_turn(recs, "kvboost", "llama_server"), "floor_by_turn": {},
+        "greedy_match": bp.greedy_match(recs, {EOS}),
+    }  # fmt: skip
+    md = bp.markdown_report(result)
+    assert "kvboost / llama_server p50" in md and "0.40 [0.40-0.40]" in md
+    assert "| llama_server | sequential | 4 | 50.0 |" in md and "| kvboost | sequential | 4 | 30.0 |" in md
+
+
+def _cached_llama_server():
+    """The llama-server binary ``ensure_llama_server()`` would return, if it is already built (never builds)."""
+    from experiments.bench import peer_server as ps
+
+    version = ps.LLAMA_CPP_PYTHON_VERSION
+    key = ps.cache_key(version, ps.default_cmake_flags(), ps.cpu_model(), ps.isa_flags(ps.cpu_flags()))
+    binary = ps.binary_dir(ps.DEFAULT_CACHE_DIR.expanduser(), version, key) / ps.TARGET
+    return binary if binary.is_file() else None
+
+
+@pytest.mark.integration
+def test_llama_server_system_reuses_the_slot_prefix(tmp_path):
+    binary = _cached_llama_server()
+    if binary is None:
+        pytest.skip("no llama-server built under ~/.cache/kvboost/peers (python -m experiments.bench.peer_server)")
+    from experiments.bench.peer_server import start_llama_server
+    from kvboost.models.loading import bundled_gguf_path
+
+    try:
+        gguf = str(bundled_gguf_path())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    ids = [1, 9690, 198] + list(range(1000, 1040))  # <|im_start|>system\n + 40 ordinary tokens
+    more = ids + list(range(2000, 2010))
+    with start_llama_server(binary, gguf, parallel=1, ctx=512, threads=2, extra=bp.llama_server_args(tmp_path),
+                            ready_timeout_s=120) as server:  # fmt: skip
+        system = bp.LlamaServerSystem(server.base_url, ignore_eos=True)
+        first = system.generate(ids, 4)
+        assert first["generated_tokens"] == 4 and first["reused_tokens"] == 0 and first["decode_tok_s"] > 0
+        assert first["ttft_ms"] > 0 and first["server_wall_ms"] >= first["ttft_ms"]
+        assert system.generate(more, 4)["reused_tokens"] == len(ids)
+        system.reset()
+        assert system.generate(ids, 2)["reused_tokens"] == 0

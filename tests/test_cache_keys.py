@@ -37,6 +37,7 @@ KEYED = {
     "decode": "the decode step's kernels (eager, compiled by inductor, graphed) write the generated rows",
     "prefill": "fused or graphed prefill kernels",
     "prefill_weights": "plain or prepacked (oneDNN / MKL) projection kernels",
+    "decode_activations": "decode=quantized rounds activations to int8 or keeps fp32 (tests/test_quant_step.py)",
     "kv.block_size": "paged kernels read the pool block by block",
     "weights": "GGUF int4 linears run torch's int4 kernel (weight formats in the fingerprint)",
     "awq_prefill": "AWQ prefill from dense copies or the int4 kernel",

@@ -13,8 +13,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize, quantize
-from tiny import ToyTokenizer, random_ids, tiny_model
+from tiny import ToyTokenizer, random_ids, tiny_model, write_gguf
 
 from kvboost.models.gguf_int4 import GGUFInt4Linear
 from kvboost.models.gguf_weights import (
@@ -209,43 +208,6 @@ def test_names_and_row_order():
 
 
 # ---------------------------------------------------------------------------------------------- written GGUF files
-LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-           "ffn_down": "mlp.down_proj"}  # fmt: skip
-
-
-def _gguf_from_model(model, path, arch: str, types: dict[str, T]) -> None:
-    """Write ``model``'s linears into a GGUF (rows as llama.cpp stores them: q/k permuted for llama), each in
-    ``types[gguf name]`` (default Q4_1), and set the model's weights to what transformers would load from it."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    names = {f"blk.{i}.{k}.weight": f"model.layers.{i}.{v}" for i in range(cfg.num_hidden_layers)
-             for k, v in LINEARS.items()}  # fmt: skip
-    names["output.weight"] = "lm_head"
-    for gguf_name, hf_name in names.items():
-        linear = model.get_submodule(hf_name)
-        w = linear.weight.detach().float().numpy()
-        order = None
-        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            heads = cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads
-            order = llama_row_order(w.shape[0], heads)
-            stored = np.empty_like(w)
-            stored[order] = w  # llama.cpp's permutation: HF row r is stored at row order[r]
-            w = stored
-        kind = types.get(gguf_name, T.Q4_1)
-        raw = quantize(w, kind)
-        writer.add_tensor(gguf_name, raw, raw_dtype=kind)
-        loaded = dequantize(raw, kind)
-        if order is not None:
-            loaded = loaded[order]  # transformers' reverse permutation
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(np.ascontiguousarray(loaded)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_written_gguf_mixed_types_biases_and_untied_head(tmp_path, arch):
     """A tiny model written as GGUF (Q4_0 / Q4_1, v of layer 0 and down of layer 1 in Q8_0, an untied Q4_0 head;
@@ -263,7 +225,7 @@ def test_written_gguf_mixed_types_biases_and_untied_head(tmp_path, arch):
     types = {"blk.0.attn_v.weight": T.Q8_0, "blk.1.ffn_down.weight": T.Q8_0, "output.weight": T.Q4_0,
              "blk.1.attn_q.weight": T.Q4_0}  # fmt: skip
     path = tmp_path / "tiny.gguf"
-    _gguf_from_model(dense, path, arch, types)
+    write_gguf(dense, path, arch, types)
     model = copy.deepcopy(dense)
     formats = apply_gguf_int4(model, path)
     assert {k: len(v) for k, v in formats.items()} == {
@@ -312,7 +274,7 @@ def test_a_wrong_row_order_fails_the_load(tmp_path):
     refused instead of running a scrambled attention."""
     dense = tiny_model("llama")
     path = tmp_path / "tiny.gguf"
-    _gguf_from_model(dense, path, "qwen2", {})  # stored unpermuted, architecture says qwen2 ...
+    write_gguf(dense, path, "qwen2", {})  # stored unpermuted, architecture says qwen2 ...
     reader_arch = "llama"
     raw = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(tmp_path / "as_llama.gguf"), reader_arch)  # ... rewritten as llama

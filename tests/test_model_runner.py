@@ -178,7 +178,7 @@ def test_eager_runner_is_hf_forward_to_the_bit(arch, dtype):
     runner = llama_runner(tiny_model(arch).to(dtype), decode="eager", weights="plain")
     assert runner.exact and all(isinstance(p, PlainProjections) for p in runner.projections)
     exercise(runner, HF(tiny_model(arch).to(dtype)), random_ids(60, seed=7))
-    assert runner.forwards == {"eager": 1 + 1 + 3 + 1, "compiled": 0, "graphed": 0}
+    assert runner.forwards == {"eager": 1 + 1 + 3 + 1, "compiled": 0, "graphed": 0, "quantized": 0}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -404,7 +404,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_a_reason(monkeypatch):
     for token in ids[20:]:
         assert torch.equal(run(runner, table, [token]), ref([token]))
     assert runner.fallback_reason == "RuntimeError: inductor: no compiler"
-    assert runner.decode == "eager" and runner.forwards == {"eager": 5, "compiled": 0, "graphed": 0}
+    assert runner.decode == "eager" and runner.forwards == {"eager": 5, "compiled": 0, "graphed": 0, "quantized": 0}
     monkeypatch.setattr("kvboost.runtime.llama.inductor_unavailable_reason", lambda: None)
     engine = make_engine("llama", decode="compiled")
     assert engine.decode_info()["decode"] == "compiled"
@@ -1114,7 +1114,7 @@ def test_engine_warmup_reports_the_path(monkeypatch):
     assert {"runner", "decode", "decode_reason", "prefill", "prefill_weights", "exact", "forwards",
             "kv_pool"} <= set(info)  # fmt: skip
     assert info["runner"] == "llama" and info["decode"] == "eager" and info["exact"] is True
-    assert info["decode_compile_s"] >= 0 and info["forwards"] == {"eager": 0, "compiled": 0, "graphed": 0}
+    assert info["decode_compile_s"] >= 0 and info["forwards"] == {"eager": 0, "compiled": 0, "graphed": 0, "quantized": 0}
     assert info["kv_pool"]["free_blocks"] == info["kv_pool"]["num_blocks"]  # warm-up gave its blocks back
     engine.close()
     phi = make_engine("phi3")

@@ -543,3 +543,9 @@ def test_metrics_names(keyed):
     assert sample(text, "vllm:prefix_cache_queries_total", model_name=MODEL) > 0
     assert sample(text, "kvboost:tier_bytes", tier="memory") > 0
     assert sample(text, "vllm:request_success_total", finished_reason="length") > 0
+    # the step budget in force (kvboost.serving.budget), as the core describes it
+    budget = keyed.loop.core.budget_info()
+    assert sample(text, "kvboost:step_budget_max_batch_tokens", model_name=MODEL) > 0
+    for rows in ("1", "8", "32"):
+        value = sample(text, "kvboost:step_budget_prompt_tokens", decode_rows=rows)
+        assert value > 0 and value == budget.get(f"chunk_at_{rows}", budget["max_batch_tokens"] - int(rows))

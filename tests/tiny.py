@@ -96,3 +96,48 @@ def hf_greedy_reference(model, prompt: list[int], steps: int):
             logits.append(step.float())
             token = int(step.argmax())
     return fed, logits, cache
+
+
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}  # fmt: skip
+
+
+def write_gguf(model, path, arch: str, types: dict | None = None) -> None:
+    """Write ``model``'s linears into a GGUF (rows as llama.cpp stores them: q/k permuted for llama), each in
+    ``types[gguf name]`` (default Q4_1), and set the model's weights to what transformers would load from it."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from kvboost.models.gguf_weights import llama_row_order
+
+    types = types or {}
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    names = {f"blk.{i}.{k}.weight": f"model.layers.{i}.{v}" for i in range(cfg.num_hidden_layers)
+             for k, v in GGUF_LINEARS.items()}  # fmt: skip
+    names["output.weight"] = "lm_head"
+    for gguf_name, hf_name in names.items():
+        linear = model.get_submodule(hf_name)
+        w = linear.weight.detach().float().numpy()
+        order = None
+        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads
+            order = llama_row_order(w.shape[0], heads)
+            stored = np.empty_like(w)
+            stored[order] = w  # llama.cpp's permutation: HF row r is stored at row order[r]
+            w = stored
+        kind = types.get(gguf_name, T.Q4_1)
+        raw = quantize(w, kind)
+        writer.add_tensor(gguf_name, raw, raw_dtype=kind)
+        loaded = dequantize(raw, kind)
+        if order is not None:
+            loaded = loaded[order]  # transformers' reverse permutation
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(np.ascontiguousarray(loaded)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

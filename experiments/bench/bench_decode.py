@@ -1,6 +1,9 @@
-"""Decode speed of the bundled model: every decode path of the runner (hf / eager / compiled / graphed), batch 1 or more.
+"""Decode speed of the bundled model: every decode path of the runner (hf / eager / compiled / graphed / quantized),
+batch 1 or more.
 
     python -m experiments.bench.bench_decode --dtypes float32 bfloat16 --contexts 256 1024 --tokens 64 --repeats 5
+    python -m experiments.bench.bench_decode --dtypes float32 --paths compiled quantized --contexts 512 \
+        --batches 1 2 4 8 16 32 --tokens 16 --repeats 3 --out experiments/results/decode/batch   # batched step cost
     python -m experiments.bench.bench_decode --model "$(python scripts/quantize_awq.py --print-path)" --dtypes bfloat16 \
         --out experiments/results/decode/awq       # AWQ int4 weights: hf and eager (int4 kernel) paths
 
@@ -39,7 +42,7 @@ from kvboost.models.compute import describe
 from kvboost.models.loading import load_model_and_tokenizer
 from kvboost.runtime.llama import has_int4_projections
 
-PATHS = ("hf", "eager", "compiled", "graphed")  # graphed: CUDA only (one CUDA graph per token)
+PATHS = ("hf", "eager", "compiled", "graphed", "quantized")  # graphed: CUDA only; quantized: CPU, GGUF 4-bit blocks
 AWQ_BUFFERS = (*AWQ_TENSORS, "bias")  # an AWQ linear keeps its bias as a buffer too
 
 
@@ -107,6 +110,12 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     if device.type != "cuda" and "graphed" in paths:
         paths.remove("graphed")
         print("not on a CUDA device: the graphed path (CUDA graphs) is skipped")
+    if "quantized" in paths:
+        from kvboost.runtime.quant_step import unavailable_reason
+
+        if (why := unavailable_reason(model)) is not None:
+            paths.remove("quantized")
+            print(f"the quantized path is skipped: {why}")
     for name in paths:
         engine = build_engine(compose_run_config(decode=name), model, tokenizer, model_identity=path,
                               share_model=bool(engines))  # fmt: skip
@@ -114,41 +123,50 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         engines[name] = engine
     gen = torch.Generator().manual_seed(args.seed)
     # One discarded round on its own prompt: the first call of a shape builds kernels (oneDNN, allocator).
+    batches = args.batches or [args.batch]
     for engine in engines.values():
-        time_decode(engine, [torch.randint(100, 40000, (max(args.contexts),), generator=gen).tolist()] * args.batch, 4)
+        time_decode(engine, [torch.randint(100, 40000, (max(args.contexts),), generator=gen).tolist()] * max(batches), 4)
     rows: list[dict[str, Any]] = []
-    total = len(args.contexts) * args.repeats * len(engines)
+    total = len(args.contexts) * args.repeats * len(engines) * len(batches)
     with tqdm(total=total, desc=f"decode {dtype}") as bar:
         for context in args.contexts:
             for repeat in range(args.repeats):
-                prompts = [torch.randint(100, min(len(tokenizer), 40000), (context,), generator=gen).tolist()
-                           for _ in range(args.batch)]  # fmt: skip
-                timed = {}
-                for name, engine in engines.items():
-                    timed[name] = time_decode(engine, prompts, args.tokens)
-                    bar.update(1)
-                ref_tokens = timed.get("hf", next(iter(timed.values())))[1]
-                for name, (seconds, tokens) in timed.items():
-                    agree = statistics.mean(
-                        next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), len(mine))
-                        for mine, ref in zip(tokens, ref_tokens, strict=True)
-                    )
-                    rows.append({
-                        "path": name, "context": context, "repeat": repeat, "seconds": seconds, "batch": args.batch,
-                        "tokens_per_s": args.tokens * args.batch / seconds,
-                        "ratio_vs_hf": timed["hf"][0] / seconds if "hf" in timed else None,
-                        "tokens_equal_to_hf_before_divergence": agree,
-                    })  # fmt: skip
+                for batch in batches:
+                    prompts = [torch.randint(100, min(len(tokenizer), 40000), (context,), generator=gen).tolist()
+                               for _ in range(batch)]  # fmt: skip
+                    timed = {}
+                    for name, engine in engines.items():
+                        timed[name] = time_decode(engine, prompts, args.tokens)
+                        bar.update(1)
+                    ref_tokens = timed.get("hf", next(iter(timed.values())))[1]
+                    for name, (seconds, tokens) in timed.items():
+                        agree = statistics.mean(
+                            next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), len(mine))
+                            for mine, ref in zip(tokens, ref_tokens, strict=True)
+                        )
+                        rows.append({
+                            "path": name, "context": context, "repeat": repeat, "seconds": seconds, "batch": batch,
+                            "tokens_per_s": args.tokens * batch / seconds,
+                            "ratio_vs_hf": timed["hf"][0] / seconds if "hf" in timed else None,
+                            "tokens_equal_to_hf_before_divergence": agree,
+                        })  # fmt: skip
     bandwidth = stream_bandwidth_gbs(device=device.type)
     nbytes = weight_bytes(model)
     summary = {}
     for name in engines:
-        for context in args.contexts:
-            mine = [r for r in rows if r["path"] == name and r["context"] == context]
+        for context, batch in ((c, b) for c in args.contexts for b in batches):
+            mine = [r for r in rows if r["path"] == name and r["context"] == context and r["batch"] == batch]
+            # a step of `batch` rows against a step of one row, paired by repeat (same drift)
+            one = {r["repeat"]: r["seconds"] for r in rows if r["path"] == name and r["context"] == context
+                   and r["batch"] == min(batches)}  # fmt: skip
+            costs = [r["seconds"] / one[r["repeat"]] for r in mine if r["repeat"] in one]
             rates = [r["tokens_per_s"] for r in mine]
             ratios = [r["ratio_vs_hf"] for r in mine if r["ratio_vs_hf"] is not None]
-            summary[f"{name}@{context}"] = {
-                "path": name, "context": context,
+            summary[f"{name}@{context}" + (f"@b{batch}" if len(batches) > 1 else "")] = {
+                "path": name, "context": context, "batch": batch,
+                "step_ms_median": statistics.median(r["seconds"] for r in mine) / args.tokens * 1e3,
+                "step_cost_vs_smallest_batch_median": statistics.median(costs),
+                "step_cost_vs_smallest_batch_min": min(costs), "step_cost_vs_smallest_batch_max": max(costs),
                 "tokens_per_s_median": statistics.median(rates), "tokens_per_s_min": min(rates),
                 "tokens_per_s_max": max(rates), "ms_per_token_median": 1000 / statistics.median(rates),
                 "ratio_vs_hf_median": statistics.median(ratios) if ratios else None,
@@ -172,9 +190,9 @@ def to_markdown(results: list[dict[str, Any]], command: str) -> str:
             f"### {res['dtype']} ({res['compute']['matmul_path']}); weights {res['weight_bytes'] / 1e6:.0f} MB, "
             f"stream {res['stream_gbs']:.1f} GB/s -> floor {res['floor_tokens_per_s']:.0f} tok/s",
             "",
-            "| path | context | tok/s median (min-max) | ms/token | x HF (min-max) | tokens = HF before divergence (of "
-            f"{res['tokens_timed']}) | compile s |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| path | context | rows | tok/s median (min-max) | ms/step | step cost vs the smallest batch (min-max) "
+            f"| x HF (min-max) | tokens = HF before divergence (of {res['tokens_timed']}) | compile s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in res["summary"].values():
             ratio = (
@@ -182,8 +200,10 @@ def to_markdown(results: list[dict[str, Any]], command: str) -> str:
                 if row["ratio_vs_hf_median"] is not None else "-"
             )  # fmt: skip
             lines.append(
-                f"| {row['path']} | {row['context']} | {row['tokens_per_s_median']:.1f} ({row['tokens_per_s_min']:.1f}-"
-                f"{row['tokens_per_s_max']:.1f}) | {row['ms_per_token_median']:.1f} | {ratio} | "
+                f"| {row['path']} | {row['context']} | {row['batch']} | {row['tokens_per_s_median']:.1f} "
+                f"({row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f}) | {row['step_ms_median']:.1f} | "
+                f"{row['step_cost_vs_smallest_batch_median']:.2f} ({row['step_cost_vs_smallest_batch_min']:.2f}-"
+                f"{row['step_cost_vs_smallest_batch_max']:.2f}) | {ratio} | "
                 f"{row['greedy_prefix_equal_to_hf_mean']:.1f} | {row['compile_s']:.1f} |"
             )
         lines.append("")
@@ -198,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (one forward per step for all)")
+    p.add_argument("--batches", nargs="+", type=int, default=None,
+                   help="several batch sizes in the same repeats (e.g. 1 2 4 8 16 32): each step's cost against the "
+                        "smallest batch's, paired by repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model folder (default: the bundled model); an AWQ folder works")

@@ -8,6 +8,8 @@ One process, the same prompts (the same token ids) for every system, users seque
 |                      | common token prefix with what it evaluated last (prompt + answer) is kept, the rest is run  |
 | `llama_cpp_ramcache` | llama.cpp ``create_completion(ids)`` with ``LlamaRAMCache``: the state after every request  |
 |                      | is saved, the saved state with the longest common prefix is restored before the next        |
+| `llama_server`       | llama.cpp's own ``llama-server`` (same llama.cpp version, ``peer_server.py``), one slot,     |
+|                      | ``POST /completion`` with the ids and ``cache_prompt``: ``llama_cpp_prefix``'s reuse over HTTP |
 | `hf_baseline`        | HF cold prefill (``kvboost/lab/hf_baselines.py: HFNoCache``, runner mode ``baseline``)      |
 | `hf_prefix`          | HF carrying the previous request's cache (``HFPrefixCache``, runner mode ``hf_prefix``)     |
 | `kvboost`            | the engine with its store (runner mode ``kvboost``), warmed only by earlier turns           |
@@ -39,6 +41,10 @@ tokenization), each request is served by all systems in a shuffled order before 
 what only this comparison has (llama.cpp's build, the compute floor, both user orders). Statistics use the one
 ``percentile`` of ``experiments/common.py``.
 
+Without llama-cpp-python the default ``--systems`` runs ``llama_server`` in place of the two ``llama_cpp_*``
+systems (its binary is built once by ``peer_server.ensure_llama_server()``, needing only cmake and a compiler),
+and the ratio column is kvboost / ``llama_server`` (kvboost / ``llama_cpp_prefix`` whenever that one ran).
+
 Install llama.cpp (optional extra ``peers``, a ~15 min source build; see README "llama.cpp beside kvboost"):
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \\
@@ -53,19 +59,22 @@ Run:
     python -m experiments.bench.bench_peers --systems hf_baseline,hf_prefix,kvboost   # without llama.cpp
 
 Writes ``<out>/<name>.json`` (config, environment, llama.cpp build, matmul rate, per system and order: TTFT by
-turn, decode tokens/s, reuse, greedy match, the kvboost/llama_cpp_prefix ratio and the compute floor, every
+turn, decode tokens/s, reuse, greedy match, the kvboost / llama.cpp ratio and the compute floor, every
 request with its greedy token ids) and ``<out>/<name>.md`` (the tables, the command at the top).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import math
 import os
 import random
 import shlex
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -75,11 +84,14 @@ from typing import Any
 
 from experiments.common import percentile
 
-SYSTEMS = ("llama_cpp_prefix", "llama_cpp_ramcache", "hf_baseline", "hf_prefix", "kvboost")
-LLAMA_SYSTEMS = ("llama_cpp_prefix", "llama_cpp_ramcache")
+SYSTEMS = ("llama_cpp_prefix", "llama_cpp_ramcache", "llama_server", "hf_baseline", "hf_prefix", "kvboost")
+LLAMA_SYSTEMS = ("llama_cpp_prefix", "llama_cpp_ramcache")  # in-process (llama-cpp-python)
+SERVER_SYSTEM = "llama_server"  # llama.cpp's own HTTP server (peer_server.py), no llama-cpp-python needed
 ORDERS = ("sequential", "interleaved")
 REFERENCE = "hf_baseline"
 RATIO_PAIR = ("kvboost", "llama_cpp_prefix")
+# the llama.cpp system kvboost's TTFT is divided by: the first of these that ran (both reuse one slot's prefix)
+RATIO_DENOMINATORS = ("llama_cpp_prefix", SERVER_SYSTEM)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "peers"
 LLAMA_INSTALL_HINT = (
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
@@ -149,6 +161,25 @@ def ratio_by_turn(
                 by_system[numerator][metric] / by_system[denominator][metric]
             )
     return {order: {turn: describe(v) for turn, v in sorted(turns.items())} for order, turns in ratios.items()}
+
+
+def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python can be imported (looked up, not imported: the import loads the library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_systems(have_llama_cpp: bool) -> tuple[str, ...]:
+    """``--systems``' default: every in-process system, or ``llama_server`` in place of the ``llama_cpp_*``
+    ones when llama-cpp-python is missing (the server is the same llama.cpp, built apart)."""
+    if have_llama_cpp:
+        return tuple(s for s in SYSTEMS if s != SERVER_SYSTEM)
+    return tuple(s for s in SYSTEMS if s not in LLAMA_SYSTEMS)
+
+
+def ratio_pair(systems: Iterable[str]) -> tuple[str, str]:
+    """(kvboost, the llama.cpp system that ran): ``llama_cpp_prefix`` if it ran, else ``llama_server``."""
+    ran = set(systems)
+    return RATIO_PAIR[0], next((s for s in RATIO_DENOMINATORS if s in ran), RATIO_PAIR[1])
 
 
 def truncate_at_eos(ids: Sequence[int], eos_ids: Iterable[int]) -> list[int]:
@@ -272,7 +303,7 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append("")
     by_turn, ratios, floors = result["by_turn"], result["ratio_by_turn"], result["floor_by_turn"]
     systems = [s for s in SYSTEMS if s in by_turn]
-    num, den = RATIO_PAIR
+    num, den = result.get("ratio_pair") or RATIO_PAIR
     for order in result["orders"]:
         turns = sorted({t for s in systems for t in by_turn[s].get(order, {})})
         lines += [f"## {order}: TTFT p50 / mean (ms) by turn", ""]
@@ -510,6 +541,79 @@ class LlamaRamCacheSystem:
         return out
 
 
+def parse_completion(response: dict[str, Any], wall_ms: float) -> dict[str, Any]:
+    """A record's measurements from llama-server's ``POST /completion`` answer (``return_tokens``: ``tokens``).
+
+    ``timings`` is the slot's own clock (``tools/server/server-common.h: server_slot_stats``): ``prompt_ms`` runs
+    from the start of prompt processing to the first sampled token, so it is the TTFT without HTTP, JSON and
+    queueing (``wall_ms``, the client's time for the whole request, has them); ``predicted_ms`` runs from that
+    first token to the last and ``predicted_n`` counts the first token too, so ``(predicted_n - 1) /
+    predicted_ms`` is the engine's decode tokens/s (the server's own ``predicted_per_second`` is the same).
+    ``cache_n`` = prompt tokens taken from the slot's cache (at most prompt - 1: the server always evaluates one).
+    """
+    timings = response.get("timings") or {}
+    tokens = [int(t) for t in response.get("tokens") or []]
+    if not tokens:
+        raise RuntimeError(f"llama-server returned no token ids (return_tokens unsupported?): {response!r:.300}")
+    n, predicted_ms = int(timings.get("predicted_n", len(tokens))), float(timings.get("predicted_ms", 0.0))
+    return {
+        "ttft_ms": float(timings["prompt_ms"]), "total_ms": wall_ms,
+        "decode_tok_s": (n - 1) / predicted_ms * 1e3 if n > 1 and predicted_ms > 0 else None,
+        "generated_tokens": len(tokens), "reused_tokens": int(timings.get("cache_n", 0)), "output_ids": tokens,
+        "server_wall_ms": wall_ms, "server_prompt_n": int(timings.get("prompt_n", 0)),
+        "server_predicted_n": n, "server_predicted_ms": predicted_ms, "stop_type": response.get("stop_type"),
+    }  # fmt: skip
+
+
+def llama_server_args(slot_dir: str | Path) -> list[str]:
+    """llama-server flags of ``llama_server`` beyond ``peer_server``'s: ``--cache-ram 0`` (no host-memory prompt
+    cache: one slot's prefix only, as ``llama_cpp_prefix``) and ``--slot-save-path`` (without it the ``/slots``
+    actions, erase included, answer 501; erase writes nothing there)."""
+    return ["--cache-ram", "0", "--slot-save-path", str(slot_dir)]
+
+
+class LlamaServerSystem:
+    """llama.cpp's ``llama-server`` with one slot (``-np 1``): ``POST /completion`` with the prompt's token ids and
+    ``cache_prompt``, which keeps the longest common prefix of the slot's tokens (the previous prompt and answer)
+    and evaluates the rest, the reuse of ``llama_cpp_prefix`` behind HTTP. The server is started with
+    ``--cache-ram 0`` (:func:`llama_server_args`): its default host-memory prompt cache would save the slot's state and restore the best saved
+    one on a new conversation, i.e. ``llama_cpp_ramcache``'s behaviour instead.
+
+    TTFT is the server's ``timings.prompt_ms`` (see :func:`parse_completion`: no HTTP overhead, comparable to the
+    in-process systems'); the client's wall time of the non-streamed request is kept as ``server_wall_ms``.
+    ``ignore_eos`` makes the server mask end-of-generation tokens (a -inf logit bias), like
+    ``llama_cpp_ramcache`` and unlike the systems that feed EOS back. ``reset()`` erases the slot
+    (``POST /slots/0?action=erase``), as ``llama_cpp_prefix``'s ``reset()`` forgets what it evaluated.
+    """
+
+    name = SERVER_SYSTEM
+
+    def __init__(self, base_url: str, *, ignore_eos: bool, timeout_s: float = 600.0) -> None:
+        self.base_url, self.ignore_eos, self.timeout_s = base_url.rstrip("/"), ignore_eos, timeout_s
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as r:
+            return json.loads(r.read())
+
+    def reset(self) -> None:
+        self._post("/slots/0?action=erase")
+
+    def request_body(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        return {"prompt": [int(t) for t in ids], "n_predict": int(max_new_tokens), "temperature": 0.0, "top_k": 1,
+                "repeat_penalty": 1.0, "seed": 0, "cache_prompt": True, "ignore_eos": self.ignore_eos,
+                "return_tokens": True, "id_slot": 0}  # fmt: skip
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        body = self.request_body(ids, max_new_tokens)
+        t0 = time.perf_counter()
+        response = self._post("/completion", body)
+        return parse_completion(response, (time.perf_counter() - t0) * 1e3)
+
+
 # ============================================================================================ the run
 def compose_config(dtype: str, overrides: Sequence[str], **parts: Any) -> dict[str, Any]:
     """The project's run config (kvboost/configs/config.yaml, what ``python run.py`` uses) with overrides (and
@@ -585,6 +689,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from kvboost.models.gguf_weights import weight_format_counts
     from kvboost.models.loading import bundled_gguf_path
 
+    if args.systems is None:
+        have = llama_cpp_available()
+        if not have:
+            print("llama-cpp-python is not installed: running llama_server in place of llama_cpp_prefix and "
+                  "llama_cpp_ramcache")  # fmt: skip
+        args.systems = ",".join(default_systems(have))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
@@ -607,6 +717,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     t_load = time.perf_counter()
     engine = build_engine(cfg)
     load_s = time.perf_counter() - t_load
+    servers = contextlib.ExitStack()  # llama_server's process: started once, stopped with the engine
     try:
         eos_ids = set(engine.eos_ids)  # before --ignore-eos empties the runners' sets
         requests = build_requests(engine, workload_fields, orders)
@@ -620,12 +731,26 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             if s in modes:
                 runners[s] = TorchSystem(s, MODES.get(modes[s])(engine), ignore_eos=args.ignore_eos)
         llama_info: dict[str, Any] = {}
-        if any(s in LLAMA_SYSTEMS for s in systems):
-            n_ctx = int(math.ceil((max_len + args.max_new_tokens + 64) / 256) * 256)
-            llama_args = parse_assignments(args.llama_arg)
-            gguf = str(bundled_gguf_path()) if model_cfg.get("name_or_path") is None else args.gguf
-            if not gguf:
+        n_ctx = int(math.ceil((max_len + args.max_new_tokens + 64) / 256) * 256)
+        gguf = args.gguf
+        if any(s in LLAMA_SYSTEMS or s == SERVER_SYSTEM for s in systems) and not gguf:
+            if model_cfg.get("name_or_path") is not None:
                 raise SystemExit("a model other than the bundled one needs --gguf PATH for llama.cpp")
+            gguf = str(bundled_gguf_path())
+        if SERVER_SYSTEM in systems:
+            from experiments.bench.peer_server import build_info, ensure_llama_server, start_llama_server
+
+            binary = ensure_llama_server()
+            slot_dir = servers.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-llama-slots-"))
+            server = servers.enter_context(
+                start_llama_server(binary, gguf, parallel=1, ctx=n_ctx, threads=args.threads,
+                                   extra=llama_server_args(slot_dir))
+            )  # fmt: skip
+            runners[SERVER_SYSTEM] = LlamaServerSystem(server.base_url, ignore_eos=args.ignore_eos)
+            llama_info.update(gguf=gguf, llama_server={"command": server.command, "log": str(server.log_path),
+                                                       "build": build_info(binary)})  # fmt: skip
+        if any(s in LLAMA_SYSTEMS for s in systems):
+            llama_args = parse_assignments(args.llama_arg)
             eog: set[int] = set()
             for s in systems:
                 if s not in LLAMA_SYSTEMS:
@@ -637,10 +762,10 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                 else:
                     runners[s] = LlamaRamCacheSystem(llm, capacity_bytes=int(args.ramcache_bytes), eog_ids=eog,
                                                      ignore_eos=args.ignore_eos)  # fmt: skip
-                if not llama_info:
+                if "version" not in llama_info:
                     text = engine.tokenizer.apply_chat_template(first_request.prompt, add_generation_prompt=True,
                                                                 tokenize=False)  # fmt: skip
-                    llama_info = _llama_info(llm, eos_ids, eog, text, first_ids)
+                    llama_info.update(_llama_info(llm, eos_ids, eog, text, first_ids))
             llama_info.update(gguf=gguf, llama_args={"n_threads": args.threads, "n_threads_batch": args.threads,
                                                      "n_ctx": n_ctx, **llama_args})  # fmt: skip
 
@@ -715,8 +840,10 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         decode_info = engine.decode_info() if hasattr(engine, "decode_info") else {}
         linears = weight_format_counts(engine.model)
     finally:
+        servers.close()
         engine.close()
 
+    pair = ratio_pair(runners)
     notes = [
         (
             f"{len(requests[orders[0]])} requests per order ({args.num_conversations} conversations x up to "
@@ -737,8 +864,14 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             f"kvboost engine options {json.dumps(options, default=str)}; decode {json.dumps(decode_info, default=str)}; "
             f"engine.warmup() {warmup.get('engine_warmup_s', 0.0):.1f} s (before timing)."
         ),
-        f"{RATIO_PAIR[0]} / {RATIO_PAIR[1]}: per-request ratio of TTFT, median [min-max] across conversations.",
+        f"{pair[0]} / {pair[1]}: per-request ratio of TTFT, median [min-max] across conversations.",
     ]
+    if SERVER_SYSTEM in runners:
+        notes.append(
+            "llama_server: TTFT = the server's timings.prompt_ms (prompt processing to the first token, no HTTP); "
+            "decode tok/s = (predicted_n - 1) / predicted_ms; one slot, cache_prompt, --cache-ram 0; the "
+            "client's wall time per request is each record's server_wall_ms."
+        )
     result = {
         "title": f"{args.dtype}, {'EOS ignored' if args.ignore_eos else 'stop at EOS'}",
         "command": command,
@@ -761,7 +894,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "orders": orders,
         "by_turn": aggregate_by_turn(records),
         "overall": aggregate_overall(records),
-        "ratio_by_turn": ratio_by_turn(records),
+        "ratio_pair": list(pair),
+        "ratio_by_turn": ratio_by_turn(records, *pair),
         "floor_by_turn": floor_by_turn(records),
         "greedy_match": greedy_match(records, eos_ids),
         "records": records,
@@ -794,7 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvboost engine and HF model dtype (llama.cpp runs the Q4_1 GGUF)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads = llama.cpp n_threads = n_threads_batch")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=None,
+                   help=f"comma list of {', '.join(SYSTEMS)} (default: all but llama_server, or all but the "
+                        "llama_cpp_* ones when llama-cpp-python is missing)")  # fmt: skip
     p.add_argument("--orders", default=",".join(ORDERS), help="sequential,interleaved")
     p.add_argument(
         "--kvboost-arg",
@@ -814,7 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra kwarg of llama_cpp.Llama (repeatable), e.g. flash_attn=true",
     )
     p.add_argument("--ramcache-bytes", type=float, default=float(2 << 30), help="LlamaRAMCache capacity (bytes)")
-    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp when the model is not the bundled one")
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the bundled one, for the bundled model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--name", default=None, help="output file stem (default peers_<dtype>)")

@@ -82,6 +82,7 @@ __all__ = [
     "matmul",
     "quant_type_name",
     "unpack_q4",
+    "unpack_q4_scale_min",
     "zeros_exact",
 ]  # fmt: skip
 
@@ -194,6 +195,22 @@ def unpack_q4(
     codes, scale, zero, _ = _unpack(name, _blocks(name, raw, shape))
     return (torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale.T)),
             torch.from_numpy(np.ascontiguousarray(zero.T)))  # fmt: skip
+
+
+def unpack_q4_scale_min(
+    tensor_type: Any, raw: np.ndarray, shape: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 / Q4_1 / Q4_K blocks -> (q uint8 ``[rows, cols]`` codes 0..15, scale, min fp32 ``[rows, cols / 32]``)
+    with ``w = q * scale + min`` per group of 32: gguf's own form (Q4_1 ``d * q + m``; Q4_0 ``min = -8 d``; Q4_K
+    ``min = -dmin * m_j``), every field exact in fp32, so ``q * scale + min`` in fp32 is gguf's dequantization bit
+    for bit. What kvboost's quantized CPU step (``csrc/cpu_quant.cpp``) multiplies."""
+    name = quant_type_name(tensor_type)
+    codes, scale, _, exact = _unpack(name, _blocks(name, raw, shape))
+    minv = exact - np.float64(8) * scale.astype(np.float64)  # exact: m, -8 d or -dmin m_j (all fit fp32)
+    minv32 = minv.astype(np.float32)
+    if not np.array_equal(minv32.astype(np.float64), minv):
+        raise ValueError(f"GGUF int4: a {name} group's min is not exact in fp32 (corrupt fields?)")
+    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(minv32)
 
 
 def zeros_exact(tensor_type: Any, raw: np.ndarray, shape: tuple[int, int] | None = None) -> torch.Tensor:

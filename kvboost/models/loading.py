@@ -284,7 +284,8 @@ def load_model_and_tokenizer(
 
     The model carries where its weights came from and their load-time signature (``_kvboost_source_dir``,
     ``_kvboost_load_signature``: see ``kvboost.models.fingerprint.record_load``), so its fingerprint can reuse a
-    weights digest cached beside the folder while the weights are unchanged.
+    weights digest cached beside the folder while the weights are unchanged; a model converted from a GGUF file
+    also carries that file (``_kvboost_gguf_file``: ``decode="quantized"`` multiplies its blocks).
 
     A folder whose config.json says ``quantization_config.quant_method: awq`` (AutoAWQ's GEMM layout) is built with
     :class:`kvboost.models.awq.AWQLinear` in place of the quantized linears (int4 buffers as stored; float weights
@@ -312,6 +313,9 @@ def load_model_and_tokenizer(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hf_kwargs).to(device)
     model.eval()
     record_load(model, _weights_folder(path, hf_kwargs))
+    gguf = gguf_file_of(model_name_or_path)
+    if gguf is not None:  # its blocks are what decode="quantized" multiplies (kvboost.runtime.quant_step)
+        model._kvboost_gguf_file = str(gguf)
     tokenizer = AutoTokenizer.from_pretrained(path, **hf_kwargs)
     return model, tokenizer, path
 

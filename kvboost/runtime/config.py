@@ -8,7 +8,9 @@ touches the model.
 - runner: ``llama`` (:class:`~kvboost.runtime.llama.LlamaRunner`, one arithmetic for llama / mistral / qwen2)
   wherever it applies, else ``hf`` (:class:`~kvboost.runtime.hf_generic.HFGenericRunner`, HF's own modules over
   the pool); ``decode="hf"`` or ``prefill="hf"`` ask for ``hf`` (every forward is then HF's own).
-- decode: ``graphed`` on CUDA (CUDA graphs), ``compiled`` on CPU (inductor) where the backend lets the runner
+- decode: ``graphed`` on CUDA (CUDA graphs); on CPU ``quantized`` for a model loaded from a GGUF file whose
+  projections are 4-bit blocks (the bundled SmolLM2: :mod:`kvboost.runtime.quant_step`), else ``compiled``
+  (inductor) where the backend lets the runner
   decode with its own attention (``capabilities.runner_decode``) and the projections are plain linears; ``eager``
   otherwise (AWQ int4 projections: eager with fused int4 calls, measured faster than compiled on CPU;
   ``attn=batch_invariant``: eager, the backend's tiled arithmetic).
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 #: ``engine.decode``: ``hf`` selects the HF-generic runner; the others are the Llama runner's execution modes.
-DECODE_MODES = ("hf", "eager", "compiled", "graphed")
+DECODE_MODES = ("hf", "eager", "compiled", "graphed", "quantized")
 #: ``engine.prefill``: ``fused`` = the Llama runner (its eager forward), ``hf`` = the HF-generic runner,
 #: ``graphed`` = CUDA graphs for short prefills too.
 PREFILL_MODES = ("hf", "fused", "graphed")
@@ -46,6 +48,7 @@ class RunnerConfig:
     weights: str
     reasons: dict[str, str] = field(default_factory=dict)
     graph_prefill: bool = False
+    decode_activations: str = "int16"  # decode="quantized": int16 | int8 | fp32 (kvboost.runtime.quant_step.ACTIVATIONS)
 
 
 def _device(model: Any) -> torch.device:
@@ -54,8 +57,9 @@ def _device(model: Any) -> torch.device:
 
 
 def choose_runner(
-    model: Any, attention: Any, *, decode: str = "auto", prefill: str = "auto", prefill_weights: str = "auto"
-) -> RunnerConfig:
+    model: Any, attention: Any, *, decode: str = "auto", prefill: str = "auto", prefill_weights: str = "auto",
+    decode_activations: str = "int16",
+) -> RunnerConfig:  # fmt: skip
     """Resolve the engine's options for ``model`` under the installed-to-be ``attention`` backend."""
     from kvboost.models.prepack import choose_prefill_weights, plain_projections, projection_bytes
     from kvboost.runtime.llama import has_int4_projections, inductor_unavailable_reason, unsupported_reason
@@ -68,6 +72,10 @@ def choose_runner(
         raise ValueError(f"decode must be 'auto' or one of {DECODE_MODES}, got {decode!r}")
     if prefill not in ("auto", *PREFILL_MODES):
         raise ValueError(f"prefill must be 'auto' or one of {PREFILL_MODES}, got {prefill!r}")
+    from kvboost.runtime.quant_step import ACTIVATIONS
+
+    if decode_activations not in ACTIVATIONS:
+        raise ValueError(f"decode_activations must be one of {ACTIVATIONS}, got {decode_activations!r}")
     caps = attention.capabilities
     device = _device(model)
     reasons: dict[str, str] = {}
@@ -126,12 +134,18 @@ def choose_runner(
             decode, reasons["decode"] = "eager", f"attention backend {attention.name!r} attends every forward"
         elif device.type == "cuda":
             decode, reasons["decode"] = "graphed", "auto: CUDA (CUDA graphs over the static pool)"
+        elif (why_quantized := quantized_unavailable_reason(model, attention)) is None:
+            # The GGUF's own 4-bit blocks (the dense weights' values) at 0.625 bytes per weight: a CPU decode step
+            # is bound by the bytes it reads (kvboost.runtime.quant_step; measured in experiments/results/README.md).
+            decode, reasons["decode"] = "quantized", "auto: CPU, GGUF 4-bit blocks (kvboost.runtime.quant_step)"
         elif (why := inductor_unavailable_reason()) is not None:
             decode, reasons["decode"] = "eager", f"not compiled: {why}"
         else:
-            decode, reasons["decode"] = "compiled", "auto: CPU (inductor)"
+            decode, reasons["decode"] = "compiled", f"auto: CPU (inductor; not quantized: {why_quantized})"
     else:
         reasons["decode"] = "requested"
+    if decode == "quantized" and (why := quantized_unavailable_reason(model, attention)) is not None:
+        raise ValueError(f"decode='quantized' cannot run here: {why}; use decode='auto', 'compiled' or 'eager'")
     if decode in ("compiled", "graphed") and not own_arithmetic_ok:
         why = ("AWQ int4 projections" if int4 else f"attention backend {attention.name!r} keeps its own arithmetic"
                if not caps.runner_decode or caps.tiled_projections else "projections are not plain linears")
@@ -150,7 +164,20 @@ def choose_runner(
     else:
         reasons["prefill"] = ("short prefills replay CUDA graphs" if graph_prefill else
                               "the runner's eager forward" + (" on prepacked weights" if weights == "prepacked" else ""))
-    return RunnerConfig("llama", decode, weights, reasons, graph_prefill=graph_prefill)
+    return RunnerConfig("llama", decode, weights, reasons, graph_prefill=graph_prefill,
+                        decode_activations=decode_activations)  # fmt: skip
+
+
+def quantized_unavailable_reason(model: Any, attention: Any) -> str | None:
+    """Why ``decode="quantized"`` (:mod:`kvboost.runtime.quant_step`) cannot serve ``model`` under ``attention``,
+    or None. Its step attends with the C++ paged kernel, so the backend must let the runner decode with its own
+    attention (as ``compiled`` does)."""
+    from kvboost.runtime.quant_step import unavailable_reason
+
+    caps = attention.capabilities
+    if caps.tiled_projections or not caps.runner_decode:
+        return f"attention backend {attention.name!r} attends every forward itself"
+    return unavailable_reason(model)
 
 
 def _int4_fusable(model: Any) -> bool:
@@ -188,4 +215,5 @@ def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **
     if os.environ.get("KVBOOST_GRAPH_COMPILE", "1") == "0":
         options.setdefault("compile", False)
     return LlamaRunner(model, pool, attention, decode=config.decode, weights=config.weights,
-                       graph_options=options if config.decode == "graphed" else None)  # fmt: skip
+                       graph_options=options if config.decode == "graphed" else None,
+                       decode_activations=config.decode_activations)  # fmt: skip

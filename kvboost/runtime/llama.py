@@ -200,11 +200,13 @@ class LlamaRunner:
         model: a loaded ``*ForCausalLM`` (:func:`unsupported_reason` is None).
         pool: the engine's :class:`~kvboost.kv.pool.KVPool` (this model's KV shape, dtype and device).
         attention: the installed attention backend (its ``paged`` call attends in eager forwards).
-        decode: ``"eager"``, ``"compiled"`` (decode batches through ``torch.compile``) or ``"graphed"`` (CUDA
-            graphs, :mod:`kvboost.runtime.graphs`).
+        decode: ``"eager"``, ``"compiled"`` (decode batches through ``torch.compile``), ``"graphed"`` (CUDA
+            graphs, :mod:`kvboost.runtime.graphs`) or ``"quantized"`` (decode batches from the GGUF file's 4-bit
+            blocks, :mod:`kvboost.runtime.quant_step`).
         weights: ``"plain"`` (``F.linear``, HF's bits), ``"prepacked"`` (CPU packed copies for forwards of
             several rows; one-row forwards keep plain weights) or ``"int4"`` (AWQ projections fused).
         graph_options: passed to the graph runner (``max_graph_tokens``, ...).
+        decode_activations: ``decode="quantized"``: ``"int16"``, ``"int8"`` or ``"fp32"`` activations.
     """
 
     def __init__(
@@ -216,12 +218,13 @@ class LlamaRunner:
         decode: str = "eager",
         weights: str = "plain",
         graph_options: dict[str, Any] | None = None,
+        decode_activations: str = "int16",
     ) -> None:
         reason = unsupported_reason(model, hooks=False)
         if reason is not None:
             raise ValueError(f"the Llama-family runner does not support this model: {reason}")
-        if decode not in ("eager", "compiled", "graphed"):
-            raise ValueError(f"decode must be 'eager', 'compiled' or 'graphed', got {decode!r}")
+        if decode not in ("eager", "compiled", "graphed", "quantized"):
+            raise ValueError(f"decode must be 'eager', 'compiled', 'graphed' or 'quantized', got {decode!r}")
         self.model, self.pool, self.attention = model, pool, attention
         cfg = model.config.get_text_config(decoder=True)
         inner = model.model
@@ -256,7 +259,7 @@ class LlamaRunner:
         self.decode = decode
         self.compile_seconds = 0.0
         self.fallback_reason: str | None = None
-        self.forwards = {"eager": 0, "compiled": 0, "graphed": 0}
+        self.forwards = {"eager": 0, "compiled": 0, "graphed": 0, "quantized": 0}
         self._compiled: tuple | None = None
         # Compiled CPU decode: attention by the C++ paged kernel ("cpu_kernel") when it builds here, else inductor's
         # own; set when the compiled functions are built.
@@ -268,6 +271,12 @@ class LlamaRunner:
             raise ValueError(f"decode={decode!r} needs plain nn.Linear projections and a backend whose projections "
                              "are the model's own (not AWQ int4, not attn=batch_invariant); use decode='eager'")  # fmt: skip
         self.graphs: Any = None
+        self.quantized: Any = None
+        if decode == "quantized":  # decode steps from the GGUF's own 4-bit blocks (kvboost.runtime.quant_step)
+            from kvboost.runtime.quant_step import QuantDecodeStep
+
+            self.quantized = QuantDecodeStep(self, decode_activations)
+            self.decode_attention = "cpu_kernel"
         self._graph_options = dict(graph_options or {})
         if decode == "graphed":
             from kvboost.runtime.graphs import GraphRunner
@@ -299,6 +308,9 @@ class LlamaRunner:
         if batch.num_tokens == 0:
             raise ValueError("an empty forward batch")
         if batch.hook is None and batch.num_layers is None and batch.is_decode:
+            if self.quantized is not None:
+                self.forwards["quantized"] += 1
+                return self.quantized.run(batch)
             if self.graphs is not None and self.graphs.can_run(batch):
                 self.forwards["graphed"] += 1
                 return self.graphs.run(batch)
@@ -496,6 +508,7 @@ class LlamaRunner:
             "decode_attention": self.decode_attention,
             "packed_weight_bytes": sum(p.nbytes for p in self.packed) if self.packed else 0,
             **(self.graphs.describe() if self.graphs is not None else {}),
+            **({"quantized": self.quantized.describe()} if self.quantized is not None else {}),
         }
 
 

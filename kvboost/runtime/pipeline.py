@@ -82,12 +82,14 @@ def prefill_with_repair(engine: Any, request: Request) -> torch.Tensor:
 
 def store_rows(engine: Any, request: Request, *, pin: bool = False, resume: bool = False) -> int:
     """Store the chunks of the rows the request's table holds (prompt, and generated tokens when the engine stores
-    them, or, ``resume``, always: a preempted request's rows for its resumption): runs of its blocks in the pool
-    tier, or the quantizer's payload of a copy. Returns chunks stored."""
+    them and its decode step writes a prefill's K/V (``engine.generated_rows_exact``), or, ``resume``, always: a
+    preempted request's rows for its resumption): runs of its blocks in the pool tier, or the quantizer's payload
+    of a copy. Returns chunks stored."""
     if request.mode == "cold" or not request.store:
         return 0
     table = request.table
-    seq = request.ids + (request.tokens[:-1] if engine.store_generated or resume else [])
+    generated = (engine.store_generated and getattr(engine, "generated_rows_exact", True)) or resume
+    seq = request.ids + (request.tokens[:-1] if generated else [])
     seq = seq[: table.length]
     if not seq:
         return 0

@@ -187,7 +187,7 @@ def canonical_store_request(engine: Any, request: Any) -> Any | None:
     if turn is None:
         extra["canonical_skipped"] = "the chat template cannot render the answered turn"
         return None
-    if turn.shared >= len(turn.ids):
+    if turn.shared >= len(turn.ids) and getattr(engine, "generated_rows_exact", True):
         extra.update(canonical_prefill_tokens=0, canonical_chunks_stored=0, canonical_store_ms=0.0,
                      canonical_skipped="the generated ids are the canonical ones")  # fmt: skip
         return None

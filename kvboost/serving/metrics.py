@@ -207,5 +207,17 @@ class _LoopCollector:
                           "dropped batches.", ev["resyncs"])  # fmt: skip
             yield gauge("kvboost:kv_events_pending", "KV-event batches waiting in the publisher's queue.",
                         ev["pending"])  # fmt: skip
+        budget = m.loop.core.budget_info()  # the step budget object is replaced whole, never mutated: no lock needed
+        yield gauge("kvboost:step_budget_max_batch_tokens", "Tokens a step may carry when no request is decoding "
+                    "(the step budget, kvboost.serving.budget).", budget["max_batch_tokens"])  # fmt: skip
+        chunk = GaugeMetricFamily(
+            "kvboost:step_budget_prompt_tokens", "Prompt tokens a step may carry beside R decode rows (the CPU "
+            "budget sizes this chunk to the measured decode step; a fixed budget is max_batch_tokens - R).",
+            labels=["model_name", "mode", "decode_rows"],
+        )  # fmt: skip
+        for rows in (1, 8, 32):
+            value = budget.get(f"chunk_at_{rows}", max(budget["max_batch_tokens"] - rows, 0))
+            chunk.add_metric([m.model_name, str(budget["mode"]), str(rows)], value)
+        yield chunk
         yield counter("kvboost:cache_corrupt_entries_dropped", "Damaged records a tier below memory found, deleted and "
                       "recomputed (never served).", m._corrupt)  # fmt: skip

@@ -1,0 +1,320 @@
+"""``decode="quantized"``: the CPU decode step multiplied from a GGUF model's own 4-bit blocks (``csrc/cpu_quant.cpp``).
+
+A CPU decode step reads every weight once per token, so its floor is the weights' bytes over the memory bandwidth,
+and it pays a fixed cost per kernel call. Dense fp32 weights are 4 bytes per weight; the Q4_1 blocks the bundled
+SmolLM2 ships in are 0.625. transformers loads a GGUF model by dequantizing those blocks, so the model's dense
+weights *are* the blocks' values: multiplying the blocks computes the same function, summed in another order. This
+step does that with fp32 activations (llama.cpp rounds activations to 8-bit blocks; this step does not), three
+C++ calls per layer (norm + q/k/v + RoPE + the K/V write; the paged attention kernel; o + residual + norm + SiLU
+MLP + residual) and one for the head (from the Q8_0 embedding table the head is tied to, or the model's own head).
+
+What it needs, checked by :func:`unavailable_reason`: the Llama-family runner on CPU, a model loaded from a GGUF
+file whose seven projections of every layer are Q4_0 / Q4_1 / Q4_K (``model._kvboost_gguf_file``, recorded by the
+loader), an x86 CPU where the C++ extension builds (AVX2 + FMA for the vector kernel; a scalar build otherwise) and
+the C++ paged attention kernel (``attn=cpu_kernel``'s). Every 4-bit tensor is checked against the dense weight it
+stands for when the step is built (bit for bit in fp32; after rounding to the model's dtype otherwise), so a file
+that is not the model's fails the build with the tensor's name instead of producing noise. Prefill and every
+forward with hooks keep the dense weights (MKL / oneDNN GEMMs are faster from ~16 rows up).
+
+Memory: the packs beside the dense weights (the bundled model: 67 MB of 4-bit projections, 29 MB of 8-bit head).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_quant.cpp"
+_EXT_NAME = "kvboost_cpu_quant"
+#: GGUF types whose blocks the 4-bit kernel multiplies (one (scale, min) per 32 weights)
+Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: how the step's products see the activations (the first is the default):
+#: ``int16``: each row's 32-value groups rounded to int16 codes with their own scale (a step of 3e-5 of the group's
+#: largest value), integer products (vpmaddwd): the dense model's function up to ~1e-5, so reuse and cold decode
+#: alike; ``int8``: the same with int8 codes (llama.cpp's arithmetic, vpmaddubsw): fastest, but a rounding that
+#: flips between two runs moves later logits by ~1e-2 (greedy tokens part at near ties; its generated rows are not
+#: stored); ``fp32``: exact activations, every code converted to fp32 (the dense model's function up to fp32
+#: summation order; ~2.5x int8's instructions per weight).
+ACTIVATIONS = ("int16", "int8", "fp32")
+_ACT_CODES = {"fp32": 0, "int8": 1, "int16": 2}  # csrc/cpu_quant.cpp kAct*
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def extension_unavailable_reason() -> str | None:
+    """Why the quantized step's C++ extension cannot be built here, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the quantized CPU step is built for x86 (this machine is {platform.machine()})"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler on PATH (install g++)"
+    if not _SOURCE.exists():
+        return f"the kernel's source is missing: {_SOURCE}"
+    return None
+
+
+@functools.cache
+def load_quant_extension() -> Any:
+    """Build (once; torch caches the binary) and return the extension; RuntimeError naming why it cannot. It compiles
+    the paged attention kernel (``csrc/cpu_attention.cpp``) in with the same vector ISA flags, so one call runs a
+    whole step."""
+    reason = extension_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"decode='quantized' is unavailable: {reason}")
+    from kvboost.attention.cpu_ext import _CAPABILITY_FLAGS, cpu_capability
+    from kvboost.attention.ext_build import load_extension
+
+    cap = cpu_capability()
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
+    if cap != "DEFAULT":
+        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}", "-mavx2", "-mfma", "-mf16c"]
+    try:
+        return load_extension(f"{_EXT_NAME}_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+    except Exception as exc:
+        raise RuntimeError(f"decode='quantized': building {_SOURCE.name} failed ({type(exc).__name__}); it needs "
+                           "g++ and ninja") from exc  # fmt: skip
+
+
+class Q4Weight:
+    """One 4-bit matrix ``[N, K]`` in the kernel's layout: ``codes`` uint8 ``[N, K/2]`` (GGUF's nibble order),
+    ``scale`` / ``minv`` fp32 ``[N, K/32]`` (``w = q * scale + min``), optional fp32 ``bias`` ``[N]``."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None):
+        rows, cols = q.shape
+        if cols % 32 or tuple(scale.shape) != (rows, cols // 32) or scale.shape != minv.shape:
+            raise ValueError(f"Q4Weight: codes {tuple(q.shape)} need scale and min [{rows}, {cols // 32}]")
+        groups = q.reshape(rows, cols // 32, 2, 16).to(torch.uint8)
+        self.codes = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+        self.scale = scale.to(torch.float32).contiguous()
+        self.minv = minv.to(torch.float32).contiguous()
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.shape = (rows, cols)
+
+    @classmethod
+    def cat(cls, parts: list[Q4Weight]) -> Q4Weight:
+        """The matrices stacked along the output axis (q/k/v, gate/up: one product each)."""
+        out = cls.__new__(cls)
+        out.codes = torch.cat([p.codes for p in parts]).contiguous()
+        out.scale = torch.cat([p.scale for p in parts]).contiguous()
+        out.minv = torch.cat([p.minv for p in parts]).contiguous()
+        biases = [p.bias for p in parts]
+        out.bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.shape[0]) for b, p in zip(biases, parts)]).contiguous()  # fmt: skip
+        out.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` (tests, the build-time check)."""
+        rows, cols = self.shape
+        low, high = self.codes & 0x0F, self.codes >> 4
+        q = torch.stack([low.reshape(rows, -1, 16), high.reshape(rows, -1, 16)], dim=2).reshape(rows, -1, 32)
+        return (q.float() * self.scale[..., None] + self.minv[..., None]).reshape(rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minv) if t is not None)
+
+
+class Q8Weight:
+    """An 8-bit matrix ``[N, K]``: ``codes`` int8 ``[N, K]``, ``scale`` fp32 ``[N, K/32]`` (``w = q * scale``)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.codes = q.to(torch.int8).contiguous()
+        self.scale = scale.to(torch.float32).contiguous()
+        self.shape = tuple(q.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        rows, cols = self.shape
+        return (self.codes.float().reshape(rows, -1, 32) * self.scale[..., None]).reshape(rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4
+
+
+def q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> Q8Weight:
+    """GGUF Q8_0 (32 values in 34 bytes: fp16 ``d``, 32 int8) -> :class:`Q8Weight` (``d * q`` exact in fp32)."""
+    blocks = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(rows, cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
+
+
+def _check_equal(ours: torch.Tensor, dense: torch.Tensor, name: str) -> None:
+    """The 4-/8-bit weight equals the dense weight it stands for (in the dense weight's dtype)."""
+    dense = dense.detach()
+    if not torch.equal(ours.to(dense.dtype), dense):
+        diff = (ours - dense.float()).abs().max().item()
+        raise ValueError(f"decode='quantized': {name} in the GGUF file does not match the model's dense weight "
+                         f"(max |difference| {diff:.3g}); is the model loaded from this file?")  # fmt: skip
+
+
+def _layer_linears(model: Any, i: int) -> dict[str, Any]:
+    layer = model.model.layers[i]
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"attn_q": attn.q_proj, "attn_k": attn.k_proj, "attn_v": attn.v_proj, "attn_output": attn.o_proj,
+            "ffn_gate": mlp.gate_proj, "ffn_up": mlp.up_proj, "ffn_down": mlp.down_proj}  # fmt: skip
+
+
+def gguf_file(model: Any) -> str | None:
+    """The GGUF file the model was loaded from (recorded by the loader), or None."""
+    return getattr(model, "_kvboost_gguf_file", None)
+
+
+def unavailable_reason(model: Any) -> str | None:
+    """Why ``decode="quantized"`` cannot run this model here (None when it can). Reads the GGUF header only."""
+    if next(model.parameters()).device.type != "cpu":
+        return "the quantized step runs on the CPU"
+    path = gguf_file(model)
+    if path is None:
+        return "the model was not loaded from a GGUF file (its 4-bit blocks are what the step multiplies)"
+    reason = extension_unavailable_reason()
+    if reason is not None:
+        return reason
+    from kvboost.attention.cpu_ext import cpu_extension_unavailable_reason
+
+    reason = cpu_extension_unavailable_reason()
+    if reason is not None:
+        return f"the C++ paged attention kernel: {reason}"
+    from gguf import GGUFReader
+
+    from kvboost.models.awq import AWQLinear
+
+    if any(isinstance(m, AWQLinear) for m in model.modules()):
+        return "int4 modules (weights='gguf_int4' or AWQ): the step reads the GGUF blocks beside dense weights"
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    for i in range(len(model.model.layers)):
+        for kind in _PROJECTIONS:
+            name = f"blk.{i}.{kind}.weight"
+            if types.get(name) not in Q4_TYPES:
+                return f"{name} is {types.get(name, 'missing')} (the step multiplies {', '.join(Q4_TYPES)} blocks)"
+    return None
+
+
+class QuantDecodeStep:
+    """The quantized decode forward of a :class:`~kvboost.runtime.llama.LlamaRunner`'s model over its pool:
+    ``run(batch)`` -> fp32 logits ``[B, vocab]`` for a decode batch (one token per sequence, no hook)."""
+
+    def __init__(self, runner: Any, activations: str = ACTIVATIONS[0]) -> None:
+        from gguf import GGUFReader
+
+        from kvboost.models.gguf_int4 import unpack_q4_scale_min
+        from kvboost.models.gguf_weights import PERMUTED_ARCHITECTURES, _field_str, llama_row_order
+
+        model = runner.model
+        reason = unavailable_reason(model)
+        if reason is not None:
+            raise ValueError(f"decode='quantized' cannot run here: {reason}; use decode='auto', 'compiled' or 'eager'")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"quantized decode activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
+        self.act = _ACT_CODES[activations]
+        self.runner = runner
+        self.ext = load_quant_extension()
+        path = gguf_file(model)
+        reader = GGUFReader(str(path))
+        tensors = {t.name: t for t in reader.tensors}
+        arch = _field_str(reader, "general.architecture") or ""
+        heads, kv_heads = runner.heads, runner.kv_heads
+
+        def q4(name: str, linear: Any, rows_order: np.ndarray | None) -> Q4Weight:
+            t = tensors[name]
+            q, scale, minv = unpack_q4_scale_min(t.tensor_type, t.data)
+            if rows_order is not None:
+                q, scale, minv = q[rows_order], scale[rows_order], minv[rows_order]
+            w = Q4Weight(q, scale, minv, linear.bias)
+            if tuple(w.shape) != tuple(linear.weight.shape):
+                raise ValueError(f"decode='quantized': {name} is {list(w.shape)}, the model's {list(linear.weight.shape)}")
+            _check_equal(w.dequantized(), linear.weight, name)
+            return w
+
+        self.layers: list[tuple] = []
+        for i in range(runner.num_layers):
+            lin = _layer_linears(model, i)
+            w = {}
+            for kind in _PROJECTIONS:
+                order = None
+                if arch in PERMUTED_ARCHITECTURES and kind in ("attn_q", "attn_k"):
+                    out = lin[kind].weight.shape[0]
+                    order = torch.from_numpy(llama_row_order(out, heads if kind == "attn_q" else kv_heads))
+                w[kind] = q4(f"blk.{i}.{kind}.weight", lin[kind], order)
+            layer = model.model.layers[i]
+            self.layers.append((
+                layer.input_layernorm.weight.detach().float().contiguous(),
+                Q4Weight.cat([w["attn_q"], w["attn_k"], w["attn_v"]]), w["attn_output"],
+                layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                Q4Weight.cat([w["ffn_gate"], w["ffn_up"]]), w["ffn_down"],
+            ))  # fmt: skip
+        self.norm = model.model.norm.weight.detach().float().contiguous()
+        self.head: Q8Weight | None = None
+        head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        head_tensor = tensors[head_name]
+        head_weight = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
+        if head_tensor.tensor_type.name == "Q8_0" and head_weight is not None and head_weight.dim() == 2:
+            rows, cols = head_weight.shape
+            self.head = q8_0_blocks(head_tensor.data, rows, cols)
+            _check_equal(self.head.dequantized(), head_weight, head_name)
+            self.head_source = f"{head_name} (Q8_0 blocks)"
+        else:
+            self.head_source = f"the model's lm_head ({head_tensor.tensor_type.name} in the file)"
+        self.eps = runner.eps
+        none = torch.empty(0)
+        self.flat = [t for ln1, qkv, o, ln2, gu, down in self.layers for t in (
+            ln1, qkv.codes, qkv.scale, qkv.minv, none if qkv.bias is None else qkv.bias,
+            o.codes, o.scale, o.minv, none if o.bias is None else o.bias,
+            ln2, gu.codes, gu.scale, gu.minv, down.codes, down.scale, down.minv)]  # fmt: skip
+        self._pools: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def _pool_layers(self, pool: Any, kind: str) -> list[torch.Tensor]:
+        """The pool's per-layer K (or V) tensors as a list (cached per pool: the runner may be rebound)."""
+        key = (id(pool), kind)
+        if key not in self._pools:
+            self._pools = {k: v for k, v in self._pools.items() if k[0] == id(pool)}
+            self._pools[key] = [getattr(pool, kind)[i] for i in range(self.runner.num_layers)]
+        return self._pools[key]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packs (4-bit projections and the 8-bit head)."""
+        total = sum(w.nbytes for layer in self.layers for w in (layer[1], layer[2], layer[4], layer[5]))
+        return total + (self.head.nbytes if self.head is not None else 0)
+
+    def run(self, batch: Any) -> torch.Tensor:
+        """Logits of a decode batch (one new token per sequence); writes each row's K/V into the pool."""
+        from kvboost.runtime.ops import rope_tables
+
+        runner, ext = self.runner, self.ext
+        inner, pool = runner.inner, runner.pool
+        x = inner.embed_tokens.weight.index_select(0, batch.input_ids).float().contiguous()
+        cos, sin = rope_tables(batch.positions, inner.rotary_emb.inv_freq, runner.attention_scaling, torch.float32)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = batch.slot_mapping.to(torch.int64).contiguous()
+        args = batch.kernel_args()
+        tables, kv_lens = args["block_tables"].contiguous(), args["kv_lens"].contiguous()
+        rows = x.shape[0]
+        starts = torch.arange(rows + 1, dtype=torch.int32)
+        q_positions = kv_lens - 1
+        heads, kv_heads, dim = runner.heads, runner.kv_heads, runner.head_dim
+        scale, block_size = runner.scale, pool.block_size
+        q_positions = q_positions.to(torch.int32)
+        ext.decode_layers(x, self.flat, self._pool_layers(pool, "keys"), self._pool_layers(pool, "values"), cos, sin,
+                          slots, tables, kv_lens, starts, q_positions, heads, kv_heads, dim, self.eps, scale,
+                          block_size, self.act)  # fmt: skip
+        x = x.index_select(0, batch.logits_rows) if batch.logits_rows.numel() != rows else x
+        h = ext.rms_norm(x.contiguous(), self.norm, self.eps)
+        if self.head is not None:
+            return ext.q8_matmul(h, self.head.codes, self.head.scale, self.act)
+        head = runner.model.lm_head
+        return head(h.to(runner.dtype)).float()
+
+    def describe(self) -> dict[str, Any]:
+        return {"isa": str(self.ext.isa), "activations": self.activations, "head": self.head_source,
+                "pack_bytes": self.nbytes}  # fmt: skip

@@ -1,0 +1,304 @@
+"""``decode="quantized"`` (kvboost.runtime.quant_step, csrc/cpu_quant.cpp): the CPU decode step multiplied from a GGUF
+model's own 4-bit blocks. The kernels against float64 references (fp32 activations) and against an emulation of
+their integer arithmetic (int8 activations); the step on tiny GGUF files written here (llama: permuted q/k rows;
+qwen2: q/k/v biases) against HF's own decode; the path choice, its refusals and the cache fingerprint; the bundled
+SmolLM2 (integration)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from tiny import ToyTokenizer, hf_greedy_reference, random_ids, tiny_model, write_gguf
+
+from kvboost.models.gguf_int4 import unpack_q4_scale_min
+from kvboost.runtime.quant_step import Q4Weight, Q8Weight, extension_unavailable_reason, q8_0_blocks
+
+pytestmark = pytest.mark.skipif(extension_unavailable_reason() is not None, reason=str(extension_unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from kvboost.runtime.quant_step import load_quant_extension
+
+    return load_quant_extension()
+
+
+def _q4(n: int, k: int, seed: int = 0, bias: bool = False) -> Q4Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    minv = -torch.rand(n, k // 32, generator=g) * 0.1
+    return Q4Weight(q, scale, minv, torch.randn(n, generator=g) if bias else None)
+
+
+def _rounded_rows(x: torch.Tensor, qmax: int) -> torch.Tensor:
+    """What the int8 / int16 paths multiply: each row's 32-value groups rounded to codes with scale max|x| / qmax
+    (fp32 arithmetic, ties to even as nearbyint), back in fp64."""
+    m, k = x.shape
+    g = x.float().reshape(m, -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / qmax
+    q = torch.round(g * torch.where(d > 0, 1 / d, 0))
+    return (q.double() * d.double()).reshape(m, k)
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_q4_product_fp32_activations_is_the_dense_product(ext, rows):
+    """Every row tile (1-4 rows per pass, and a remainder) and the bias: within fp32 rounding of the float64
+    product of the dequantized weight."""
+    w = _q4(70, 96, seed=rows, bias=True)
+    x = torch.randn(rows, 96)
+    ref = x.double() @ w.dequantized().double().T + w.bias.double()
+    out = ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["fp32"])
+    assert out.shape == (rows, 70)
+    assert (out.double() - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
+
+
+ACT = {"fp32": 0, "int8": 1, "int16": 2}  # the extension's activation codes (kvboost.runtime.quant_step)
+
+
+@pytest.mark.parametrize("act, qmax, off", [("int8", 127, 1e-3), ("int16", 32767, 1e-6)])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_integer_activations_are_the_rounded_rows_times_the_weight(ext, rows, act, qmax, off):
+    """int8 / int16 activations: the codes' part is the rounded rows times (w - min) exactly (integer products),
+    the min part uses the exact fp32 group sums; off the fp32 product by the rounding (the test sees which path
+    ran), int16's rounding ~300x finer than int8's."""
+    w = _q4(50, 128, seed=10 + rows, bias=True)
+    x = torch.randn(rows, 128)
+    dense = w.dequantized().double()
+    mins = w.minv.double().repeat_interleave(32, 1)
+    ref = _rounded_rows(x, qmax) @ (dense - mins).T + x.double() @ mins.T + w.bias.double()
+    out = ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act])
+    assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max().item()
+    exact = x.double() @ dense.T + w.bias.double()
+    assert off < (out.double() - exact).abs().max() < 300 * off
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
+def test_q8_product(ext, act):
+    g = torch.Generator().manual_seed(3)
+    w = Q8Weight(torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8), torch.rand(40, 2, generator=g))
+    x = torch.randn(5, 64, generator=g)
+    rows = {"fp32": x.double(), "int8": _rounded_rows(x, 127), "int16": _rounded_rows(x, 32767)}[act]
+    ref = rows @ w.dequantized().double().T
+    out = ext.q8_matmul(x, w.codes, w.scale, ACT[act])
+    assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max().item()
+
+
+def test_kernels_refuse_bad_shapes(ext):
+    w = _q4(8, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.q4_matmul(torch.randn(1, 48), w.codes[:, :24].contiguous(), w.scale[:, :1].contiguous(),
+                      w.minv[:, :1].contiguous(), None, 0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.q4_matmul(torch.randn(1, 64, dtype=torch.float64), w.codes, w.scale, w.minv, None, 0)
+    with pytest.raises(RuntimeError, match="activations code"):
+        ext.q4_matmul(torch.randn(1, 64), w.codes, w.scale, w.minv, None, 5)
+
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1])
+def test_scale_min_unpacking_is_gguf_dequantization(kind):
+    rng = np.random.default_rng(int(kind))
+    w = (rng.standard_normal((24, 128)) * rng.uniform(0.01, 3, (24, 1))).astype(np.float32)
+    raw = quantize(w, kind)
+    q, scale, minv = unpack_q4_scale_min(kind, raw)
+    ours = Q4Weight(q, scale, minv).dequantized()
+    ref = torch.from_numpy(dequantize(raw, kind).astype(np.float32))
+    # equal values (Q4_0's d * (8 - 8) is -0.0 for a negative d where ours is 8 d - 8 d = +0.0)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours.view(torch.int32)[ref != 0], ref.view(torch.int32)[ref != 0])
+
+
+def test_q8_0_blocks_are_gguf_dequantization_bit_for_bit():
+    w = np.random.default_rng(1).standard_normal((16, 96)).astype(np.float32)
+    raw = quantize(w, T.Q8_0)
+    ours = q8_0_blocks(raw, 16, 96).dequantized()
+    assert torch.equal(ours, torch.from_numpy(dequantize(raw, T.Q8_0).astype(np.float32)))
+
+
+# ---------------------------------------------------------------------------------------------- tiny GGUF models
+def gguf_model(tmp_path, arch: str, *, head: T = T.Q8_0, types: dict | None = None, seed: int = 0):
+    """A tiny model whose dense weights are what transformers loads from a GGUF file written here (Q4_1 linears,
+    llama.cpp's q/k row permutation for llama, the head in ``head``), the file recorded on the model as the
+    loader records it. Biases (qwen2) stay fp32 in the model, as GGUF keeps them."""
+    model = tiny_model(arch, seed=seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(model, path, arch, {"output.weight": head, **(types or {})})
+    model._kvboost_gguf_file = str(path)
+    return model
+
+
+def _engine(model, **options):
+    from kvboost import KVBoost
+
+    options.setdefault("chunker", {"name": "fixed", "chunk_size": 16})
+    return KVBoost(model, ToyTokenizer(), model_identity="tiny-gguf", share_model=True, **options)
+
+
+def _teacher_forced(engine, ids, fed):
+    """(logits of each decode step fed ``fed`` after prefilling ``ids``, the table holding the rows)."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    table = BlockTable(engine.pool)
+    engine.runner.run(ForwardBatch.build([SeqInput(table, ids)]))
+    steps = [engine.runner.run(ForwardBatch.build([SeqInput(table, [t])]))[0].float() for t in fed]
+    return steps, table
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp32_step_decodes_as_hf(tmp_path, arch):
+    """fp32 activations: 8 greedy steps equal HF's own decode of the dense model, logits within 1e-4, the K/V rows
+    the step wrote equal to a dense prefill's of the same tokens within 1e-5; the Q8_0 head is the one used."""
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    model = gguf_model(tmp_path, arch)
+    engine = _engine(model, decode="quantized", decode_activations="fp32")
+    info = engine.decode_info()
+    assert info["decode"] == "quantized" and info["quantized"]["head"] == "output.weight (Q8_0 blocks)"
+    ids = random_ids(37, seed=2)
+    fed, ref_logits, _ = hf_greedy_reference(model, ids, 8)
+    assert engine.generate(ids, 9, mode="cold").output_ids == fed + [int(ref_logits[-1].argmax())]
+    steps, table = _teacher_forced(engine, ids, fed)
+    assert engine.runner.forwards["quantized"] >= 16
+    for step, ref in zip(steps, ref_logits, strict=True):
+        assert (step - ref).abs().max() < 1e-4
+    eager = _engine(copy.deepcopy(model), decode="eager")
+    from kvboost.kv.block_table import BlockTable
+
+    dense_table = BlockTable(eager.pool)
+    eager.runner.run(ForwardBatch.build([SeqInput(dense_table, ids + fed)]))
+    n = len(ids) + len(fed)
+    ours, ref = table.slots(0, n), dense_table.slots(0, n)
+    for layer in range(engine.pool.num_layers):
+        for cache in ("keys", "values"):
+            diff = getattr(engine.pool, cache)[layer][:, ours] - getattr(eager.pool, cache)[layer][:, ref]
+            assert diff.abs().max() < 1e-5, (layer, cache)
+    table.release()
+    dense_table.release()
+    engine.close()
+    eager.close()
+
+
+@pytest.mark.parametrize("act, tol", [("int16", 1e-3), ("int8", 0.02)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_integer_step_is_close_to_hf_and_batches_like_one(tmp_path, arch, act, tol):
+    """int16 activations (the default) and int8: logits of 6 teacher-forced steps within ``tol`` of the logits'
+    range of HF's; a batch of three prompts of other lengths decodes each as it decodes alone (same kernel per
+    row: equal). int8's generated rows are not stored (not a prefill's K/V); int16's are."""
+    model = gguf_model(tmp_path, arch, seed=1)
+    engine = _engine(model, decode="quantized", **({} if act == "int16" else {"decode_activations": act}))
+    assert engine.decode_info()["quantized"]["activations"] == act
+    assert engine.generated_rows_exact == (act != "int8")
+    ids = random_ids(29, seed=5)
+    fed, ref_logits, _ = hf_greedy_reference(model, ids, 6)
+    steps, table = _teacher_forced(engine, ids, fed)
+    for logits, ref in zip(steps, ref_logits, strict=True):
+        spread = (ref.max() - ref.min()).item()
+        assert (logits - ref).abs().max().item() < tol * spread
+    table.release()
+    prompts = [random_ids(n, seed=n) for n in (5, 23, 40)]
+    alone = [engine.generate(p, 7, mode="cold").output_ids for p in prompts]
+    together = [r.output_ids for r in engine.generate_batch(prompts, 7, mode="cold")]
+    assert together == alone
+    engine.close()
+
+
+def test_int8_decode_stores_no_generated_rows(tmp_path):
+    """The rows an int8 decode step writes are not a prefill's: a chat-less request stores its prompt's chunks only,
+    where int16 (default) stores the generated rows too."""
+    ids = random_ids(48, seed=4)
+    stored = {}
+    for act in ("int16", "int8"):
+        engine = _engine(gguf_model(tmp_path, "llama"), decode="quantized", decode_activations=act)
+        engine.generate(ids, 40)
+        # the next request continues the answer: only int16's generated rows are there to reuse
+        out = engine.generate(ids + engine.generate(ids, 40, mode="cold").output_ids[:32], 1)
+        stored[act] = out.cached_tokens
+        engine.close()
+    assert stored["int16"] >= 48 + 16 and stored["int8"] == 48
+
+
+def test_auto_picks_the_quantized_step_for_a_gguf_model_and_says_why_not_otherwise(tmp_path):
+    model = gguf_model(tmp_path, "llama")
+    engine = _engine(model)
+    info = engine.decode_info()
+    assert info["decode"] == "quantized" and "GGUF" in info["decode_reason"]
+    engine.close()
+    plain = _engine(tiny_model("llama"))
+    info = plain.decode_info()
+    assert info["decode"] != "quantized" and "not loaded from a GGUF file" in info["decode_reason"]
+    plain.close()
+
+
+def test_refusals_name_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="not loaded from a GGUF file"):
+        _engine(tiny_model("llama"), decode="quantized")
+    mixed = gguf_model(tmp_path, "llama", types={"blk.1.ffn_down.weight": T.Q8_0})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is Q8_0"):
+        _engine(mixed, decode="quantized")
+    with pytest.raises(ValueError, match="decode_activations"):
+        _engine(gguf_model(tmp_path, "llama"), decode="quantized", decode_activations="int4")
+    other = gguf_model(tmp_path, "llama")
+    other._kvboost_gguf_file = str(tmp_path / "tiny-qwen2.gguf")
+    gguf_model(tmp_path, "qwen2")  # a file that is not this model's
+    with pytest.raises(ValueError, match="does not match the model's dense weight|is \\[|shape"):
+        _engine(other, decode="quantized")
+
+
+def test_a_head_of_another_type_runs_through_the_model_head(tmp_path):
+    model = gguf_model(tmp_path, "llama", head=T.Q4_0)
+    engine = _engine(model, decode="quantized", decode_activations="fp32")
+    assert engine.decode_info()["quantized"]["head"].startswith("the model's lm_head")
+    ids = random_ids(20, seed=9)
+    fed, _, _ = hf_greedy_reference(model, ids, 4)
+    assert engine.generate(ids, 4, mode="cold").output_ids == fed
+    engine.close()
+
+
+def test_activations_are_in_the_cache_fingerprint(tmp_path):
+    model = gguf_model(tmp_path, "llama")
+    prints = set()
+    for options in ({"decode": "quantized", "decode_activations": "int8"}, {"decode": "quantized"},
+                    {"decode": "quantized", "decode_activations": "fp32"}, {"decode": "eager"}):  # fmt: skip
+        engine = _engine(model, **options)
+        prints.add(engine.fingerprint)
+        engine.close()
+    assert len(prints) == 4
+
+
+# ---------------------------------------------------------------------------------------------- the bundled model
+@pytest.mark.integration
+def test_bundled_model_decodes_quantized_by_default():
+    """The bundled SmolLM2 (Q4_1 linears, Q8_0 embedding tied to the head): ``auto`` decodes from its blocks; with
+    fp32 activations the first 16 greedy tokens of a chat prompt equal eager's."""
+    from kvboost import KVBoost
+
+    try:
+        engine = KVBoost.from_pretrained(None, dtype="float32")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    try:
+        info = engine.decode_info()
+        assert info["decode"] == "quantized", info["decode_reason"]
+        assert info["quantized"]["head"] == "token_embd.weight (Q8_0 blocks)"
+    finally:
+        engine.close()
+    prompt = "Write one sentence about the sea."
+    outs = {}
+    for name, options in (("fp32", {"decode": "quantized", "decode_activations": "fp32"}), ("eager", {"decode": "eager"})):
+        eng = KVBoost.from_pretrained(None, dtype="float32", **options)
+        outs[name] = eng.generate(prompt, 16, mode="cold").output_ids
+        eng.close()
+    assert outs["fp32"] == outs["eager"]
