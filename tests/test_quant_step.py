@@ -215,6 +215,23 @@ def test_integer_step_is_close_to_hf_and_batches_like_one(tmp_path, arch, act, t
     engine.close()
 
 
+def test_bf16_model_decodes_from_the_blocks_into_a_bf16_pool(tmp_path):
+    """A bf16 model (dtype=auto on AVX-512 BF16 / AMX CPUs): the blocks are checked against the bf16 weights, the
+    step writes bf16 K/V rows and attends over them (its activations stay fp32 between the products); logits of 6
+    teacher-forced steps within 3% of the logits' range of HF's fp32 decode."""
+    model = gguf_model(tmp_path, "llama", seed=2)
+    ids = random_ids(33, seed=6)
+    fed, ref_logits, _ = hf_greedy_reference(model, ids, 6)
+    engine = _engine(copy.deepcopy(model).to(torch.bfloat16), decode="quantized")
+    assert engine.pool.dtype == torch.bfloat16 and engine.decode_info()["decode"] == "quantized"
+    steps, table = _teacher_forced(engine, ids, fed)
+    for logits, ref in zip(steps, ref_logits, strict=True):
+        assert (logits - ref).abs().max().item() < 0.03 * (ref.max() - ref.min()).item()
+    assert engine.runner.forwards["quantized"] == len(fed)
+    table.release()
+    engine.close()
+
+
 def test_int8_decode_stores_no_generated_rows(tmp_path):
     """The rows an int8 decode step writes are not a prefill's: a chat-less request stores its prompt's chunks only,
     where int16 (default) stores the generated rows too."""
