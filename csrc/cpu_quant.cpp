@@ -651,14 +651,18 @@ void decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every call releases the GIL while it computes (it touches only the tensors it was given, as torch's own ops):
+  // in kvboost-server the frontend's thread (HTTP, detokenizing, SSE) then runs beside a decode step instead of
+  // after it.
+  using release = py::call_guard<py::gil_scoped_release>;
   m.def("q4_matmul", &q4_matmul, "x [M, K] fp32 times a q4 weight [N, K] -> [M, N]", py::arg("x"), py::arg("codes"),
-        py::arg("scale"), py::arg("minv"), py::arg("bias") = c10::nullopt, py::arg("act") = 0);
+        py::arg("scale"), py::arg("minv"), py::arg("bias") = c10::nullopt, py::arg("act") = 0, release());
   m.def("q8_matmul", &q8_matmul, "x [M, K] fp32 times a q8 weight [N, K] -> [M, N]", py::arg("x"), py::arg("codes"),
-        py::arg("scale"), py::arg("act") = 0);
-  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows", py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("attention_input", &attention_input, "norm, q/k/v, RoPE and the K/V write of one layer");
-  m.def("mlp_block", &mlp_block, "o-projection + residual, norm, SiLU-gated MLP + residual, in place");
-  m.def("decode_layers", &decode_layers, "every decoder layer of one decode step, in place on x");
+        py::arg("scale"), py::arg("act") = 0, release());
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows", py::arg("x"), py::arg("weight"), py::arg("eps"), release());
+  m.def("attention_input", &attention_input, "norm, q/k/v, RoPE and the K/V write of one layer", release());
+  m.def("mlp_block", &mlp_block, "o-projection + residual, norm, SiLU-gated MLP + residual, in place", release());
+  m.def("decode_layers", &decode_layers, "every decoder layer of one decode step, in place on x", release());
 #ifdef KVB_AVX2
   m.attr("isa") = "avx2";
 #else

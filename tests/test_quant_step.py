@@ -232,6 +232,34 @@ def test_bf16_model_decodes_from_the_blocks_into_a_bf16_pool(tmp_path):
     engine.close()
 
 
+def test_a_mixed_step_decodes_its_decode_rows_quantized_and_the_rest_eagerly(tmp_path):
+    """A serving step with decode rows and a prompt chunk: the decode rows run the quantized step, the chunk the
+    eager forward, and every logits row comes back in the batch's order, equal to running each part alone."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    engine = _engine(gguf_model(tmp_path, "llama"), decode="quantized", decode_activations="fp32")
+    runner = engine.runner
+    tables = [BlockTable(engine.pool) for _ in range(4)]
+    for i, t in enumerate(tables):
+        runner.run(ForwardBatch.build([SeqInput(t, random_ids(20 + i, seed=i))]))
+    twins = [t.fork() for t in tables]  # the same rows, to run the parts alone
+    seqs = [SeqInput(tables[0], [7]), SeqInput(tables[1], random_ids(5, seed=9), logits=[2, 4]),
+            SeqInput(tables[2], [8]), SeqInput(tables[3], [9])]  # fmt: skip
+    before = dict(runner.forwards)
+    mixed = runner.run(ForwardBatch.build(seqs))
+    assert runner.forwards["quantized"] == before["quantized"] + 1
+    assert runner.forwards["eager"] == before["eager"] + 1
+    assert mixed.shape[0] == 5
+    decoded = runner.run(ForwardBatch.build([SeqInput(twins[0], [7]), SeqInput(twins[2], [8]), SeqInput(twins[3], [9])]))
+    chunk = runner._run_eager(ForwardBatch.build([SeqInput(twins[1], random_ids(5, seed=9), logits=[2, 4])]))
+    expected = torch.cat([decoded[:1], chunk, decoded[1:]])
+    assert (mixed - expected).abs().max() < 1e-5
+    for t in tables + twins:
+        t.release()
+    engine.close()
+
+
 def test_int8_decode_stores_no_generated_rows(tmp_path):
     """The rows an int8 decode step writes are not a prefill's: a chat-less request stores its prompt's chunks only,
     where int16 (default) stores the generated rows too."""

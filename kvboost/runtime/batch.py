@@ -227,6 +227,31 @@ class ForwardBatch:
             return pool.keys[layer, :, where : where + n][None], pool.values[layer, :, where : where + n][None]
         return pool.keys[layer].index_select(1, where)[None], pool.values[layer].index_select(1, where)[None]
 
+    def subset(self, seqs: Sequence[int]) -> tuple[ForwardBatch, list[int]]:
+        """The batch of sequences ``seqs`` (this batch's indices, in that order; their rows were prepared when this
+        batch was built) and, for each of its logits rows, that row's index in this batch's ``logits_rows`` (to put
+        the two parts' logits back in order). Hooks and layer limits do not carry over."""
+        rows = [r for b in seqs for r in range(self.query_start[b], self.query_start[b + 1])]
+        new_row = {r: i for i, r in enumerate(rows)}
+        picked = [(k, new_row[r]) for k, r in enumerate(self.logits_rows.tolist()) if r in new_row]
+        query_start = [0]
+        for b in seqs:
+            query_start.append(query_start[-1] + self.query_start[b + 1] - self.query_start[b])
+        device = self.input_ids.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        part = ForwardBatch(
+            input_ids=self.input_ids[index],
+            positions=self.positions[index],
+            slot_mapping=self.slot_mapping[index],
+            query_start=query_start,
+            kv_lens=[self.kv_lens[b] for b in seqs],
+            tables=[self.tables[b] for b in seqs],
+            logits_rows=torch.tensor([n for _, n in picked], dtype=torch.long, device=device),
+            contiguous=[self.contiguous[b] for b in seqs],
+            positions_list=[self.positions_list[b] for b in seqs] if self.positions_list is not None else None,
+        )
+        return part, [k for k, _ in picked]
+
     def select(self, rows: torch.Tensor) -> ForwardBatch:
         """The batch of the kept ``rows`` (int64 indices, sorted) of a one-sequence batch, for the layers after a
         hook narrowed it. The last row must stay (its logits are wanted)."""
