@@ -4,9 +4,9 @@ A CPU decode step reads every weight once per token, so its floor is the weights
 and it pays a fixed cost per kernel call. Dense fp32 weights are 4 bytes per weight; the Q4_1 blocks the bundled
 SmolLM2 ships in are 0.625. transformers loads a GGUF model by dequantizing those blocks, so the model's dense
 weights *are* the blocks' values: multiplying the blocks computes the same function, summed in another order. This
-step does that with fp32 activations (llama.cpp rounds activations to 8-bit blocks; this step does not), three
-C++ calls per layer (norm + q/k/v + RoPE + the K/V write; the paged attention kernel; o + residual + norm + SiLU
-MLP + residual) and one for the head (from the Q8_0 embedding table the head is tied to, or the model's own head).
+step does that in one C++ call per step (per layer: norm + q/k/v + RoPE + the K/V write, the paged attention kernel,
+o + residual + norm + SiLU MLP + residual; ``decode_layers``) and one for the head (from the Q8_0 embedding table the
+head is tied to, or the model's own head), the activations rounded per 32 values as :data:`ACTIVATIONS` says.
 
 What it needs, checked by :func:`unavailable_reason`: the Llama-family runner on CPU, a model loaded from a GGUF
 file whose seven projections of every layer are Q4_0 / Q4_1 / Q4_K (``model._kvboost_gguf_file``, recorded by the
@@ -22,7 +22,6 @@ Memory: the packs beside the dense weights (the bundled model: 67 MB of 4-bit pr
 from __future__ import annotations
 
 import functools
-import logging
 import platform
 import shutil
 from pathlib import Path
@@ -30,8 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_quant.cpp"
 _EXT_NAME = "kvboost_cpu_quant"
