@@ -83,6 +83,15 @@ LOW_PRECISION_KL_TOLERANCE = 5e-2
 #: tokens): 1 of 3 checks parted, at token 11, cold-logit margin 0.19.
 NEAR_TIE_LOGITS = 0.5
 
+#: decode="quantized" with int16 activations (the CPU default for a GGUF model) rounds each decode row's activations
+#: to int16 codes per 32-value group (~1.5e-5 of the group's largest value), and stores the rows it generates. A
+#: prompt that reuses such rows (a chat's earlier answer) therefore agrees with a cold prefill less closely than
+#: over prefilled rows, still far inside the KL promise. Measured on the bundled model (fp32, a 48-token answer
+#: reused at turn 2, tests/test_retokenization.py): max |first-token logit difference| 4.4e-4 (KL 8e-9) against
+#: 2.3e-5 with fp32 activations and 2.0e-5 with the compiled dense step; identical on AMD Zen 4 and this AVX2 VM
+#: (the kernel is the same AVX2 code). The bound keeps ~4x margin for other prompts.
+INT16_DECODE_LOGIT_DRIFT = 2e-3
+
 
 @dataclass
 class VerifiedCorrectness(CorrectnessReport):
@@ -149,6 +158,11 @@ def exactness_promise(engine: Any) -> tuple[float, str]:
             f"(cold logits within {NEAR_TIE_LOGITS}); use dtype=float32 or attn=batch_invariant for bit-equal reuse "
             f"(KL <= {FP32_KL_TOLERANCE:.0e}, same greedy tokens)"
         )
+    config = getattr(engine, "runner_config", None)
+    if getattr(config, "decode", None) == "quantized" and getattr(config, "decode_activations", None) == "int16":
+        why += ("; decode=quantized rounds each decode step's activations to int16 codes: reuse over rows the decode "
+                f"step generated (a chat's earlier answer) agrees with cold to first-token logits within "
+                f"~{INT16_DECODE_LOGIT_DRIFT:.0e} (KL ~1e-8), over prefilled rows within fp32 rounding")
     if not getattr(engine, "generated_rows_exact", True):
         why += (f"; decode=quantized rounds each decode step's activations to int8 (llama.cpp's arithmetic): the "
                 f"first token is the prefill's, but later tokens of reuse and cold may part where the cold run's two "
