@@ -1,6 +1,6 @@
 """Triton kernels for kvboost, one file per kernel, each with a plain-torch reference beside it.
 
-Attention contract shared by every attention kernel in the project (Triton here, CUDA in ``csrc/``)::
+Attention contract shared by every attention kernel in the project (Triton here, CUDA in ``kvboost/csrc/``)::
 
     out = flash_attn_forward(
         q,                      # [B, Hq,  Lq, D]   fp16 / bf16 / fp32 (fp64 for the reference only)

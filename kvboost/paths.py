@@ -17,6 +17,8 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE_DIR / "configs"
+#: the C++ / CUDA kernel sources, built on first use by torch.utils.cpp_extension (shipped in the wheel)
+CSRC_DIR = PACKAGE_DIR / "csrc"
 CONFIG_MODULE = "kvboost.configs"
 CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
 

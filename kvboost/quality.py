@@ -254,8 +254,8 @@ def _tie_margin(engine: Any, ids: list[int], cold: list[int], warm: list[int]) -
 
 DEFAULT_VERIFY_PROMPTS = (
     "The quick brown fox jumps over the lazy dog. " * 6 + "Write one sentence about foxes.",
-    "You are a helpful assistant. Answer briefly and precisely.\n\nQuestion: what is the boiling point of water "
-    "at sea level, in degrees Celsius and Fahrenheit? Explain why it changes with altitude.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "# Explain what this function returns for n = 10 and why.\n",
+    ("You are a helpful assistant. Answer briefly and precisely.\n\nQuestion: what is the boiling point of water "
+     "at sea level, in degrees Celsius and Fahrenheit? Explain why it changes with altitude."),
+    ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+     "# Explain what this function returns for n = 10 and why.\n"),
 )

@@ -1,4 +1,4 @@
-"""``decode="quantized"`` (kvboost.runtime.quant_step, csrc/cpu_quant.cpp): the CPU decode step multiplied from a GGUF
+"""``decode="quantized"`` (kvboost.runtime.quant_step, kvboost/csrc/cpu_quant.cpp): the CPU decode step multiplied from a GGUF
 model's own 4-bit blocks. The kernels against float64 references (fp32 activations) and against an emulation of
 their integer arithmetic (int8 activations); the step on tiny GGUF files written here (llama: permuted q/k rows;
 qwen2: q/k/v biases) against HF's own decode; the path choice, its refusals and the cache fingerprint; the bundled

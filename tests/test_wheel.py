@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from server_process import LaunchedServer
 
-from kvboost.paths import CONFIG_DIR
+from kvboost.paths import CONFIG_DIR, CSRC_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 #: what the build needs, plus experiments/ (without its results) to show that it is left out
@@ -84,6 +84,10 @@ def test_the_wheel_holds_the_package_and_its_configs_and_no_experiments(wheel):
     assert "kvboost/lab/runner.py" in names and "hydra_plugins/kvboost_searchpath/__init__.py" in names
     configs = {str(p.relative_to(ROOT)) for p in CONFIG_DIR.rglob("*.yaml")}
     assert configs and configs <= set(names), sorted(configs - set(names))[:5]
+    # the kernel sources, compiled on first use: without them a wheel install cannot run attn=cpu_kernel, attn=cuda
+    # or decode=quantized
+    sources = {str(p.relative_to(ROOT)) for p in CSRC_DIR.iterdir() if p.suffix in (".cpp", ".cu", ".h")}
+    assert "kvboost/csrc/cpu_quant.cpp" in sources and sources <= set(names), sorted(sources - set(names))
 
 
 def _requirements(wheel: Path) -> dict[str | None, set[str]]:
@@ -115,10 +119,12 @@ def test_the_extras_split_the_dependencies_by_use(wheel):
 def test_the_installed_wheel_runs_outside_the_checkout(installed):
     site, env, elsewhere = installed
     probe = ("import kvboost, kvboost.lab.runner, kvboost.paths as p; "
-             "print(kvboost.__file__); print(p.checkout_root()); print(p.CONFIG_DIR.is_dir())")  # fmt: skip
+             "from kvboost.runtime.quant_step import _SOURCE; from kvboost.attention.cpu_ext import _SOURCE as att; "
+             "print(kvboost.__file__); print(p.checkout_root()); print(p.CONFIG_DIR.is_dir()); "
+             "print(_SOURCE.is_file() and att.is_file())")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
                          timeout=300, check=True).stdout.split()  # fmt: skip
-    assert Path(out[0]).is_relative_to(site) and out[1:] == ["None", "True"]
+    assert Path(out[0]).is_relative_to(site) and out[1:] == ["None", "True", "True"]
     # the research runner composes its configs from the package (pkg://kvboost.configs)
     job = subprocess.run([sys.executable, "-m", "kvboost.lab", "model=tiny_random", "--cfg", "job"], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip

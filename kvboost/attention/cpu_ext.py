@@ -1,4 +1,4 @@
-"""The CPU attention kernel (``csrc/cpu_attention.cpp``), built lazily with ``torch.utils.cpp_extension``.
+"""The CPU attention kernel (``kvboost/csrc/cpu_attention.cpp``), built lazily with ``torch.utils.cpp_extension``.
 
 Python side of the attention contract in :mod:`kernels_triton` for the ``cpu_kernel`` backend::
 
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from kvboost.attention.cuda_ext import _row_bounds  # the same per-row bounds check as the CUDA kernel's
+from kvboost.paths import CSRC_DIR
 
 __all__ = [
     "CSRC_DIR",
@@ -43,7 +44,6 @@ __all__ = [
     "load_cpu_extension",
 ]
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCE = CSRC_DIR / "cpu_attention.cpp"
 _EXT_NAME = "kvboost_cpu_kernel"
 
@@ -68,11 +68,30 @@ def cpu_extension_unavailable_reason() -> str | None:
         return f"it calls MKL's GEMMs, which torch carries only on x86 (this machine is {platform.machine()})"
     if not torch.backends.mkl.is_available():
         return "this torch build has no MKL (the kernel calls MKL's GEMMs inside torch's library)"
+    return toolchain_unavailable_reason(_SOURCE)
+
+
+def toolchain_unavailable_reason(source: Path) -> str | None:
+    """Why a C++ source of this package cannot be compiled here (no compiler on PATH, the source missing), or None."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler on PATH (install g++, e.g. apt-get install -y g++)"
-    if not _SOURCE.exists():
-        return f"the kernel's source is missing: {_SOURCE}"
+    if not source.exists():
+        return f"the kernel's source is missing: {source}"
     return None
+
+
+def build_cpu_source(ext_name: str, source: Path, extra_isa_flags: tuple[str, ...] = ()) -> Any:
+    """Compile ``source`` with OpenMP for this CPU's vector ISA (:func:`cpu_capability`; ``extra_isa_flags`` added
+    unless it is ``DEFAULT``) and load it as extension ``<ext_name>_<isa>``: torch caches the binary, and
+    ``kvboost.attention.ext_build`` lets one builder at a time through. Raises what the build raised."""
+    from kvboost.attention.ext_build import load_extension
+
+    cap = cpu_capability()
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
+    if cap != "DEFAULT":
+        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}", *extra_isa_flags]
+    return load_extension(f"{ext_name}_{cap.lower()}", sources=[str(source)], extra_cflags=flags,
+                          extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
 
 
 @functools.cache
@@ -86,15 +105,8 @@ def load_cpu_extension() -> Any:
     reason = cpu_extension_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"attention backend 'cpu_kernel' is unavailable: {reason}; use attn=sdpa")
-    from kvboost.attention.ext_build import load_extension
-
-    cap = cpu_capability()
-    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
-    if cap != "DEFAULT":
-        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
     try:
-        return load_extension(f"{_EXT_NAME}_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+        return build_cpu_source(_EXT_NAME, _SOURCE)
     except Exception as exc:  # the compiler's message is in exc
         raise RuntimeError(
             f"attention backend 'cpu_kernel': building {_SOURCE.name} failed ({type(exc).__name__}); "

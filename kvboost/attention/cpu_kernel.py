@@ -2,7 +2,7 @@
 
 After reuse, a request's prefill is tens to hundreds of new queries over a cached prefix; in fp32 on an
 AVX-512 CPU torch's flash kernel reaches about half the GEMM rate there, and attention was a third of the
-suffix prefill's time. This kernel (``csrc/cpu_attention.cpp``, loaded by :mod:`kvboost.attention.cpu_ext`)
+suffix prefill's time. This kernel (``kvboost/csrc/cpu_attention.cpp``, loaded by :mod:`kvboost.attention.cpu_ext`)
 multiplies the queries of a whole GQA group over a tile of tokens in one MKL GEMM, cuts the keys at the tile's
 causal end, and runs the softmax on full rows in cache: ``experiments/bench/bench_cpu_attention.py`` measures it
 against SDPA, same inputs, same run.
@@ -34,7 +34,7 @@ from kvboost.registry import ATTENTION
 
 @ATTENTION.register("cpu_kernel")
 class CpuKernelBackend(FlashKernelBackend):
-    """The CPU kernel of ``csrc/cpu_attention.cpp`` behind transformers' attention interface.
+    """The CPU kernel of ``kvboost/csrc/cpu_attention.cpp`` behind transformers' attention interface.
 
     Args:
         tile: query tokens per work unit (default 32): the unit's GEMMs have ``G * tile`` rows for G query heads

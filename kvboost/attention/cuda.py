@@ -1,4 +1,4 @@
-"""``cuda``: the project's CUDA C++ FlashAttention-2 forward (``csrc/``, loaded by ``kvboost.attention.cuda_ext``).
+"""``cuda``: the project's CUDA C++ FlashAttention-2 forward (``kvboost/csrc/``, loaded by ``kvboost.attention.cuda_ext``).
 
 The extension takes ``causal``, ``kv_start`` and ``kv_len`` but no per-query positions, so masks that need
 explicit ``q_positions`` (e.g. a StaticCache with empty future slots) run transformers' SDPA and are counted
@@ -22,7 +22,7 @@ from kvboost.attention.masks import KernelMaskParams
 from kvboost.attention.triton import config_head_dim, model_dtype, text_config
 from kvboost.registry import ATTENTION
 
-#: What the CUDA extension accepts (csrc/flash_attn_binding.cpp checks the same per call).
+#: What the CUDA extension accepts (kvboost/csrc/flash_attn_binding.cpp checks the same per call).
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CUDA_HEAD_DIMS = (64, 128)
 

@@ -1,4 +1,4 @@
-"""The CUDA FlashAttention-2 forward kernel (``csrc/``), built lazily with ``torch.utils.cpp_extension``.
+"""The CUDA FlashAttention-2 forward kernel (``kvboost/csrc/``), built lazily with ``torch.utils.cpp_extension``.
 
 Python side of the attention contract in :mod:`kernels_triton` for the CUDA backend::
 
@@ -24,10 +24,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvboost.paths import CSRC_DIR
 
 __all__ = [
     "CSRC_DIR",
@@ -37,7 +38,6 @@ __all__ = [
     "load_cuda_extension",
 ]
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("flash_attn_binding.cpp", "flash_attn_fwd.cu")
 _EXT_NAME = "kvboost_flash_attn"
 

@@ -203,7 +203,7 @@ def unpack_q4_scale_min(
     """GGUF Q4_0 / Q4_1 / Q4_K blocks -> (q uint8 ``[rows, cols]`` codes 0..15, scale, min fp32 ``[rows, cols / 32]``)
     with ``w = q * scale + min`` per group of 32: gguf's own form (Q4_1 ``d * q + m``; Q4_0 ``min = -8 d``; Q4_K
     ``min = -dmin * m_j``), every field exact in fp32, so ``q * scale + min`` in fp32 is gguf's dequantization bit
-    for bit. What kvboost's quantized CPU step (``csrc/cpu_quant.cpp``) multiplies."""
+    for bit. What kvboost's quantized CPU step (``kvboost/csrc/cpu_quant.cpp``) multiplies."""
     name = quant_type_name(tensor_type)
     codes, scale, _, exact = _unpack(name, _blocks(name, raw, shape))
     minv = exact - np.float64(8) * scale.astype(np.float64)  # exact: m, -8 d or -dmin m_j (all fit fp32)

@@ -1,4 +1,4 @@
-"""The C++ paged attention kernel (``csrc/cpu_attention.cpp``'s ``paged_forward``) as a torch custom op, so that
+"""The C++ paged attention kernel (``kvboost/csrc/cpu_attention.cpp``'s ``paged_forward``) as a torch custom op, so that
 the compiled CPU decode forward can call it from inside its graph.
 
 Why: inductor's own decode attention (:func:`kvboost.runtime.llama.gathered_decode_attention`, a fused gather and

@@ -1,4 +1,4 @@
-"""``decode="quantized"``: the CPU decode step multiplied from a GGUF model's own 4-bit blocks (``csrc/cpu_quant.cpp``).
+"""``decode="quantized"``: the CPU decode step multiplied from a GGUF model's own 4-bit blocks (``kvboost/csrc/cpu_quant.cpp``).
 
 A CPU decode step reads every weight once per token, so its floor is the weights' bytes over the memory bandwidth,
 and it pays a fixed cost per kernel call. Dense fp32 weights are 4 bytes per weight; the Q4_1 blocks the bundled
@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import functools
 import platform
-import shutil
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_quant.cpp"
+from kvboost.paths import CSRC_DIR
+
+_SOURCE = CSRC_DIR / "cpu_quant.cpp"
 _EXT_NAME = "kvboost_cpu_quant"
 #: GGUF types whose blocks the 4-bit kernel multiplies (one (scale, min) per 32 weights)
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -42,7 +42,7 @@ Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: stored); ``fp32``: exact activations, every code converted to fp32 (the dense model's function up to fp32
 #: summation order; ~2.5x int8's instructions per weight).
 ACTIVATIONS = ("int16", "int8", "fp32")
-_ACT_CODES = {"fp32": 0, "int8": 1, "int16": 2}  # csrc/cpu_quant.cpp kAct*
+_ACT_CODES = {"fp32": 0, "int8": 1, "int16": 2}  # kvboost/csrc/cpu_quant.cpp kAct*
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -50,31 +50,23 @@ def extension_unavailable_reason() -> str | None:
     """Why the quantized step's C++ extension cannot be built here, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the quantized CPU step is built for x86 (this machine is {platform.machine()})"
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return "no C++ compiler on PATH (install g++)"
-    if not _SOURCE.exists():
-        return f"the kernel's source is missing: {_SOURCE}"
-    return None
+    from kvboost.attention.cpu_ext import toolchain_unavailable_reason
+
+    return toolchain_unavailable_reason(_SOURCE)
 
 
 @functools.cache
 def load_quant_extension() -> Any:
     """Build (once; torch caches the binary) and return the extension; RuntimeError naming why it cannot. It compiles
-    the paged attention kernel (``csrc/cpu_attention.cpp``) in with the same vector ISA flags, so one call runs a
+    the paged attention kernel (``kvboost/csrc/cpu_attention.cpp``) in with the same vector ISA flags, so one call runs a
     whole step."""
     reason = extension_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"decode='quantized' is unavailable: {reason}")
-    from kvboost.attention.cpu_ext import _CAPABILITY_FLAGS, cpu_capability
-    from kvboost.attention.ext_build import load_extension
+    from kvboost.attention.cpu_ext import build_cpu_source
 
-    cap = cpu_capability()
-    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
-    if cap != "DEFAULT":
-        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}", "-mavx2", "-mfma", "-mf16c"]
-    try:
-        return load_extension(f"{_EXT_NAME}_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+    try:  # the integer kernels use AVX2 / FMA / F16C intrinsics under either vector ISA
+        return build_cpu_source(_EXT_NAME, _SOURCE, ("-mavx2", "-mfma", "-mf16c"))
     except Exception as exc:
         raise RuntimeError(f"decode='quantized': building {_SOURCE.name} failed ({type(exc).__name__}); it needs "
                            "g++ and ninja") from exc  # fmt: skip
@@ -229,7 +221,9 @@ class QuantDecodeStep:
                 q, scale, minv = q[rows_order], scale[rows_order], minv[rows_order]
             w = Q4Weight(q, scale, minv, linear.bias)
             if tuple(w.shape) != tuple(linear.weight.shape):
-                raise ValueError(f"decode='quantized': {name} is {list(w.shape)}, the model's {list(linear.weight.shape)}")
+                raise ValueError(
+                    f"decode='quantized': {name} is {list(w.shape)}, the model's {list(linear.weight.shape)}"
+                )
             _check_equal(w.dequantized(), linear.weight, name)
             return w
 

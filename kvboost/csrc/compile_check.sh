@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Compile every CUDA source under csrc/ for sm_80 and sm_90 with nvcc (no GPU needed) and check the ptxas
+# Compile every CUDA source under kvboost/csrc/ for sm_80 and sm_90 with nvcc (no GPU needed) and check the ptxas
 # resource report: any compile error, register spill or shared-memory overflow fails the check.
-# If a python with torch is found, the torch binding (csrc/*.cpp) is also syntax-checked against its headers.
+# If a python with torch is found, the torch binding (kvboost/csrc/*.cpp) is also syntax-checked against its headers.
 #
-#   bash csrc/compile_check.sh            # from the repository root (or anywhere)
-#   NVCC=/path/to/nvcc bash csrc/compile_check.sh
+#   bash kvboost/csrc/compile_check.sh            # from the repository root (or anywhere)
+#   NVCC=/path/to/nvcc bash kvboost/csrc/compile_check.sh
 #   KVBOOST_ALLOW_SPILLS=1 ...            # report spills as warnings instead of failing
 #   KVBOOST_SKIP_BINDING=1 ...            # skip the binding syntax check
 set -euo pipefail
@@ -23,7 +23,7 @@ find_nvcc() {
 
 if ! nvcc_bin="$(find_nvcc)"; then
   echo "compile_check: nvcc not found (looked at \$NVCC, PATH, \$CUDA_HOME/bin, /usr/local/cuda*/bin);" \
-       "install the CUDA toolkit to compile csrc/" >&2
+       "install the CUDA toolkit to compile kvboost/csrc/" >&2
   exit 1
 fi
 echo "compile_check: using $nvcc_bin ($("$nvcc_bin" --version | grep -o 'release [0-9.]*' || true))"

@@ -1,4 +1,4 @@
-// Torch binding of the kvboost FlashAttention-2 forward kernel (csrc/flash_attn_fwd.cu).
+// Torch binding of the kvboost FlashAttention-2 forward kernel (kvboost/csrc/flash_attn_fwd.cu).
 //
 // Built on a CUDA machine by kvboost/attention/cuda_ext.py (torch.utils.cpp_extension.load); it needs a
 // CUDA build of torch.  Exposes
@@ -6,7 +6,7 @@
 // with q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (fp16 or bf16, D in {64, 128}, Hq % Hkv == 0), sm_scale None ->
 // 1/sqrt(D), kv_start/kv_len None or integer tensors of shape [B], out None or a [B, Hq, Lq, D] tensor of q's
 // dtype and device with any strides (written in place; it must not overlap q, k or v), split_kv -1 (automatic),
-// 0 (one-pass kernel) or 1 (split-K kernel).  See csrc/README.md for the contract.
+// 0 (one-pass kernel) or 1 (split-K kernel).  See kvboost/csrc/README.md for the contract.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAStream.h>
