@@ -4,6 +4,7 @@ chunk (issue 44: 2,048-token chunks stalled every decoding row on CPU)."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +34,22 @@ def test_the_chunk_is_stall_ratio_decode_steps_of_prefill():
     for rows in (1, 4, 16, 32, 64):
         n = chunk_tokens(RATES, rows)
         assert n * RATES.prefill_token_s <= budget_rule.STALL_RATIO * RATES.decode_step_s(rows) + 1e-12
+
+
+def test_a_chunk_is_at_least_its_fixed_costs_worth_and_the_stall_bound_counts_that_cost():
+    # 120 ms per chunk + 2 ms per token, decode 15 ms + 4 ms per row: decode="quantized" on 2 AVX2 cores, rounded
+    rates = Rates(0.002, 0.015, 0.004, "test", prefill_base_s=0.120)
+    # the stall bound (1.5 * (15 + 4R) - 120) / 2 is negative at 1 and 8 rows and 42 at 32: the fixed cost's worth,
+    # 60 tokens rounded up to 64, decides; at 64 rows (1.5 * 271 - 120) / 2 = 143 -> 128 (the stall bound)
+    assert [chunk_tokens(rates, r) for r in (1, 8, 32, 64)] == [64, 64, 64, 128]
+    # without the fixed cost's worth a chunk of MIN_CHUNK would spend 120 of its 184 ms on that cost
+    assert chunk_tokens(Rates(0.002, 0.015, 0.004, "test"), 8) == MIN_CHUNK
+    for r in (rates, Rates(0.0005, 0.05, 0.004, "test", 0.01), Rates(0.001, 0.02, 0.002, "test", 0.005)):
+        for rows in (1, 4, 16, 32, 64, 128):
+            n = chunk_tokens(r, rows)
+            assert n * r.prefill_token_s >= r.prefill_base_s - 1e-12 or n == MAX_CHUNK
+            if n > max(MIN_CHUNK, math.ceil(r.prefill_base_s / r.prefill_token_s / 16) * 16) and n < MAX_CHUNK:  # stall bound
+                assert r.prefill_base_s + n * r.prefill_token_s <= budget_rule.STALL_RATIO * r.decode_step_s(rows) + 1e-12
 
 
 def test_the_choice_is_deterministic_given_cores_isa_and_rates():
@@ -90,7 +107,8 @@ def _plan(s: Scheduler):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5000), st.integers(1, 4)), min_size=1, max_size=48),
-       st.sampled_from([RATES, Rates(0.0005, 0.05, 0.004, "test"), Rates(0.01, 0.02, 0.0, "test")]))
+       st.sampled_from([RATES, Rates(0.0005, 0.05, 0.004, "test"), Rates(0.01, 0.02, 0.0, "test"),
+                        Rates(0.002, 0.015, 0.004, "test", prefill_base_s=0.120)]))
 def test_with_decode_rows_a_steps_prompt_tokens_never_exceed_the_chunk(requests, rates):
     """Any mix of decoding requests (1 row, or k + 1 with a draft) and prefilling ones of any length: the prompt tokens
     of a step with R decode rows are at most chunk(R); with no decode row the idle budget applies."""
@@ -153,7 +171,7 @@ def test_calibration_measures_the_runner_and_sizes_the_chunk():
     info = engine.core.calibrate_budget(repeats=1)
     assert info["mode"] == "cpu-auto" and info["source"] == "measured"
     assert MIN_CHUNK <= info["chunk_at_1"] <= info["chunk_at_32"] <= MAX_CHUNK
-    assert info["prefill_tokens_per_s"] > 0 and info["decode_step_ms_1"] > 0
+    assert info["prefill_tokens_per_s"] > 0 and info["decode_step_ms_1"] > 0 and info["prefill_chunk_base_ms"] >= 0
     assert engine.pool.num_free == free  # the scratch blocks went back
     assert engine.core.stats()["step_budget_auto"] == 1
     engine.close()

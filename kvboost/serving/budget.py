@@ -8,12 +8,24 @@ closed-loop ShareGPT clients) had an inter-token latency of p50 147 ms and p99 1
 
 The rule (CPU, ``max_batch_tokens`` not set by the user)::
 
-    budget(R decode rows) = decode tokens + chunk(R),   chunk(R) = STALL_RATIO * decode_step_s(R) / prefill_token_s
+    budget(R decode rows) = decode tokens + chunk(R)
+    chunk(R) = max((STALL_RATIO * decode_step_s(R) - prefill_base_s) / prefill_token_s,   # the stall bound
+                   prefill_base_s / prefill_token_s)                                       # the amortisation bound
 
-clamped to ``[MIN_CHUNK, MAX_CHUNK]`` and rounded down to a multiple of ``CHUNK_QUANTUM``: a step with decode rows
-takes at most ``1 + STALL_RATIO`` (2.5x) a pure decode step, so the inter-token p99 stays within ~3x the p50 while
-prefill still gets 60% of the machine under load. ``decode_step_s(R) = decode_base_s + decode_row_s * R`` and
-``prefill_token_s`` are :class:`Rates`: measured on the engine's own runner by :func:`measure_rates` (the server
+clamped to ``[MIN_CHUNK, MAX_CHUNK]`` and rounded down to a multiple of ``CHUNK_QUANTUM`` (the amortisation bound
+up). The stall bound: a step
+with decode rows takes at most ``1 + STALL_RATIO`` (2.5x) a pure decode step, so the inter-token p99 stays within
+~3x the p50 while prefill still gets 60% of the machine under load. The amortisation bound: a chunk costs a fixed
+``prefill_base_s`` whatever its length (in fp32 on CPU mostly streaming the dense weights once) plus
+``prefill_token_s`` per token, so a chunk shorter than ``prefill_base_s / prefill_token_s`` tokens spends more of
+its time on that fixed cost than on prompt tokens; where the decode step is fast (``decode="quantized"``: 48 ms for
+8 rows on 2 AVX2 cores) the stall bound cannot be met by any chunk (the fixed cost alone, 0.11-0.17 s there, is 2-3
+decode steps) and the amortisation bound decides (the server's calibration there: 165 ms + 342 tokens/s, 64 tokens). Measured at concurrency 8 (16 users x 4 turns, bundled model,
+2 AVX2 cores, ``load_test``): a fixed 72-token budget (a 64-token chunk, what this rule picks there) against the
+32-token chunk the stall bound alone gave: throughput 0.873 vs 0.726 req/s, TTFT p50 at turns >= 2 1.8 vs 4.4 s,
+inter-token p50 / p99 241 / 563 vs 278 / 384 ms (experiments/results/README.md, issue 44).
+``decode_step_s(R) = decode_base_s + decode_row_s * R``, ``prefill_base_s`` and ``prefill_token_s`` are
+:class:`Rates`: measured on the engine's own runner by :func:`measure_rates` (the server
 does it right after warm-up, in two passes, the first meeting new shapes: on 2 AVX2 cores for the bundled model
 ~55 s then ~5 s; prefill chunks and decode steps on scratch blocks, minimum of the repetitions), or, before
 that, a prior from the CPU's matrix ISA and core count (:func:`prior_rates`, figures below). While no request
@@ -24,7 +36,8 @@ Explicit settings win everywhere (``--max-batch-tokens``, ``engine.core.max_batc
 ...}``, assigning ``scheduler.max_batch_tokens``): the budget is then that fixed number, as before. GPUs keep 2,048
 (a chunk there costs a few ms; :data:`GPU_MAX_BATCH_TOKENS`).
 
-Prior figures (2 threads, SmolLM2-135M, the per-core rates scale with the core count; decode steps do not):
+Prior figures (2 threads, SmolLM2-135M, the per-core rates scale with the core count; decode steps do not; the
+priors carry no chunk fixed cost, so before a calibration the stall bound alone decides):
 
 - ``amx`` (Intel Sapphire Rapids and later, bf16 on AMX tiles, ~2 TFLOP/s on 2 threads): ~650 prefill tokens/s per
   core (2,048 tokens in ~1.5 s on 2 cores, issue 44); a decode step ~25 ms + ~3 ms per row.
@@ -40,6 +53,7 @@ The measurement replaces the prior when it runs; ``describe()`` says which one t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -60,12 +74,14 @@ CHUNK_QUANTUM = 16
 @dataclass(frozen=True)
 class Rates:
     """Seconds a CPU step costs: ``decode_base_s + decode_row_s * R`` for a pure decode step of R rows, and
-    ``prefill_token_s`` per prompt token of a chunk. ``source``: ``measured`` or ``prior (<isa>, <n> cores)``."""
+    ``prefill_base_s + prefill_token_s * n`` for an n-token prompt chunk. ``source``: ``measured`` or
+    ``prior (<isa>, <n> cores)``."""
 
     prefill_token_s: float
     decode_base_s: float
     decode_row_s: float
     source: str
+    prefill_base_s: float = 0.0
 
     def decode_step_s(self, rows: int) -> float:
         return self.decode_base_s + self.decode_row_s * max(1, rows)
@@ -112,10 +128,15 @@ def prior_rates(isa: str, cores: int) -> Rates:
 
 
 def chunk_tokens(rates: Rates, decode_rows: int, ratio: float = STALL_RATIO) -> int:
-    """The prompt tokens a step with ``decode_rows`` decode rows may carry: ``ratio`` decode steps' worth."""
+    """The prompt tokens a step with ``decode_rows`` decode rows may carry: ``ratio`` decode steps' worth of
+    prefill, or, where that is shorter, as many tokens as the chunk's fixed cost is worth (see the module
+    docstring)."""
     if rates.prefill_token_s <= 0:
         return MAX_CHUNK
-    n = int(ratio * rates.decode_step_s(decode_rows) / rates.prefill_token_s)
+    stall = int((ratio * rates.decode_step_s(decode_rows) - rates.prefill_base_s) / rates.prefill_token_s)
+    # at least the fixed cost's worth of tokens: rounded up to the quantum (the result is rounded down below)
+    amortised = math.ceil(rates.prefill_base_s / rates.prefill_token_s / CHUNK_QUANTUM) * CHUNK_QUANTUM
+    n = max(stall, amortised)
     n = max(MIN_CHUNK, min(MAX_CHUNK, n))
     return max(MIN_CHUNK, n // CHUNK_QUANTUM * CHUNK_QUANTUM)
 
@@ -147,6 +168,7 @@ class StepBudget:
             out.update(source=r.source, stall_ratio=self.ratio, prefill_tokens_per_s=round(1 / r.prefill_token_s, 1),
                        decode_step_ms_1=round(r.decode_step_s(1) * 1e3, 2),
                        decode_step_ms_32=round(r.decode_step_s(32) * 1e3, 2),
+                       prefill_chunk_base_ms=round(r.prefill_base_s * 1e3, 2),
                        chunk_at_1=self.chunk(1), chunk_at_8=self.chunk(8), chunk_at_32=self.chunk(32))  # fmt: skip
         return out
 
@@ -155,7 +177,8 @@ class StepBudget:
             return f"max_batch_tokens={self.max_batch_tokens} ({self.reason})"
         r = self.rates
         return (f"step budget cpu-auto: decode rows + {self.chunk(1)}..{self.chunk(32)} prompt tokens (1..32 rows; "
-                f"chunk = {self.ratio:g} decode steps; {r.source}: {1 / r.prefill_token_s:.0f} prefill tok/s, decode "
+                f"chunk = {self.ratio:g} decode steps, or its fixed cost's worth; {r.source}: "
+                f"{r.prefill_base_s * 1e3:.0f} ms + {1 / r.prefill_token_s:.0f} prefill tok/s per chunk, decode "
                 f"step {r.decode_step_s(1) * 1e3:.0f} ms at 1 row, {r.decode_step_s(32) * 1e3:.0f} ms at 32); idle "
                 f"prefill budget unchanged")  # fmt: skip
 
@@ -174,11 +197,12 @@ def choose(device_type: str, explicit: int | None, *, isa: str | None = None, co
     return StepBudget(GPU_MAX_BATCH_TOKENS, rates, "CPU default: prefill chunk sized to the decode step")
 
 
-def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 256, chunk: int = 256,
+def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 256, chunks: tuple[int, int] = (32, 256),
                   rows: tuple[int, int] = (1, 8), repeats: int = 3) -> Rates:  # fmt: skip
-    """Time the engine's own runner on scratch blocks: a ``chunk``-token prompt chunk over a ``context``-token
-    context, and pure decode steps of ``rows`` rows (minimum over ``repeats``; two row counts give the base and the
-    per-row cost). Call it inside ``core.exclusive()`` with the pool's blocks to spare (a few hundred rows)."""
+    """Time the engine's own runner on scratch blocks: prompt chunks of ``chunks`` tokens over a ``context``-token
+    context, and pure decode steps of ``rows`` rows (minimum over ``repeats``; two sizes of each give the fixed and
+    the per-token / per-row cost). Call it inside ``core.exclusive()`` with the pool's blocks to spare (a few
+    hundred rows)."""
     import torch
 
     from kvboost.kv.block_table import BlockTable
@@ -195,13 +219,15 @@ def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 2
             prefill = BlockTable(pool)
             tables.append(prefill)
             runner.run(ForwardBatch.build([SeqInput(prefill, ids(context))]))
-            best = float("inf")
-            for _ in range(max(1, repeats - 1)):
-                prefill.truncate(context)
-                start = time.perf_counter()
-                runner.run(ForwardBatch.build([SeqInput(prefill, ids(chunk))]))
-                best = min(best, time.perf_counter() - start)
-            prefill_token_s = best / chunk
+            chunk_s: dict[int, float] = {}
+            for chunk in chunks:
+                best = float("inf")
+                for _ in range(max(1, repeats - 1)):
+                    prefill.truncate(context)
+                    start = time.perf_counter()
+                    runner.run(ForwardBatch.build([SeqInput(prefill, ids(chunk))]))
+                    best = min(best, time.perf_counter() - start)
+                chunk_s[chunk] = best
             step: dict[int, float] = {}
             decode_ctx = 32
             for n in rows:
@@ -221,4 +247,9 @@ def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 2
     lo, hi = rows
     per_row = max(0.0, (step[hi] - step[lo]) / (hi - lo)) if hi != lo else 0.0
     base = max(1e-4, step[lo] - per_row * lo)
-    return Rates(prefill_token_s, base, per_row, "measured")
+    small, large = min(chunks), max(chunks)
+    per_token = (chunk_s[large] - chunk_s[small]) / (large - small) if large != small else 0.0
+    if per_token <= 0:  # noise on a tiny model: no fixed cost to tell apart, the large chunk's mean instead
+        per_token = chunk_s[large] / large
+    prefill_base = max(0.0, chunk_s[small] - per_token * small)
+    return Rates(per_token, base, per_row, "measured", prefill_base)
