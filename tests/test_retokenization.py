@@ -17,7 +17,7 @@ from tiny import ToyTokenizer, tiny_model
 
 from kvboost import KVBoost
 from kvboost.prompts import answered_turn_text
-from kvboost.quality import INT16_DECODE_LOGIT_DRIFT
+from kvboost.quality import INT16_DECODE_LOGIT_DRIFT, decodes_with_int16_activations
 from kvboost.serving import SamplingParams
 
 CHUNK = 16
@@ -80,13 +80,7 @@ def test_reused_canonical_kv_equals_a_cold_prefill(tokenizer):
         assert r2.cached_tokens == len(turn_ids)
         cold = engine.generate(prompt2, max_new_tokens=8, mode="cold")
         assert r2.output_ids == cold.output_ids
-        # Turn 1's answer is reused from the rows the decode step wrote. A dense decode writes a prefill's rows up to
-        # fp32 rounding; the bundled model's CPU default (decode=quantized, int16 activations) rounds each row's
-        # activations to int16 codes, so its rows agree less closely (kvboost.quality.INT16_DECODE_LOGIT_DRIFT).
-        rc = engine.runner_config
-        int16 = engine.decode_info()["decode"] == "quantized" and rc.decode_activations == "int16"
-        bound = INT16_DECODE_LOGIT_DRIFT if int16 else 1e-4
-        assert float((r2.first_token_logits - cold.first_token_logits).abs().max()) <= bound
+        assert float((r2.first_token_logits - cold.first_token_logits).abs().max()) <= 1e-4
     finally:
         engine.close()
 
@@ -182,9 +176,7 @@ def test_two_turn_chat_on_the_bundled_model_reuses_the_whole_history():
         # Turn 1's answer is reused from the rows the decode step wrote. A dense decode writes a prefill's rows up to
         # fp32 rounding; the bundled model's CPU default (decode=quantized, int16 activations) rounds each row's
         # activations to int16 codes, so its rows agree less closely (kvboost.quality.INT16_DECODE_LOGIT_DRIFT).
-        rc = engine.runner_config
-        int16 = engine.decode_info()["decode"] == "quantized" and rc.decode_activations == "int16"
-        bound = INT16_DECODE_LOGIT_DRIFT if int16 else 1e-4
+        bound = INT16_DECODE_LOGIT_DRIFT if decodes_with_int16_activations(engine) else 1e-4
         assert float((r2.first_token_logits - cold.first_token_logits).abs().max()) <= bound
     finally:
         engine.close()

@@ -13,17 +13,19 @@ The rule (CPU, ``max_batch_tokens`` not set by the user)::
                    prefill_base_s / prefill_token_s)                                       # the amortisation bound
 
 clamped to ``[MIN_CHUNK, MAX_CHUNK]`` and rounded down to a multiple of ``CHUNK_QUANTUM`` (the amortisation bound
-up). The stall bound: a step
-with decode rows takes at most ``1 + STALL_RATIO`` (2.5x) a pure decode step, so the inter-token p99 stays within
-~3x the p50 while prefill still gets 60% of the machine under load. The amortisation bound: a chunk costs a fixed
-``prefill_base_s`` whatever its length (in fp32 on CPU mostly streaming the dense weights once) plus
-``prefill_token_s`` per token, so a chunk shorter than ``prefill_base_s / prefill_token_s`` tokens spends more of
-its time on that fixed cost than on prompt tokens; where the decode step is fast (``decode="quantized"``: 48 ms for
-8 rows on 2 AVX2 cores) the stall bound cannot be met by any chunk (the fixed cost alone, 0.11-0.17 s there, is 2-3
-decode steps) and the amortisation bound decides (the server's calibration there: 165 ms + 342 tokens/s, 64 tokens). Measured at concurrency 8 (16 users x 4 turns, bundled model,
-2 AVX2 cores, ``load_test``): a fixed 72-token budget (a 64-token chunk, what this rule picks there) against the
-32-token chunk the stall bound alone gave: throughput 0.873 vs 0.726 req/s, TTFT p50 at turns >= 2 1.8 vs 4.4 s,
-inter-token p50 / p99 241 / 563 vs 278 / 384 ms (experiments/results/README.md, issue 44).
+up). The stall bound: a step with decode rows takes at most ``1 + STALL_RATIO`` (2.5x) a pure decode step, so the
+inter-token p99 stays within ~3x the p50 while prefill still gets 60% of the machine under load. The amortisation
+bound: a chunk costs a fixed ``prefill_base_s`` whatever its length (in fp32 on CPU mostly streaming the dense
+weights once) plus ``prefill_token_s`` per token, so a chunk shorter than ``prefill_base_s / prefill_token_s``
+tokens spends more of its time on that fixed cost than on prompt tokens; where the decode step is fast
+(``decode="quantized"``: 48 ms for 8 rows on 2 AVX2 cores) the stall bound cannot be met by any chunk (the fixed
+cost alone, 0.11-0.17 s there, is 2-3 decode steps) and the amortisation bound decides (the server's calibration
+there: 165 ms + 342 tokens/s, so 64 tokens). Measured with kvboost-server under ``load_test`` (bundled model, 2 AVX2
+cores, 4-turn sessions) against the 32-token chunks the stall bound alone gave, at concurrency 8 / 32: throughput
+1.028 / 0.819 vs 0.726 / 0.730 req/s, TTFT p50 at turns >= 2 1.7 / 34.1 vs 4.4 / 41.4 s, inter-token p50/p99 82/533
+and 368/635 vs 278/384 and 288/621 ms: at 8 the p99 is 6.5x the p50 (1.4x before), more steps being pure decode
+steps (experiments/results/README.md, issue 44).
+
 ``decode_step_s(R) = decode_base_s + decode_row_s * R``, ``prefill_base_s`` and ``prefill_token_s`` are
 :class:`Rates`: measured on the engine's own runner by :func:`measure_rates` (the server
 does it right after warm-up, in two passes, the first meeting new shapes: on 2 AVX2 cores for the bundled model
@@ -221,13 +223,9 @@ def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 2
             runner.run(ForwardBatch.build([SeqInput(prefill, ids(context))]))
             chunk_s: dict[int, float] = {}
             for chunk in chunks:
-                best = float("inf")
-                for _ in range(max(1, repeats - 1)):
-                    prefill.truncate(context)
-                    start = time.perf_counter()
-                    runner.run(ForwardBatch.build([SeqInput(prefill, ids(chunk))]))
-                    best = min(best, time.perf_counter() - start)
-                chunk_s[chunk] = best
+                chunk_s[chunk] = _min_seconds(
+                    lambda chunk=chunk: runner.run(ForwardBatch.build([SeqInput(prefill, ids(chunk))])),
+                    max(1, repeats - 1), before=lambda: prefill.truncate(context))  # fmt: skip
             step: dict[int, float] = {}
             decode_ctx = 32
             for n in rows:
@@ -235,21 +233,35 @@ def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 2
                 tables.extend(batch_tables)
                 runner.run(ForwardBatch.build([SeqInput(t, ids(decode_ctx)) for t in batch_tables]))
                 runner.run(ForwardBatch.build([SeqInput(t, ids(1)) for t in batch_tables]))  # first decode: unmeasured
-                best = float("inf")
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    runner.run(ForwardBatch.build([SeqInput(t, ids(1)) for t in batch_tables]))
-                    best = min(best, time.perf_counter() - start)
-                step[n] = best
+                step[n] = _min_seconds(
+                    lambda tables=batch_tables: runner.run(ForwardBatch.build([SeqInput(t, ids(1)) for t in tables])),
+                    repeats)  # fmt: skip
     finally:
         for table in tables:
             table.release()
     lo, hi = rows
-    per_row = max(0.0, (step[hi] - step[lo]) / (hi - lo)) if hi != lo else 0.0
+    per_row = max(0.0, _slope(step, lo, hi))
     base = max(1e-4, step[lo] - per_row * lo)
     small, large = min(chunks), max(chunks)
-    per_token = (chunk_s[large] - chunk_s[small]) / (large - small) if large != small else 0.0
+    per_token = _slope(chunk_s, small, large)
     if per_token <= 0:  # noise on a tiny model: no fixed cost to tell apart, the large chunk's mean instead
         per_token = chunk_s[large] / large
     prefill_base = max(0.0, chunk_s[small] - per_token * small)
     return Rates(per_token, base, per_row, "measured", prefill_base)
+
+
+def _min_seconds(run: Any, repeats: int, before: Any = None) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` (``before`` called untimed ahead of each)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _slope(seconds: dict[int, float], lo: int, hi: int) -> float:
+    """Seconds per unit between two sizes' timings (0 when the sizes are equal): a cost's per-token / per-row part."""
+    return (seconds[hi] - seconds[lo]) / (hi - lo) if hi != lo else 0.0
