@@ -21,6 +21,8 @@ kvboost backend installed on the runner's model is not part of the reference.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tiny import VOCAB, ToyTokenizer, make_engine, random_ids, tiny_model
@@ -44,6 +46,13 @@ needs_inductor = pytest.mark.skipif(
     inductor_unavailable_reason() is not None, reason=str(inductor_unavailable_reason())
 )
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+# Triton kernels on CPU tensors run only in Triton's interpreter, which conftest switches on where there is no GPU;
+# on a GPU machine (found by its first GPU run: "compiled Triton kernels need CUDA tensors") these CPU checks skip,
+# and their CUDA twins below run instead.
+triton_on_cpu = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (a GPU machine runs the CUDA variants)",
+)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -219,7 +228,8 @@ def _assembled(pool: KVPool, ref_k, ref_v, n: int, garbage: list[int]) -> BlockT
 
 @pytest.mark.parametrize(("arch", "dtype", "attn"), [
     ("llama", torch.float32, "sdpa"), ("qwen2", torch.float32, "sdpa"), ("mistral", torch.float32, "sdpa"),
-    ("llama", torch.bfloat16, "sdpa"), ("llama", torch.float32, "eager"), ("llama", torch.float32, "triton"),
+    ("llama", torch.bfloat16, "sdpa"), ("llama", torch.float32, "eager"),
+    pytest.param("llama", torch.float32, "triton", marks=triton_on_cpu),
 ], ids=["llama-fp32", "qwen2-fp32", "mistral-fp32", "llama-bf16", "llama-fp32-eager", "llama-fp32-triton"])  # fmt: skip
 def test_subset_rows_agree_between_runners_and_with_a_full_recompute(arch, dtype, attn):
     """Rows at arbitrary positions over an assembled prompt (content repair's forward): the Llama runner and the
@@ -276,7 +286,8 @@ def test_hf_generic_subset_rows_equal_a_full_recompute(arch):
     assert float((keys - ref_k).abs().max()) <= 1e-5 and float((values - ref_v).abs().max()) <= 1e-5
 
 
-@pytest.mark.parametrize(("kind", "attn"), [("llama", "sdpa"), ("hf_generic", "sdpa"), ("llama", "triton")])
+@pytest.mark.parametrize(("kind", "attn"), [
+    ("llama", "sdpa"), ("hf_generic", "sdpa"), pytest.param("llama", "triton", marks=triton_on_cpu)])
 def test_a_selected_row_never_sees_later_keys(kind, attn):
     """Query at position p attends keys <= p only: garbage in every row between two selected ones leaves the
     first selected row's K/V (every layer: each depends on the layer below's attention) as a full prefill's."""
@@ -756,8 +767,8 @@ def _reference_kernel(q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=F
     ("llama", "unfused", "reference"),
     ("llama", "unfused", "default"),
     pytest.param("llama", "compiled", "reference", marks=needs_inductor),
-    ("llama", "fused", "reference"),
-    ("qwen2", "fused", "default"),
+    pytest.param("llama", "fused", "reference", marks=triton_on_cpu),
+    pytest.param("qwen2", "fused", "default", marks=triton_on_cpu),
 ])  # fmt: skip
 def test_graph_static_forward_with_padding_rows_is_close_to_hf(arch, layer, kernel):
     """The arithmetic CUDA graphs capture, run uncaptured on CPU (paged attention: the reference, or the
@@ -836,6 +847,7 @@ def test_fused_weights_are_the_models_own_and_leave_hf_forward_unchanged():
     assert graphs.describe()["graph_layer"] == "unfused"
 
 
+@triton_on_cpu
 def test_a_capture_never_clobbers_a_requests_inputs(monkeypatch):
     """GraphRunner.run captures a bucket on first use before filling its buffers (a capture fills them with
     padding and its warm-up runs write the pool's scratch block): checked on CPU with a stand-in capture that
