@@ -83,9 +83,10 @@ class InferenceEngine:
         max_kv_bytes: refuse a request whose KV (prompt + max new tokens) would exceed this many bytes.
         decode, prefill, prefill_weights: the path (``kvboost.runtime.config.choose_runner``): ``decode`` ``auto`` |
             ``graphed`` (CUDA graphs) | ``compiled`` (inductor) | ``eager`` (HF's bits) | ``hf`` (HF's modules);
-            ``prefill`` ``auto`` | ``fused`` | ``graphed`` | ``hf``; ``prefill_weights`` ``auto`` | ``plain`` |
-            ``prepacked``. ``decode="quantized"`` (what ``auto`` picks on CPU for a GGUF model of 4-bit blocks, as
-            the bundled one) multiplies the file's own blocks (``kvboost.runtime.quant_step``).
+            ``prefill`` ``auto`` | ``fused`` | ``graphed`` | ``quantized`` | ``hf``; ``prefill_weights`` ``auto`` |
+            ``plain`` | ``prepacked``. ``decode="quantized"`` (what ``auto`` picks on CPU for a GGUF model of 4-bit
+            blocks, as the bundled one) multiplies the file's own blocks (``kvboost.runtime.quant_step``);
+            ``prefill="quantized"`` runs the prompt rows through the same step.
         decode_activations: ``decode="quantized"`` only: ``int16`` (the default: each row's 32-value groups rounded
             to int16 codes, the dense model's function up to ~1e-5), ``int8`` (llama.cpp's arithmetic: fastest; its
             generated rows are not stored, and greedy tokens of reuse and cold may part at near ties) or ``fp32``.
@@ -305,6 +306,8 @@ class InferenceEngine:
             "decode_reason": self.runner.fallback_reason or reasons.get("decode", ""),
             "decode_compile_s": self.runner.compile_seconds,
             "prefill": "hf" if self.runner_config.runner == "hf" else ("graphed" if self.runner_config.graph_prefill
+                                                                       else "quantized"
+                                                                       if self.runner_config.quantized_prefill
                                                                        else "fused"),
             "prefill_reason": reasons.get("prefill", reasons.get("runner", "")),
             "prefill_weights": self.runner_config.weights,
@@ -340,7 +343,7 @@ class InferenceEngine:
             f"chunk={self.chunker.fingerprint()}", f"hash={self.hasher.fingerprint()}", f"attn={attn_tag}",
             (f"runner={config.runner}/decode={config.decode}"
              f"{'-' + config.decode_activations if config.decode == 'quantized' else ''}"
-             f"/prefill={'graphed' if config.graph_prefill else 'fused'}"
+             f"/prefill={'graphed' if config.graph_prefill else 'quantized' if config.quantized_prefill else 'fused'}"
              f"/weights={config.weights}"), f"formats={self._weight_formats}", f"block={self.pool.block_size}",
         ])  # fmt: skip
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it

@@ -53,11 +53,11 @@ def _rounded_rows(x: torch.Tensor, qmax: int) -> torch.Tensor:
 def test_q4_product_fp32_activations_is_the_dense_product(ext, rows):
     """Every row tile (1-4 rows per pass, and a remainder) and the bias: within fp32 rounding of the float64
     product of the dequantized weight."""
-    w = _q4(70, 96, seed=rows, bias=True)
+    w = _q4(72, 96, seed=rows, bias=True)
     x = torch.randn(rows, 96)
     ref = x.double() @ w.dequantized().double().T + w.bias.double()
     out = ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["fp32"])
-    assert out.shape == (rows, 70)
+    assert out.shape == (rows, 72)
     assert (out.double() - ref).abs().max() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
@@ -70,10 +70,10 @@ def test_integer_activations_are_the_rounded_rows_times_the_weight(ext, rows, ac
     """int8 / int16 activations: the codes' part is the rounded rows times (w - min) exactly (integer products),
     the min part uses the exact fp32 group sums; off the fp32 product by the rounding (the test sees which path
     ran), int16's rounding ~300x finer than int8's."""
-    w = _q4(50, 128, seed=10 + rows, bias=True)
+    w = _q4(56, 128, seed=10 + rows, bias=True)
     x = torch.randn(rows, 128)
     dense = w.dequantized().double()
-    mins = w.minv.double().repeat_interleave(32, 1)
+    mins = w.group_params()[1].double().repeat_interleave(32, 1)
     ref = _rounded_rows(x, qmax) @ (dense - mins).T + x.double() @ mins.T + w.bias.double()
     out = ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act])
     assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max().item()
@@ -92,6 +92,37 @@ def test_q8_product(ext, act):
     assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
+def test_a_rows_result_does_not_depend_on_the_batch(ext, act):
+    """Each row's arithmetic is the same whichever rows share its block (blocks of 4, tails of 1-3): the product of
+    9 rows equals each row's product alone, bit for bit, for the 4-bit and the 8-bit kernel."""
+    w = _q4(48, 160, seed=4, bias=True)
+    g = torch.Generator().manual_seed(8)
+    w8 = Q8Weight(torch.randint(-127, 128, (24, 160), generator=g, dtype=torch.int8), torch.rand(24, 5, generator=g))
+    x = torch.randn(9, 160, generator=g)
+    together = ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act])
+    together8 = ext.q8_matmul(x, w8.codes, w8.scale, ACT[act])
+    for r in range(9):
+        assert torch.equal(together[r], ext.q4_matmul(x[r:r + 1], w.codes, w.scale, w.minv, w.bias, ACT[act])[0])
+        assert torch.equal(together8[r], ext.q8_matmul(x[r:r + 1], w8.codes, w8.scale, ACT[act])[0])
+
+
+def test_the_tiled_layout_round_trips_and_refuses_partial_tiles():
+    """The kernel's layouts hold tiles of 8 output features: a weight rebuilt from them is the one it was built from,
+    and a weight whose out_features are not a multiple of 8 is refused naming the rule."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.uint8)
+    scale, minv = torch.rand(16, 2, generator=g), torch.randn(16, 2, generator=g)
+    dense = (q.float().reshape(16, 2, 32) * scale[..., None] + minv[..., None]).reshape(16, 64)
+    assert torch.equal(Q4Weight(q, scale, minv).dequantized(), dense)
+    q8 = torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8)
+    assert torch.equal(Q8Weight(q8, scale).dequantized(), (q8.float().reshape(16, 2, 32) * scale[..., None]).reshape(16, 64))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Q4Weight(q[:12], scale[:12], minv[:12])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Q8Weight(q8[:12], scale[:12])
+
+
 def test_kernels_refuse_bad_shapes(ext):
     w = _q4(8, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -101,6 +132,8 @@ def test_kernels_refuse_bad_shapes(ext):
         ext.q4_matmul(torch.randn(1, 64, dtype=torch.float64), w.codes, w.scale, w.minv, None, 0)
     with pytest.raises(RuntimeError, match="activations code"):
         ext.q4_matmul(torch.randn(1, 64), w.codes, w.scale, w.minv, None, 5)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ext.q4_matmul(torch.randn(1, 64), w.codes[:4].contiguous(), w.scale[:4].contiguous(), w.minv[:4].contiguous())
 
 
 @pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1])
@@ -233,12 +266,12 @@ def test_bf16_model_decodes_from_the_blocks_into_a_bf16_pool(tmp_path):
 
 
 def test_a_mixed_step_decodes_its_decode_rows_quantized_and_the_rest_eagerly(tmp_path):
-    """A serving step with decode rows and a prompt chunk: the decode rows run the quantized step, the chunk the
-    eager forward, and every logits row comes back in the batch's order, equal to running each part alone."""
+    """A serving step with decode rows and a prompt chunk under prefill='fused' (a bf16 model's auto, or asked
+    for): the decode rows run the quantized step, the chunk the eager forward, and every logits row comes back in the batch's order, equal to running each part alone."""
     from kvboost.kv.block_table import BlockTable
     from kvboost.runtime.batch import ForwardBatch, SeqInput
 
-    engine = _engine(gguf_model(tmp_path, "llama"), decode="quantized", decode_activations="fp32")
+    engine = _engine(gguf_model(tmp_path, "llama"), decode="quantized", decode_activations="fp32", prefill="fused")
     runner = engine.runner
     tables = [BlockTable(engine.pool) for _ in range(4)]
     for i, t in enumerate(tables):
@@ -258,6 +291,58 @@ def test_a_mixed_step_decodes_its_decode_rows_quantized_and_the_rest_eagerly(tmp
     for t in tables + twins:
         t.release()
     engine.close()
+
+
+@pytest.mark.parametrize("act, tol", [("fp32", 1e-4), ("int16", 1e-3)])
+def test_quantized_prefill_is_close_to_hf_and_reuse_equals_cold(tmp_path, act, tol):
+    """prefill='quantized': prompt chunks run the quantized step too (no eager forward): the last prompt row's
+    logits within ``tol`` of the logits' range of HF's; a prompt prefilled in two chunks gives each row's K/V and
+    the logits of one prefill of it within 1e-4 (exact reuse's promise: a row's products do not depend on the rows
+    beside it, the attention call's shape rounds); a reuse of a stored prefix gives a cold request's first token logits, and the greedy tokens."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+
+    model = gguf_model(tmp_path, "qwen2", seed=3)
+    engine = _engine(model, decode="quantized", prefill="quantized", decode_activations=act)
+    assert engine.decode_info()["prefill"] == "quantized"
+    runner = engine.runner
+    ids = random_ids(45, seed=11)
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    fed, ref_steps, _ = hf_greedy_reference(model, ids, 1)
+    whole, split = BlockTable(engine.pool), BlockTable(engine.pool)
+    logits = runner.run(ForwardBatch.build([SeqInput(whole, ids)]))[0]
+    spread = (ref.max() - ref.min()).item()
+    assert (logits - ref).abs().max().item() < tol * spread
+    runner.run(ForwardBatch.build([SeqInput(split, ids[:19])]))
+    second = runner.run(ForwardBatch.build([SeqInput(split, ids[19:])]))[0]
+    assert (second - logits).abs().max().item() < 1e-4 * spread
+    k1, v1 = engine.pool.read(whole.slots(0, 45))
+    k2, v2 = engine.pool.read(split.slots(0, 45))
+    assert (k1 - k2).abs().max().item() < 1e-4 and (v1 - v2).abs().max().item() < 1e-4
+    step = runner.run(ForwardBatch.build([SeqInput(whole, fed)]))[0]  # a decode step over the prefilled rows
+    assert (step - ref_steps[0]).abs().max().item() < tol * (ref_steps[0].max() - ref_steps[0].min()).item()
+    assert runner.forwards["eager"] == 0 and runner.forwards["quantized"] == 4
+    whole.release()
+    split.release()
+    engine.generate(ids[:32], 1)  # stores the prompt's chunks
+    reuse = engine.generate(ids + [5, 6], 8)
+    cold = engine.generate(ids + [5, 6], 8, mode="cold")
+    assert reuse.cached_tokens >= 32 and reuse.output_ids == cold.output_ids
+    assert runner.forwards["eager"] == 0
+    engine.close()
+
+
+def test_quantized_prefill_needs_the_quantized_decode_and_is_in_the_cache_key(tmp_path):
+    model = gguf_model(tmp_path, "llama")
+    with pytest.raises(ValueError, match="prefill='quantized'.*decode='quantized'"):
+        _engine(model, decode="eager", prefill="quantized")
+    prints = set()
+    for prefill in ("fused", "quantized"):
+        engine = _engine(model, decode="quantized", prefill=prefill)
+        prints.add(engine.fingerprint)
+        engine.close()
+    assert len(prints) == 2
 
 
 def test_int8_decode_stores_no_generated_rows(tmp_path):

@@ -1,18 +1,15 @@
 // kvboost's quantized CPU decode step: the projections of a Llama-structured decoder multiplied straight from a
 // GGUF model's 4-bit blocks (Q4_0 / Q4_1 / Q4_K, one (scale, min) pair per 32 weights) and the head from its Q8_0
-// blocks, with fp32 activations; norms, RoPE and the K/V write fused around them.
+// blocks; norms, RoPE and the K/V write fused around them.
 //
 // Why: a CPU decode step reads every weight once per token, so its floor is the weights' bytes over the memory
 // bandwidth. Dense fp32 weights are 4 bytes each; GGUF's Q4_1 blocks are 0.625 (llama.cpp decodes from them). The
 // bundled model's dense weights *are* those blocks dequantized (transformers' GGUF loader), so multiplying the
-// blocks computes the same function, only summed in another order: the activations stay fp32 (llama.cpp rounds
-// them to 8-bit blocks; this kernel does not, so the result is the dense model's up to fp32 rounding).
+// blocks computes the same function, only summed in another order, when the activations stay fp32; rounded to
+// int16 codes per 32 values (the default) it is that function up to ~1e-5; int8 codes are llama.cpp's arithmetic.
 //
-// Layouts (built by kvboost/runtime/quant_step.py):
-//   q4 weight [N, K]: codes uint8 [N, K/2] (per 32-weight group: 16 bytes, value i < 16 in the low nibble of byte i,
-//   value 16 + i in its high nibble: GGUF's own order), scale / min fp32 [N, K/32]; w = q * scale + min.
-//   q8 weight [N, K]: codes int8 [N, K], scale fp32 [N, K/32]; w = q * scale.
-// Every product reads each weight once for all M rows of the step (the rows share the dequantized group), which is
+// Layouts: tiles of 8 output features (see tile_rows below; built by kvboost/runtime/quant_step.py). Every product
+// reads each weight once for all M rows of the step (the rows are broadcast against a tile's 8 features), which is
 // what makes a batched decode step cheaper than M single steps.
 
 #include <torch/extension.h>
@@ -38,169 +35,38 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRowTile = 4;  // rows of the step sharing one dequantized group per pass (registers: 4 accs)
+constexpr int64_t kTile = 8;      // output features per tile: one AVX2 vector of fp32 / int32 results
+constexpr int64_t kRowBlock = 4;  // rows of the step sharing each unpacked tile of weights (registers: 2 x 4 accs)
 
-#ifdef KVB_AVX2
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
-#endif
+// How a product sees the activations (the Python side's ACTIVATIONS): exact fp32, or each row's 32-value groups
+// rounded to int8 / int16 codes with a scale of their own.
+constexpr int64_t kActFp32 = 0, kActInt8 = 1, kActInt16 = 2;
 
-// Sums of each 32-value group of each row of x [M, K]: the min term of a q4 product is min * sum(x over the group).
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  std::vector<float> s(M * G);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.f;
-      const float* p = x + r * K + g * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) acc += p[i];
-      s[r * G + g] = acc;
-    }
-  return s;
-}
-
-#ifdef KVB_AVX2
-// One group's 32 weights as four vectors of fp32 codes (q, not yet scaled): values 0-7, 8-15, 16-23, 24-31.
-inline void q4_codes(const uint8_t* g16, __m256 w[4]) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g16));
-  __m128i lo = _mm_and_si128(b, low4);
-  __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-inline void q8_codes(const int8_t* g32, __m256 w[4]) {
-  __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g32));
-  __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g32 + 16));
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-}
-
-// The dot products of one weight row (G groups, codes by `codes_of`) with R rows of x, as R sums. The group's
-// codes are scaled first (q * scale: exact, a 4-bit or 8-bit code times a scale with <= 11 significant bits), then
-// multiplied into A independent accumulators per row: a single chain of dependent FMAs per group would wait on
-// each FMA's latency (measured 17 cycles per group that way on AVX2, against ~6 with independent chains).
-template <int R, int A, typename Codes>
-inline void dot_rows(const float* x, int64_t K, int64_t G, const float* sn, Codes codes_of, float* res) {
-  __m256 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-  __m256 w[4];
-  for (int64_t g = 0; g < G; ++g) {
-    codes_of(g, w);
-    const __m256 s = _mm256_set1_ps(sn[g]);
-    for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], s);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * K + g * kGroup;
-      for (int j = 0; j < 4; ++j) acc[r][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % A]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-    for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-    res[r] = hsum(t);
-  }
-}
-
-template <typename Codes>
-void dot_tile(int64_t R, const float* x, int64_t K, int64_t G, const float* sn, Codes codes_of, float* res) {
-  switch (R) {  // registers: R x A accumulators + 4 weight vectors fit AVX2's 16 (R = 1: 4 chains; else 2 per row)
-    case 1: dot_rows<1, 4>(x, K, G, sn, codes_of, res); break;
-    case 2: dot_rows<2, 4>(x, K, G, sn, codes_of, res); break;
-    case 3: dot_rows<3, 2>(x, K, G, sn, codes_of, res); break;
-    default: dot_rows<4, 2>(x, K, G, sn, codes_of, res); break;
-  }
-}
-#endif
-
-// out[r, n] (+)= sum_k x[r, k] * w[n, k] (+ bias[n]) for n in [n0, n1), rows [r0, r0 + R), R <= kRowTile.
-void q4_tile(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const float* scale, const float* minv,
-             int64_t n0, int64_t n1, int64_t r0, int64_t R, float* out, int64_t ldo, const float* bias, bool accumulate) {
-  const int64_t G = K / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* cn = codes + n * (K / 2);
-    const float* sn = scale + n * G;
-    const float* mn = minv + n * G;
-    float res[kRowTile];
-#ifdef KVB_AVX2
-    dot_tile(R, x + r0 * K, K, G, sn, [cn](int64_t g, __m256* w) { q4_codes(cn + g * 16, w); }, res);
-#else
-    for (int64_t r = 0; r < R; ++r) res[r] = 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* cb = cn + g * 16;
-      for (int64_t r = 0; r < R; ++r) {
-        const float* xr = x + (r0 + r) * K + g * kGroup;
-        float t = 0.f;
-        for (int i = 0; i < 16; ++i) t += float(cb[i] & 0x0F) * xr[i] + float(cb[i] >> 4) * xr[16 + i];
-        res[r] += sn[g] * t;
-      }
-    }
-#endif
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xs = xsum + (r0 + r) * G;
-      float m = 0.f;
-      for (int64_t g = 0; g < G; ++g) m += mn[g] * xs[g];
-      float v = res[r] + m + (bias ? bias[n] : 0.f);
-      float* o = out + (r0 + r) * ldo + n;
-      *o = accumulate ? *o + v : v;
-    }
-  }
-}
-
-void q8_tile(const float* x, int64_t K, const int8_t* codes, const float* scale, int64_t n0, int64_t n1, int64_t r0,
-             int64_t R, float* out, int64_t ldo) {
-  const int64_t G = K / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* cn = codes + n * K;
-    const float* sn = scale + n * G;
-    float res[kRowTile];
-#ifdef KVB_AVX2
-    dot_tile(R, x + r0 * K, K, G, sn, [cn](int64_t g, __m256* w) { q8_codes(cn + g * kGroup, w); }, res);
-#else
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xr = x + (r0 + r) * K;
-      float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float t = 0.f;
-        for (int64_t i = 0; i < kGroup; ++i) t += float(cn[g * kGroup + i]) * xr[g * kGroup + i];
-        acc += sn[g] * t;
-      }
-      res[r] = acc;
-    }
-#endif
-    for (int64_t r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = res[r];
-  }
-}
-
-// ---- int8 activations (llama.cpp's arithmetic): each row's 32-value group rounded to int8 with its own scale
-// (max |x| / 127), products in integers (u8 x s8 pairs summed by vpmaddubsw / vpmaddwd), scaled once per group.
-// 2.5x fewer instructions per group than converting every code to fp32; the rounding of x (at most half a step of
-// 1/127 of the group's largest value) is what llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 products do.
-// int16 activations: the same with 16-bit codes (scale max |x| / 32767, products by vpmaddwd): a rounding step of
-// 3e-5 of the group's largest value, so two runs whose inputs differ by fp32 noise round alike but for flips that
-// move the logits by ~1e-5 (int8's steps move them by ~1e-2: greedy tokens of reuse and cold part at near ties).
-template <typename T>
-struct QuantRows {
-  std::vector<T> q;         // [M, K]
-  std::vector<float> d;     // [M, G] scale of each group
-  std::vector<float> sum;   // [M, G] exact fp32 sum of each group of x (the q4 min term)
+// The rows of a product as the kernels read them. fp32: `x` itself. int8 / int16 (llama.cpp's arithmetic is int8):
+// each row's 32-value group rounded to codes `q` with scale `d` = max|x| / 127 (or / 32767), products in integers,
+// scaled once per group. int16's rounding step is 3e-5 of the group's largest value, so two runs whose inputs differ
+// by fp32 noise round alike but for flips that move the logits by ~1e-5 (int8's steps move them by ~1e-2: greedy
+// tokens of reuse and cold part at near ties). `sum` is each group's exact fp32 sum (the q4 min term).
+struct Rows {
+  const float* x = nullptr;
+  std::vector<int8_t> q8;
+  std::vector<int16_t> q16;
+  std::vector<float> d;    // [M, G]
+  std::vector<float> sum;  // [M, G]
+  int64_t K = 0, G = 0;
 };
 
-template <typename T>
-QuantRows<T> quantize_rows(const float* x, int64_t M, int64_t K) {
-  constexpr float qmax = sizeof(T) == 1 ? 127.f : 32767.f;
-  const int64_t G = K / kGroup;
-  QuantRows<T> out{std::vector<T>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
+  Rows rows;
+  rows.x = x;
+  rows.K = K;
+  rows.G = K / kGroup;
+  const int64_t G = rows.G;
+  rows.sum.resize(M * G);
+  if (act != kActFp32) rows.d.resize(M * G);
+  if (act == kActInt8) rows.q8.resize(M * K);
+  if (act == kActInt16) rows.q16.resize(M * K);
+  const float qmax = act == kActInt8 ? 127.f : 32767.f;
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const float* p = x + r * K + g * kGroup;
@@ -209,199 +75,234 @@ QuantRows<T> quantize_rows(const float* x, int64_t M, int64_t K) {
         amax = std::max(amax, std::fabs(p[i]));
         s += p[i];
       }
+      rows.sum[r * G + g] = s;
+      if (act == kActFp32) continue;
       const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
-      T* q = out.q.data() + r * K + g * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<T>(std::nearbyint(p[i] * inv));
-      out.d[r * G + g] = d;
-      out.sum[r * G + g] = s;
+      rows.d[r * G + g] = d;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const float v = std::nearbyint(p[i] * inv);
+        if (act == kActInt8) rows.q8[r * K + g * kGroup + i] = static_cast<int8_t>(v);
+        else rows.q16[r * K + g * kGroup + i] = static_cast<int16_t>(v);
+      }
     }
-  return out;
+  return rows;
 }
 
+// One tile of a product: out[r, 8t + j] (+)= sum_k x[r, k] w[8t + j, k] (+ bias) for rows [r0, r0 + RB).
+//
+// Layouts (built by kvboost/runtime/quant_step.py): a weight's output features in tiles of 8, so that one vector
+// holds one tile's 8 results and a weight read once serves every row of the step (the rows are broadcast):
+//   q4 [N, K]: codes uint8 [N/8][K/4][16]: for tile t and 4 consecutive k, byte 2j holds w[8t+j, k] (low nibble)
+//      and w[8t+j, k+2] (high), byte 2j+1 w[8t+j, k+1] and w[8t+j, k+3]; scale and min fp32 [N/8][K/32][8];
+//      w = q * scale + min.
+//   q8 [N, K]: codes int8 [N/8][K/2][16]: byte 2j = w[8t+j, k], byte 2j+1 = w[8t+j, k+1]; scale [N/8][K/32][8].
+// Per 32-value group each row's integer products are summed exactly in int32 (int16 rows: vpmaddwd on pairs of k;
+// int8: vpmaddubsw on fours), then scaled once: fa += float(isum) * (scale * d_row) (+ min * sum_row). Each row's
+// arithmetic is the same whichever rows share its block, so a row's result does not depend on the batch.
 #ifdef KVB_AVX2
-// R rows' integer dot products with one weight row; `codes_of(g)` gives the group's 32 codes as unsigned bytes
-// (q4: 0..15) or, for signed codes, `sign` makes them |w| and moves the sign onto x (vpmaddubsw takes u8 x s8).
-template <int R, bool Signed, typename Codes>
-inline void idot_rows(const int8_t* xq, const float* xd, int64_t K, int64_t G, const float* sn, Codes codes_of,
-                      float* res) {
-  constexpr int A = R == 1 ? 2 : 1;  // R = 1: alternate two accumulators over the groups (FMA latency)
-  __m256 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+template <bool Q4>
+struct TileCodes {  // a tile's codes for 4 consecutive k (one "quad")
+  const uint8_t* base;
+  // int16 pairs: p01 lanes (w[j, k], w[j, k+1]), p23 (w[j, k+2], w[j, k+3])
+  inline void pairs(int64_t quad, __m256i& p01, __m256i& p23) const {
+    if constexpr (Q4) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16 * quad));
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      p01 = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
+      p23 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    } else {
+      p01 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * quad)));
+      p23 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * quad + 16)));
+    }
+  }
+  // bytes: lane j holds w[j, k..k+3] (q4: unsigned 0..15; q8: signed)
+  inline __m256i fours(int64_t quad) const {
+    __m128i a, b;
+    if constexpr (Q4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16 * quad));
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      a = _mm_and_si128(raw, low4);
+      b = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    } else {
+      a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * quad));
+      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * quad + 16));
+    }
+    return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+  }
+};
+
+inline __m256i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int RB, int64_t Act, bool Q4>
+void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, const float* mt, float* out,
+               int64_t ldo, const float* bias, bool accumulate) {
+  const int64_t K = xr.K, G = xr.G;
+  constexpr int64_t kQuadBytes = Q4 ? 16 : 32;
+  __m256 fa[RB];
+  for (int r = 0; r < RB; ++r) fa[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
-    const __m256i w = codes_of(g);
-    const __m256i aw = Signed ? _mm256_sign_epi8(w, w) : w;
-    for (int r = 0; r < R; ++r) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * kGroup));
-      if (Signed) xv = _mm256_sign_epi8(xv, w);
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
-      const __m256 s = _mm256_set1_ps(sn[g] * xd[r * G + g]);
-      acc[r][g % A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][g % A]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-    for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-    res[r] = hsum(t);
-  }
-}
-
-// The same with int16 rows: `codes_of(g, w)` gives the group's 32 codes as two vectors of 16 int16 (values 0-15,
-// 16-31); products by vpmaddwd (int16 pairs summed into int32: |q| <= 127, |x| <= 32767, no overflow).
-template <int R, typename Codes>
-inline void idot16_rows(const int16_t* xq, const float* xd, int64_t K, int64_t G, const float* sn, Codes codes_of,
-                        float* res) {
-  constexpr int A = R == 1 ? 2 : 1;
-  __m256 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-  __m256i w[2];
-  for (int64_t g = 0; g < G; ++g) {
-    codes_of(g, w);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * K + g * kGroup;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
-          _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16))));
-      const __m256 s = _mm256_set1_ps(sn[g] * xd[r * G + g]);
-      acc[r][g % A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][g % A]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-    for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-    res[r] = hsum(t);
-  }
-}
-
-template <typename Codes>
-void idot16_tile(int64_t R, const int16_t* xq, const float* xd, int64_t K, int64_t G, const float* sn, Codes codes_of,
-                 float* res) {
-  switch (R) {
-    case 1: idot16_rows<1>(xq, xd, K, G, sn, codes_of, res); break;
-    case 2: idot16_rows<2>(xq, xd, K, G, sn, codes_of, res); break;
-    case 3: idot16_rows<3>(xq, xd, K, G, sn, codes_of, res); break;
-    default: idot16_rows<4>(xq, xd, K, G, sn, codes_of, res); break;
-  }
-}
-
-template <bool Signed, typename Codes>
-void idot_tile(int64_t R, const int8_t* xq, const float* xd, int64_t K, int64_t G, const float* sn, Codes codes_of,
-               float* res) {
-  switch (R) {
-    case 1: idot_rows<1, Signed>(xq, xd, K, G, sn, codes_of, res); break;
-    case 2: idot_rows<2, Signed>(xq, xd, K, G, sn, codes_of, res); break;
-    case 3: idot_rows<3, Signed>(xq, xd, K, G, sn, codes_of, res); break;
-    default: idot_rows<4, Signed>(xq, xd, K, G, sn, codes_of, res); break;
-  }
-}
-#endif
-
-// q4 x int8 rows: out[r, n] (+)= sum_g scale * d_x * sum(q * x_q) + min * sum(x) (+ bias).
-template <typename T>
-void q4i_tile(const QuantRows<T>& xr, int64_t K, const uint8_t* codes, const float* scale, const float* minv, int64_t n0,
-              int64_t n1, int64_t r0, int64_t R, float* out, int64_t ldo, const float* bias, bool accumulate) {
-  const int64_t G = K / kGroup;
-  const T* xq = xr.q.data() + r0 * K;
-  const float* xd = xr.d.data() + r0 * G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* cn = codes + n * (K / 2);
-    const float* sn = scale + n * G;
-    const float* mn = minv + n * G;
-    float res[kRowTile];
-#ifdef KVB_AVX2
-    if constexpr (sizeof(T) == 1) {
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      idot_tile<false>(R, xq, xd, K, G, sn, [cn, low4](int64_t g) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cn + g * 16));
-        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);  // values 0..15 | 16..31
-      }, res);
-    } else {
-      const __m128i low4 = _mm_set1_epi8(0x0F);
-      idot16_tile(R, xq, xd, K, G, sn, [cn, low4](int64_t g, __m256i* w) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cn + g * 16));
-        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));                     // values 0..15
-        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));  // values 16..31
-      }, res);
-    }
-#else
-    for (int64_t r = 0; r < R; ++r) {
-      float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* cb = cn + g * 16;
-        const T* q = xq + r * K + g * kGroup;
-        int32_t t = 0;
-        for (int i = 0; i < 16; ++i) t += int32_t(cb[i] & 0x0F) * q[i] + int32_t(cb[i] >> 4) * q[16 + i];
-        acc += sn[g] * xd[r * G + g] * float(t);
+    const TileCodes<Q4> codes{ct + g * 8 * kQuadBytes};
+    const __m256 sc = _mm256_loadu_ps(st + g * kTile);
+    if constexpr (Act == kActFp32) {
+      __m256 ga[RB];
+      for (int r = 0; r < RB; ++r) ga[r] = _mm256_setzero_ps();
+      const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+      for (int64_t quad = 0; quad < 8; ++quad) {
+        __m256i p01, p23;
+        codes.pairs(quad, p01, p23);
+        __m256 w[4];
+        if constexpr (Q4) {  // unsigned codes: the low half of each lane, then the high half
+          w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(p01, lo16));
+          w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(p01, 16));
+          w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(p23, lo16));
+          w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(p23, 16));
+        } else {  // signed: shift up, then arithmetic shift down
+          w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(p01, 16), 16));
+          w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(p01, 16));
+          w[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(p23, 16), 16));
+          w[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(p23, 16));
+        }
+        for (int r = 0; r < RB; ++r) {
+          const float* xk = xr.x + (r0 + r) * K + g * kGroup + 4 * quad;
+          for (int i = 0; i < 4; ++i) ga[r] = _mm256_fmadd_ps(w[i], _mm256_set1_ps(xk[i]), ga[r]);
+        }
       }
-      res[r] = acc;
+      for (int r = 0; r < RB; ++r) fa[r] = _mm256_fmadd_ps(ga[r], sc, fa[r]);
+    } else {
+      __m256i ia[RB];
+      for (int r = 0; r < RB; ++r) ia[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int64_t quad = 0; quad < 8; ++quad) {
+        if constexpr (Act == kActInt16) {
+          __m256i p01, p23;
+          codes.pairs(quad, p01, p23);
+          for (int r = 0; r < RB; ++r) {
+            const int16_t* xk = xr.q16.data() + (r0 + r) * K + g * kGroup + 4 * quad;
+            ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p01, bcast32(xk)));
+            ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p23, bcast32(xk + 2)));
+          }
+        } else {  // int8: vpmaddubsw takes unsigned x signed bytes; q8's signed codes give |w| and their sign to x
+          const __m256i w = codes.fours(quad);
+          const __m256i aw = Q4 ? w : _mm256_sign_epi8(w, w);
+          for (int r = 0; r < RB; ++r) {
+            __m256i xv = bcast32(xr.q8.data() + (r0 + r) * K + g * kGroup + 4 * quad);
+            if constexpr (!Q4) xv = _mm256_sign_epi8(xv, w);
+            ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+          }
+        }
+      }
+      for (int r = 0; r < RB; ++r) {
+        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xr.d[(r0 + r) * G + g]));
+        fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), s, fa[r]);
+      }
     }
+    if constexpr (Q4) {
+      const __m256 mn = _mm256_loadu_ps(mt + g * kTile);
+      for (int r = 0; r < RB; ++r) fa[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xr.sum[(r0 + r) * G + g]), fa[r]);
+    }
+  }
+  const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int r = 0; r < RB; ++r) {
+    float* o = out + (r0 + r) * ldo;
+    __m256 v = _mm256_add_ps(fa[r], b);
+    if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o), v);
+    _mm256_storeu_ps(o, v);
+  }
+}
 #endif
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xs = xr.sum.data() + (r0 + r) * G;
-      float m = 0.f;
-      for (int64_t g = 0; g < G; ++g) m += mn[g] * xs[g];
-      float v = res[r] + m + (bias ? bias[n] : 0.f);
-      float* o = out + (r0 + r) * ldo + n;
+
+// The same arithmetic without AVX2 (the integer sums exact, then the same fp32 operations per group).
+template <int64_t Act, bool Q4>
+void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, const float* st, const float* mt,
+                      float* out, int64_t ldo, const float* bias, bool accumulate) {
+  const int64_t K = xr.K, G = xr.G;
+  auto code = [&](int64_t j, int64_t k) -> int32_t {  // w's code at tile row j, column k (see the layouts above)
+    const int64_t quad = k / 4, i = k % 4;
+    if constexpr (Q4) {
+      const uint8_t byte = ct[16 * quad + 2 * j + (i & 1)];
+      return i < 2 ? (byte & 0x0F) : (byte >> 4);
+    } else {
+      return reinterpret_cast<const int8_t*>(ct)[16 * (k / 2) + 2 * j + (k & 1)];
+    }
+  };
+  for (int64_t r = r0; r < r0 + R; ++r)
+    for (int64_t j = 0; j < kTile; ++j) {
+      float fa = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        if (Act == kActFp32) {
+          float ga = 0.f;
+          for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) ga = std::fma(float(code(j, k)), xr.x[r * K + k], ga);
+          fa = std::fma(ga, st[g * kTile + j], fa);
+        } else {
+          int32_t isum = 0;
+          for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+            isum += code(j, k) * (Act == kActInt8 ? int32_t(xr.q8[r * K + k]) : int32_t(xr.q16[r * K + k]));
+          fa = std::fma(float(isum), st[g * kTile + j] * xr.d[r * G + g], fa);
+        }
+        if (Q4) fa = std::fma(mt[g * kTile + j], xr.sum[r * G + g], fa);
+      }
+      float v = fa + (bias ? bias[j] : 0.f);
+      float* o = out + r * ldo + j;
       *o = accumulate ? *o + v : v;
     }
-  }
 }
 
-template <typename T>
-void q8i_tile(const QuantRows<T>& xr, int64_t K, const int8_t* codes, const float* scale, int64_t n0, int64_t n1,
-              int64_t r0, int64_t R, float* out, int64_t ldo) {
-  const int64_t G = K / kGroup;
-  const T* xq = xr.q.data() + r0 * K;
-  const float* xd = xr.d.data() + r0 * G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* cn = codes + n * K;
-    const float* sn = scale + n * G;
-    float res[kRowTile];
+template <int64_t Act, bool Q4>
+void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, const float* st, const float* mt, float* out,
+                   int64_t ldo, const float* bias, bool accumulate) {
 #ifdef KVB_AVX2
-    if constexpr (sizeof(T) == 1) {
-      idot_tile<true>(R, xq, xd, K, G, sn, [cn](int64_t g) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cn + g * kGroup));
-      }, res);
-    } else {
-      idot16_tile(R, xq, xd, K, G, sn, [cn](int64_t g, __m256i* w) {
-        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cn + g * kGroup)));
-        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cn + g * kGroup + 16)));
-      }, res);
-    }
-#else
-    for (int64_t r = 0; r < R; ++r) {
-      float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t t = 0;
-        for (int64_t i = 0; i < kGroup; ++i) t += int32_t(cn[g * kGroup + i]) * xq[r * K + g * kGroup + i];
-        acc += sn[g] * xd[r * G + g] * float(t);
-      }
-      res[r] = acc;
-    }
-#endif
-    for (int64_t r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = res[r];
+  int64_t r0 = 0;
+  for (; r0 + kRowBlock <= M; r0 += kRowBlock)
+    tile_rows<kRowBlock, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate);
+  switch (M - r0) {
+    case 1: tile_rows<1, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate); break;
+    case 2: tile_rows<2, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate); break;
+    case 3: tile_rows<3, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate); break;
+    default: break;
   }
+#else
+  tile_rows_scalar<Act, Q4>(xr, 0, M, ct, st, mt, out, ldo, bias, accumulate);
+#endif
 }
 
-// How a product sees the activations (the Python side's ACTIVATIONS): exact fp32, or each row's 32-value groups
-// rounded to int8 / int16 codes with a scale of their own.
-constexpr int64_t kActFp32 = 0, kActInt8 = 1, kActInt16 = 2;
+// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel.
+template <bool Q4>
+void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const float* scale,
+                   const float* minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
+  const Rows xr = prepare_rows(x, M, K, act);
+  const int64_t G = K / kGroup, T = N / kTile;
+  const int64_t tile_bytes = Q4 ? K / 2 * kTile : K * kTile;
+  const int64_t grain = std::max<int64_t>(2, T / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* ct = codes + t * tile_bytes;
+      const float* st = scale + t * G * kTile;
+      const float* mt = Q4 ? minv + t * G * kTile : nullptr;
+      const float* bt = bias ? bias + t * kTile : nullptr;
+      float* ot = out + t * kTile;
+      if (act == kActInt16) tile_all_rows<kActInt16, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+      else if (act == kActInt8) tile_all_rows<kActInt8, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+      else tile_all_rows<kActFp32, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+    }
+  });
+}
 
 void check_act(int64_t act) {
   TORCH_CHECK(act == kActFp32 || act == kActInt8 || act == kActInt16, "activations code must be 0 (fp32), 1 (int8) "
               "or 2 (int16), got ", act);
 }
 
-// Output features per parallel task: enough work per task to amortize the fork (a few microseconds per region).
-int64_t grain(int64_t N) { return std::max<int64_t>(16, N / (4 * std::max(1, at::get_num_threads()))); }
-
 void check_q4(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& minv, int64_t K) {
   TORCH_CHECK(K % kGroup == 0, "q4: in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) * 2 == K && codes.is_contiguous(),
               "q4: codes must be contiguous uint8 [N, K/2]");
   const int64_t N = codes.size(0);
+  TORCH_CHECK(N % kTile == 0, "q4: out_features must be a multiple of 8 (the kernel's tiles), got ", N);
   for (const auto* t : {&scale, &minv})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
                     t->size(1) == K / kGroup,
@@ -419,6 +320,7 @@ void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const to
                     bool accumulate, int64_t act) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   check_q4(codes, scale, minv, K);
+  check_act(act);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1,
               "q4: out must be float32 [M, N] with contiguous rows");
@@ -427,28 +329,8 @@ void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const to
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "q4: bad bias");
     b = bias->data_ptr<float>();
   }
-  const int64_t ldo = out.stride(0);
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = minv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  auto integer = [&](auto tag) {
-    using T = decltype(tag);
-    const QuantRows<T> xr = quantize_rows<T>(x.data_ptr<float>(), M, K);
-    at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-      for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
-        q4i_tile(xr, K, cp, sp, mp, n0, n1, r0, std::min(kRowTile, M - r0), op, ldo, b, accumulate);
-    });
-  };
-  check_act(act);
-  if (act == kActInt8) return integer(int8_t{});
-  if (act == kActInt16) return integer(int16_t{});
-  std::vector<float> xs = group_sums(x.data_ptr<float>(), M, K);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
-      q4_tile(xp, xs.data(), K, cp, sp, mp, n0, n1, r0, std::min(kRowTile, M - r0), op, ldo, b, accumulate);
-  });
+  tiled_product<true>(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                      minv.data_ptr<float>(), b, out.data_ptr<float>(), out.stride(0), accumulate, act);
 }
 
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
@@ -465,28 +347,14 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& codes, cons
   TORCH_CHECK(K % kGroup == 0, "q8: in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.size(1) == K && codes.is_contiguous(),
               "q8: codes must be contiguous int8 [N, K]");
+  TORCH_CHECK(N % kTile == 0, "q8: out_features must be a multiple of 8 (the kernel's tiles), got ", N);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == N &&
                   scale.size(1) == K / kGroup,
               "q8: scale must be contiguous float32 [N, K/32]");
-  auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  auto integer = [&](auto tag) {
-    using T = decltype(tag);
-    const QuantRows<T> xr = quantize_rows<T>(xp, M, K);
-    at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) q8i_tile(xr, K, cp, sp, n0, n1, r0, std::min(kRowTile, M - r0), op, N);
-    });
-  };
   check_act(act);
-  if (act == kActInt8) integer(int8_t{});
-  else if (act == kActInt16) integer(int16_t{});
-  if (act != kActFp32) return out;
-  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) q8_tile(xp, K, cp, sp, n0, n1, r0, std::min(kRowTile, M - r0), op, N);
-  });
+  auto out = torch::empty({M, N}, x.options());
+  tiled_product<false>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()),
+                       scale.data_ptr<float>(), nullptr, nullptr, out.data_ptr<float>(), N, false, act);
   return out;
 }
 
@@ -625,8 +493,9 @@ c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
 
 // Every decoder layer of one decode step, in place on x [M, H] (fp32): per layer, `weights` holds 16 tensors
 // (ln1, q/k/v codes, scale, min, bias | ln2 ... see kvboost/runtime/quant_step.py: QuantDecodeStep.flat) and
-// `keys` / `values` its pool layer. Attention: cpu_paged_attention_forward, one query per sequence at
-// position kv_lens - 1 (the paged contract).
+// `keys` / `values` its pool layer. Attention: cpu_paged_attention_forward over the paged contract's query spans
+// (`query_start`) and positions (`q_positions`): one row per sequence in a decode step, a prompt chunk's rows under
+// engine.prefill=quantized.
 void decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& keys,
                    const std::vector<torch::Tensor>& values, const torch::Tensor& cos, const torch::Tensor& sin,
                    const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& kv_lens,

@@ -14,6 +14,8 @@ touches the model.
   decode with its own attention (``capabilities.runner_decode``) and the projections are plain linears; ``eager``
   otherwise (AWQ int4 projections: eager with fused int4 calls, measured faster than compiled on CPU;
   ``attn=batch_invariant``: eager, the backend's tiled arithmetic).
+- prefill: ``quantized`` under ``auto`` where decode is ``quantized`` on an fp32 model (prompt rows multiply the
+  GGUF blocks too, int16 or fp32 activations); ``graphed`` with CUDA graphs; else the runner's eager forward.
 - weights: ``prepacked`` under ``auto`` for bf16 on a CPU with native bf16 when the copies take <= 5% of memory
   (:mod:`kvboost.models.prepack`), ``int4`` for AWQ models and ``weights="gguf_int4"`` GGUF models on CPU (fused
   q/k/v and gate/up int4 packs; groups that mix int4 and dense linears run member by member), else ``plain``.
@@ -34,8 +36,9 @@ import torch
 #: ``engine.decode``: ``hf`` selects the HF-generic runner; the others are the Llama runner's execution modes.
 DECODE_MODES = ("hf", "eager", "compiled", "graphed", "quantized")
 #: ``engine.prefill``: ``fused`` = the Llama runner (its eager forward), ``hf`` = the HF-generic runner,
-#: ``graphed`` = CUDA graphs for short prefills too.
-PREFILL_MODES = ("hf", "fused", "graphed")
+#: ``graphed`` = CUDA graphs for short prefills too, ``quantized`` = prompt rows through the quantized step as well
+#: (``decode="quantized"``: every forward without hooks multiplies the GGUF blocks; see kvboost.runtime.quant_step).
+PREFILL_MODES = ("hf", "fused", "graphed", "quantized")
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,18 @@ class RunnerConfig:
     weights: str
     reasons: dict[str, str] = field(default_factory=dict)
     graph_prefill: bool = False
+    quantized_prefill: bool = False
     decode_activations: str = "int16"  # decode="quantized": int16 | int8 | fp32 (kvboost.runtime.quant_step.ACTIVATIONS)
 
 
 def _device(model: Any) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def _dtype(model: Any) -> torch.dtype:
+    param = next(model.parameters(), None)
+    return param.dtype if param is not None else torch.float32
 
 
 def choose_runner(
@@ -159,13 +168,28 @@ def choose_runner(
     graph_prefill = decode == "graphed" and prefill in ("auto", "graphed")
     if prefill == "graphed" and decode != "graphed":
         raise ValueError("prefill='graphed' needs decode='graphed' (CUDA graphs); use prefill='fused' or 'auto'")
+    if prefill == "quantized" and decode != "quantized":
+        raise ValueError(f"prefill='quantized' multiplies the GGUF blocks of decode='quantized', which is not the "
+                         f"decode path here ({decode}: {reasons.get('decode', '')}); use prefill='fused' or 'auto'")  # fmt: skip
+    dtype = _dtype(model)
+    if prefill == "quantized" and decode_activations == "int8":
+        raise ValueError("prefill='quantized' with decode_activations='int8': int8 rows are never stored (they are not "
+                         "a prefill's), so prompt rows need int16 or fp32 activations; use prefill='fused'")  # fmt: skip
+    # auto: prompt rows from the blocks where the dense prefill is fp32 (a CPU without native bf16: on 2 AVX2 cores
+    # a 32 / 64 / 256-token chunk took 78 / 146 / 517 ms against 210 / 279 / 762 ms dense); a bf16 model keeps the
+    # dense prefill (oneDNN / AMX bf16 GEMMs outrun the AVX2 integer kernel), int8 activations too (see above).
+    quantized_prefill = prefill == "quantized" or (
+        prefill == "auto" and decode == "quantized" and decode_activations != "int8" and dtype == torch.float32)
     if prefill != "auto":
         reasons["prefill"] = "requested"
+    elif quantized_prefill:
+        reasons["prefill"] = ("auto: fp32 on a CPU with the quantized step: prompt rows from the GGUF blocks too "
+                              "(kvboost.runtime.quant_step)")  # fmt: skip
     else:
         reasons["prefill"] = ("short prefills replay CUDA graphs" if graph_prefill else
                               "the runner's eager forward" + (" on prepacked weights" if weights == "prepacked" else ""))
     return RunnerConfig("llama", decode, weights, reasons, graph_prefill=graph_prefill,
-                        decode_activations=decode_activations)  # fmt: skip
+                        quantized_prefill=quantized_prefill, decode_activations=decode_activations)  # fmt: skip
 
 
 def quantized_unavailable_reason(model: Any, attention: Any) -> str | None:
@@ -216,4 +240,5 @@ def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **
         options.setdefault("compile", False)
     return LlamaRunner(model, pool, attention, decode=config.decode, weights=config.weights,
                        graph_options=options if config.decode == "graphed" else None,
-                       decode_activations=config.decode_activations)  # fmt: skip
+                       decode_activations=config.decode_activations,
+                       quantized_prefill=config.quantized_prefill)  # fmt: skip

@@ -207,6 +207,8 @@ class LlamaRunner:
             several rows; one-row forwards keep plain weights) or ``"int4"`` (AWQ projections fused).
         graph_options: passed to the graph runner (``max_graph_tokens``, ...).
         decode_activations: ``decode="quantized"``: ``"int16"``, ``"int8"`` or ``"fp32"`` activations.
+        quantized_prefill: ``decode="quantized"`` only: prompt rows (every forward without hooks) through the
+            quantized step too, instead of the eager forward on the dense weights (``engine.prefill=quantized``).
     """
 
     def __init__(
@@ -219,6 +221,7 @@ class LlamaRunner:
         weights: str = "plain",
         graph_options: dict[str, Any] | None = None,
         decode_activations: str = "int16",
+        quantized_prefill: bool = False,
     ) -> None:
         reason = unsupported_reason(model, hooks=False)
         if reason is not None:
@@ -272,6 +275,9 @@ class LlamaRunner:
                              "are the model's own (not AWQ int4, not attn=batch_invariant); use decode='eager'")  # fmt: skip
         self.graphs: Any = None
         self.quantized: Any = None
+        if quantized_prefill and decode != "quantized":
+            raise ValueError("quantized_prefill needs decode='quantized' (its step runs the prompt rows)")
+        self.quantized_prefill = quantized_prefill
         if decode == "quantized":  # decode steps from the GGUF's own 4-bit blocks (kvboost.runtime.quant_step)
             from kvboost.runtime.quant_step import QuantDecodeStep
 
@@ -308,7 +314,7 @@ class LlamaRunner:
         if batch.num_tokens == 0:
             raise ValueError("an empty forward batch")
         if batch.hook is None and batch.num_layers is None and self.quantized is not None:
-            if batch.is_decode:
+            if batch.is_decode or self.quantized_prefill:
                 self.forwards["quantized"] += 1
                 return self.quantized.run(batch)
             decoding = [b for b in range(batch.num_seqs)

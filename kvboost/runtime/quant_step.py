@@ -72,24 +72,52 @@ def load_quant_extension() -> Any:
                            "g++ and ninja") from exc  # fmt: skip
 
 
+#: Output features per tile of the kernel's layouts (kvboost/csrc/cpu_quant.cpp: kTile).
+TILE = 8
+
+
+def _tiled_groups(t: torch.Tensor) -> torch.Tensor:
+    """A per-group matrix ``[N, K/32]`` in the tiles' order ``[N/8][K/32][8]`` (kept 2-D: ``[N, K/32]``)."""
+    rows, groups = t.shape
+    return t.reshape(rows // TILE, TILE, groups).transpose(1, 2).reshape(rows, groups).contiguous()
+
+
+def _untiled_groups(t: torch.Tensor) -> torch.Tensor:
+    rows, groups = t.shape
+    return t.reshape(rows // TILE, groups, TILE).transpose(1, 2).reshape(rows, groups)
+
+
+def _check_tiles(rows: int, cols: int, what: str) -> None:
+    if rows % TILE or cols % 32:
+        raise ValueError(f"{what}: a [{rows}, {cols}] weight; the kernel takes out_features a multiple of {TILE} "
+                         "and in_features a multiple of 32")  # fmt: skip
+
+
 class Q4Weight:
-    """One 4-bit matrix ``[N, K]`` in the kernel's layout: ``codes`` uint8 ``[N, K/2]`` (GGUF's nibble order),
-    ``scale`` / ``minv`` fp32 ``[N, K/32]`` (``w = q * scale + min``), optional fp32 ``bias`` ``[N]``."""
+    """One 4-bit matrix ``[N, K]`` (``w = q * scale + min`` per 32-weight group) in the kernel's tiled layout: 8
+    output features per tile, so one vector holds a tile's 8 results and each weight read serves every row of a
+    step. ``codes`` uint8 ``[N, K/2]`` holding ``[N/8][K/4][16]``: for each tile and 4 consecutive k, byte ``2j``
+    holds feature j's codes for k (low nibble) and k+2 (high), byte ``2j+1`` those for k+1 and k+3; ``scale`` /
+    ``minv`` fp32 ``[N, K/32]`` holding ``[N/8][K/32][8]``; optional fp32 ``bias`` ``[N]``. Built from the codes
+    ``q`` ``[N, K]`` (0..15) and per-group ``scale`` / ``minv`` ``[N, K/32]``."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None):
         rows, cols = q.shape
-        if cols % 32 or tuple(scale.shape) != (rows, cols // 32) or scale.shape != minv.shape:
+        _check_tiles(rows, cols, "Q4Weight")
+        if tuple(scale.shape) != (rows, cols // 32) or scale.shape != minv.shape:
             raise ValueError(f"Q4Weight: codes {tuple(q.shape)} need scale and min [{rows}, {cols // 32}]")
-        groups = q.reshape(rows, cols // 32, 2, 16).to(torch.uint8)
-        self.codes = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
-        self.scale = scale.to(torch.float32).contiguous()
-        self.minv = minv.to(torch.float32).contiguous()
+        t = q.to(torch.uint8).reshape(rows // TILE, TILE, cols // 4, 4)  # [tile, j, quad, i]
+        pairs = torch.stack([t[..., 0] | (t[..., 2] << 4), t[..., 1] | (t[..., 3] << 4)], dim=-1)
+        self.codes = pairs.permute(0, 2, 1, 3).reshape(rows, cols // 2).contiguous()  # [tile, quad, j, 2]
+        self.scale = _tiled_groups(scale.to(torch.float32))
+        self.minv = _tiled_groups(minv.to(torch.float32))
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.shape = (rows, cols)
 
     @classmethod
     def cat(cls, parts: list[Q4Weight]) -> Q4Weight:
-        """The matrices stacked along the output axis (q/k/v, gate/up: one product each)."""
+        """The matrices stacked along the output axis (q/k/v, gate/up: one product each); whole tiles, so the
+        layouts stack as they are."""
         out = cls.__new__(cls)
         out.codes = torch.cat([p.codes for p in parts]).contiguous()
         out.scale = torch.cat([p.scale for p in parts]).contiguous()
@@ -100,12 +128,18 @@ class Q4Weight:
         out.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         return out
 
+    def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, min)`` per 32-weight group, ``[N, K/32]`` in the weight's own row order (not the tiles')."""
+        return _untiled_groups(self.scale), _untiled_groups(self.minv)
+
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (tests, the build-time check)."""
         rows, cols = self.shape
-        low, high = self.codes & 0x0F, self.codes >> 4
-        q = torch.stack([low.reshape(rows, -1, 16), high.reshape(rows, -1, 16)], dim=2).reshape(rows, -1, 32)
-        return (q.float() * self.scale[..., None] + self.minv[..., None]).reshape(rows, cols)
+        pairs = self.codes.reshape(rows // TILE, cols // 4, TILE, 2).permute(0, 2, 1, 3)  # [tile, j, quad, 2]
+        low, high = pairs & 0x0F, pairs >> 4
+        q = torch.stack([low[..., 0], low[..., 1], high[..., 0], high[..., 1]], dim=-1).reshape(rows, cols // 32, 32)
+        scale, minv = self.group_params()
+        return (q.float() * scale[..., None] + minv[..., None]).reshape(rows, cols)
 
     @property
     def nbytes(self) -> int:
@@ -113,16 +147,22 @@ class Q4Weight:
 
 
 class Q8Weight:
-    """An 8-bit matrix ``[N, K]``: ``codes`` int8 ``[N, K]``, ``scale`` fp32 ``[N, K/32]`` (``w = q * scale``)."""
+    """An 8-bit matrix ``[N, K]`` (``w = q * scale``) in the kernel's tiled layout: ``codes`` int8 ``[N, K]``
+    holding ``[N/8][K/2][16]`` (byte ``2j`` feature j's code for k, ``2j+1`` for k+1), ``scale`` fp32 ``[N, K/32]``
+    holding ``[N/8][K/32][8]``. Built from the codes ``q`` ``[N, K]`` and per-group ``scale`` ``[N, K/32]``."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        self.codes = q.to(torch.int8).contiguous()
-        self.scale = scale.to(torch.float32).contiguous()
-        self.shape = tuple(q.shape)
+        rows, cols = q.shape
+        _check_tiles(rows, cols, "Q8Weight")
+        t = q.to(torch.int8).reshape(rows // TILE, TILE, cols // 2, 2)
+        self.codes = t.permute(0, 2, 1, 3).reshape(rows, cols).contiguous()
+        self.scale = _tiled_groups(scale.to(torch.float32))
+        self.shape = (rows, cols)
 
     def dequantized(self) -> torch.Tensor:
         rows, cols = self.shape
-        return (self.codes.float().reshape(rows, -1, 32) * self.scale[..., None]).reshape(rows, cols)
+        q = self.codes.reshape(rows // TILE, cols // 2, TILE, 2).permute(0, 2, 1, 3).reshape(rows, -1, 32)
+        return (q.float() * _untiled_groups(self.scale)[..., None]).reshape(rows, cols)
 
     @property
     def nbytes(self) -> int:
@@ -181,16 +221,22 @@ def unavailable_reason(model: Any) -> str | None:
         return "int4 modules (weights='gguf_int4' or AWQ): the step reads the GGUF blocks beside dense weights"
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
     for i in range(len(model.model.layers)):
+        linears = _layer_linears(model, i)
         for kind in _PROJECTIONS:
             name = f"blk.{i}.{kind}.weight"
             if types.get(name) not in Q4_TYPES:
                 return f"{name} is {types.get(name, 'missing')} (the step multiplies {', '.join(Q4_TYPES)} blocks)"
+            rows, cols = linears[kind].weight.shape
+            if rows % TILE or cols % 32:
+                return (f"{name} is [{rows}, {cols}]: the kernel takes out_features a multiple of {TILE} and "
+                        "in_features a multiple of 32")  # fmt: skip
     return None
 
 
 class QuantDecodeStep:
-    """The quantized decode forward of a :class:`~kvboost.runtime.llama.LlamaRunner`'s model over its pool:
-    ``run(batch)`` -> fp32 logits ``[B, vocab]`` for a decode batch (one token per sequence, no hook)."""
+    """The quantized forward of a :class:`~kvboost.runtime.llama.LlamaRunner`'s model over its pool: ``run(batch)``
+    -> fp32 logits of the batch's logits rows, for a forward without hooks: decode batches, and prompt chunks under
+    ``engine.prefill=quantized``."""
 
     def __init__(self, runner: Any, activations: str = ACTIVATIONS[0]) -> None:
         from gguf import GGUFReader
@@ -249,7 +295,8 @@ class QuantDecodeStep:
         head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         head_tensor = tensors[head_name]
         head_weight = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
-        if head_tensor.tensor_type.name == "Q8_0" and head_weight is not None and head_weight.dim() == 2:
+        if (head_tensor.tensor_type.name == "Q8_0" and head_weight is not None and head_weight.dim() == 2
+                and head_weight.shape[0] % TILE == 0):
             rows, cols = head_weight.shape
             self.head = q8_0_blocks(head_tensor.data, rows, cols)
             _check_equal(self.head.dequantized(), head_weight, head_name)
@@ -279,7 +326,8 @@ class QuantDecodeStep:
         return total + (self.head.nbytes if self.head is not None else 0)
 
     def run(self, batch: Any) -> torch.Tensor:
-        """Logits of a decode batch (one new token per sequence); writes each row's K/V into the pool."""
+        """Logits of ``batch.logits_rows`` for a forward without hooks (decode rows, prompt chunks or both: the
+        paged attention contract's query spans and positions); writes every row's K/V into the pool."""
         from kvboost.runtime.ops import rope_tables
 
         runner, ext = self.runner, self.ext
@@ -290,12 +338,10 @@ class QuantDecodeStep:
         slots = batch.slot_mapping.to(torch.int64).contiguous()
         args = batch.kernel_args()
         tables, kv_lens = args["block_tables"].contiguous(), args["kv_lens"].contiguous()
+        starts, q_positions = args["query_start"].contiguous(), args["q_positions"].contiguous()
         rows = x.shape[0]
-        starts = torch.arange(rows + 1, dtype=torch.int32)
-        q_positions = kv_lens - 1
         heads, kv_heads, dim = runner.heads, runner.kv_heads, runner.head_dim
         scale, block_size = runner.scale, pool.block_size
-        q_positions = q_positions.to(torch.int32)
         ext.decode_layers(x, self.flat, self._pool_layers(pool, "keys"), self._pool_layers(pool, "values"), cos, sin,
                           slots, tables, kv_lens, starts, q_positions, heads, kv_heads, dim, self.eps, scale,
                           block_size, self.act)  # fmt: skip
