@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvboost.quality import reuse_logit_bound
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +30,9 @@ def test_bundled_model_answers(engine):
 def test_exact_reuse_on_the_real_model(engine):
     report = engine.verify_correctness(max_new_tokens=12)
     assert report.passed, report.to_dict()
-    assert all(c.max_abs_logit_diff <= 1e-4 for c in report.checks)
+    # 1e-4 over prefilled rows in fp32; the int16 prefill's own bound where the bundled model prefills from its blocks
+    bound = reuse_logit_bound(engine)
+    assert all(c.max_abs_logit_diff <= bound for c in report.checks), [c.max_abs_logit_diff for c in report.checks]
     assert all(c.reuse_ratio > 0.5 for c in report.checks)
 
 

@@ -17,7 +17,7 @@ from tiny import ToyTokenizer, tiny_model
 
 from kvboost import KVBoost
 from kvboost.prompts import answered_turn_text
-from kvboost.quality import INT16_DECODE_LOGIT_DRIFT, decodes_with_int16_activations
+from kvboost.quality import reuse_logit_bound
 from kvboost.serving import SamplingParams
 
 CHUNK = 16
@@ -174,9 +174,10 @@ def test_two_turn_chat_on_the_bundled_model_reuses_the_whole_history():
         cold = engine.generate(prompt2, max_new_tokens=12, mode="cold")
         assert r2.output_ids == cold.output_ids
         # Turn 1's answer is reused from the rows the decode step wrote. A dense decode writes a prefill's rows up to
-        # fp32 rounding; the bundled model's CPU default (decode=quantized, int16 activations) rounds each row's
-        # activations to int16 codes, so its rows agree less closely (kvboost.quality.INT16_DECODE_LOGIT_DRIFT).
-        bound = INT16_DECODE_LOGIT_DRIFT if decodes_with_int16_activations(engine) else 1e-4
+        # fp32 rounding; the bundled model's CPU default (decode=quantized, int16 activations; on an fp32 model its
+        # prefill too) rounds each row's activations to int16 codes, so its rows agree less closely
+        # (kvboost.quality.INT16_DECODE_LOGIT_DRIFT, INT16_PREFILL_LOGIT_DRIFT).
+        bound = reuse_logit_bound(engine, over_generated_rows=True)
         assert float((r2.first_token_logits - cold.first_token_logits).abs().max()) <= bound
     finally:
         engine.close()
