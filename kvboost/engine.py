@@ -305,10 +305,7 @@ class InferenceEngine:
             "decode": getattr(self.runner, "decode", self.runner_config.decode),
             "decode_reason": self.runner.fallback_reason or reasons.get("decode", ""),
             "decode_compile_s": self.runner.compile_seconds,
-            "prefill": "hf" if self.runner_config.runner == "hf" else ("graphed" if self.runner_config.graph_prefill
-                                                                       else "quantized"
-                                                                       if self.runner_config.quantized_prefill
-                                                                       else "fused"),
+            "prefill": "hf" if self.runner_config.runner == "hf" else self.runner_config.prefill_path,
             "prefill_reason": reasons.get("prefill", reasons.get("runner", "")),
             "prefill_weights": self.runner_config.weights,
             "prefill_weights_reason": reasons.get("weights", ""),
@@ -343,7 +340,7 @@ class InferenceEngine:
             f"chunk={self.chunker.fingerprint()}", f"hash={self.hasher.fingerprint()}", f"attn={attn_tag}",
             (f"runner={config.runner}/decode={config.decode}"
              f"{'-' + config.decode_activations if config.decode == 'quantized' else ''}"
-             f"/prefill={'graphed' if config.graph_prefill else 'quantized' if config.quantized_prefill else 'fused'}"
+             f"/prefill={config.prefill_path}"
              f"/weights={config.weights}"), f"formats={self._weight_formats}", f"block={self.pool.block_size}",
         ])  # fmt: skip
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it

@@ -298,7 +298,7 @@ def test_quantized_prefill_is_close_to_hf_and_reuse_equals_cold(tmp_path, act, t
     """prefill='quantized': prompt chunks run the quantized step too (no eager forward): the last prompt row's
     logits within ``tol`` of the logits' range of HF's; a prompt prefilled in two chunks gives each row's K/V and
     the logits of one prefill of it within 1e-4 (exact reuse's promise: a row's products do not depend on the rows
-    beside it, the attention call's shape rounds); a reuse of a stored prefix gives a cold request's first token logits, and the greedy tokens."""
+    beside it, the attention call's shape rounds); a reuse of a stored prefix gives a cold request's greedy tokens."""
     from kvboost.kv.block_table import BlockTable
     from kvboost.runtime.batch import ForwardBatch, SeqInput
 
@@ -337,6 +337,8 @@ def test_quantized_prefill_needs_the_quantized_decode_and_is_in_the_cache_key(tm
     model = gguf_model(tmp_path, "llama")
     with pytest.raises(ValueError, match="prefill='quantized'.*decode='quantized'"):
         _engine(model, decode="eager", prefill="quantized")
+    with pytest.raises(ValueError, match="prefill='quantized' with decode_activations='int8'"):
+        _engine(model, decode="quantized", prefill="quantized", decode_activations="int8")
     prints = set()
     for prefill in ("fused", "quantized"):
         engine = _engine(model, decode="quantized", prefill=prefill)

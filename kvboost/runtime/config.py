@@ -54,6 +54,11 @@ class RunnerConfig:
     quantized_prefill: bool = False
     decode_activations: str = "int16"  # decode="quantized": int16 | int8 | fp32 (kvboost.runtime.quant_step.ACTIVATIONS)
 
+    @property
+    def prefill_path(self) -> str:
+        """How the Llama runner prefills: ``graphed``, ``quantized`` or ``fused`` (decode_info and the cache key)."""
+        return "graphed" if self.graph_prefill else "quantized" if self.quantized_prefill else "fused"
+
 
 def _device(model: Any) -> torch.device:
     param = next(model.parameters(), None)

@@ -87,10 +87,17 @@ def _untiled_groups(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(rows // TILE, groups, TILE).transpose(1, 2).reshape(rows, groups)
 
 
-def _check_tiles(rows: int, cols: int, what: str) -> None:
+def tile_unfit_reason(rows: int, cols: int) -> str | None:
+    """Why a ``[rows, cols]`` weight does not fit the kernel's tiles, or None."""
     if rows % TILE or cols % 32:
-        raise ValueError(f"{what}: a [{rows}, {cols}] weight; the kernel takes out_features a multiple of {TILE} "
-                         "and in_features a multiple of 32")  # fmt: skip
+        return f"[{rows}, {cols}]: the kernel takes out_features a multiple of {TILE} and in_features a multiple of 32"
+    return None
+
+
+def _check_tiles(rows: int, cols: int, what: str) -> None:
+    reason = tile_unfit_reason(rows, cols)
+    if reason is not None:
+        raise ValueError(f"{what}: a weight of {reason}")
 
 
 class Q4Weight:
@@ -226,10 +233,9 @@ def unavailable_reason(model: Any) -> str | None:
             name = f"blk.{i}.{kind}.weight"
             if types.get(name) not in Q4_TYPES:
                 return f"{name} is {types.get(name, 'missing')} (the step multiplies {', '.join(Q4_TYPES)} blocks)"
-            rows, cols = linears[kind].weight.shape
-            if rows % TILE or cols % 32:
-                return (f"{name} is [{rows}, {cols}]: the kernel takes out_features a multiple of {TILE} and "
-                        "in_features a multiple of 32")  # fmt: skip
+            unfit = tile_unfit_reason(*linears[kind].weight.shape)
+            if unfit is not None:
+                return f"{name} is {unfit}"
     return None
 
 
@@ -296,7 +302,7 @@ class QuantDecodeStep:
         head_tensor = tensors[head_name]
         head_weight = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
         if (head_tensor.tensor_type.name == "Q8_0" and head_weight is not None and head_weight.dim() == 2
-                and head_weight.shape[0] % TILE == 0):
+                and tile_unfit_reason(*head_weight.shape) is None):
             rows, cols = head_weight.shape
             self.head = q8_0_blocks(head_tensor.data, rows, cols)
             _check_equal(self.head.dequantized(), head_weight, head_name)
