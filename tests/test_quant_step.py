@@ -49,10 +49,10 @@ def _rounded_rows(x: torch.Tensor, qmax: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- the kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 13])
 def test_q4_product_fp32_activations_is_the_dense_product(ext, rows):
-    """Every row tile (1-4 rows per pass, and a remainder) and the bias: within fp32 rounding of the float64
-    product of the dequantized weight."""
+    """Every row tile (blocks of 4 rows, 8 in the VNNI build, and every remainder) and the bias: within fp32
+    rounding of the float64 product of the dequantized weight."""
     w = _q4(72, 96, seed=rows, bias=True)
     x = torch.randn(rows, 96)
     ref = x.double() @ w.dequantized().double().T + w.bias.double()
@@ -94,17 +94,147 @@ def test_q8_product(ext, act):
 
 @pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
 def test_a_rows_result_does_not_depend_on_the_batch(ext, act):
-    """Each row's arithmetic is the same whichever rows share its block (blocks of 4, tails of 1-3): the product of
-    9 rows equals each row's product alone, bit for bit, for the 4-bit and the 8-bit kernel."""
+    """Each row's arithmetic is the same whichever rows share its block (blocks of 4, or 8 in the VNNI build, and
+    a tail): the product of 13 rows equals each row's product alone, bit for bit, for the 4-bit and the 8-bit
+    kernel."""
     w = _q4(48, 160, seed=4, bias=True)
     g = torch.Generator().manual_seed(8)
     w8 = Q8Weight(torch.randint(-127, 128, (24, 160), generator=g, dtype=torch.int8), torch.rand(24, 5, generator=g))
-    x = torch.randn(9, 160, generator=g)
+    x = torch.randn(13, 160, generator=g)
     together = ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act])
     together8 = ext.q8_matmul(x, w8.codes, w8.scale, ACT[act])
-    for r in range(9):
+    for r in range(13):
         assert torch.equal(together[r], ext.q4_matmul(x[r:r + 1], w.codes, w.scale, w.minv, w.bias, ACT[act])[0])
         assert torch.equal(together8[r], ext.q8_matmul(x[r:r + 1], w8.codes, w8.scale, ACT[act])[0])
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
+def test_the_vnni_build_gives_the_avx2_builds_bits(act):
+    """The AVX-512 VNNI build (vpdpwssd / vpdpbusd, 8 rows a pass) sums the same integers exactly and scales them
+    with the same fp32 operations as the AVX2 build: the same bits for every row count, 4-bit and 8-bit."""
+    from kvboost.runtime.quant_step import load_quant_extension, vnni_unavailable_reason
+
+    if vnni_unavailable_reason() is not None:
+        pytest.skip(vnni_unavailable_reason())
+    avx2, vnni = load_quant_extension("avx2"), load_quant_extension("avx512_vnni")
+    assert (avx2.isa, vnni.isa) == ("avx2", "avx512_vnni")
+    w = _q4(64, 192, seed=5, bias=True)
+    g = torch.Generator().manual_seed(9)
+    w8 = Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8), torch.rand(32, 6, generator=g))
+    for rows in (1, 3, 8, 13, 32):
+        x = torch.randn(rows, 192, generator=g) * 4
+        for ext in (avx2, vnni):
+            assert ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]).shape == (rows, 64)
+        assert torch.equal(avx2.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]),
+                           vnni.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]))  # fmt: skip
+        assert torch.equal(avx2.q8_matmul(x, w8.codes, w8.scale, ACT[act]), vnni.q8_matmul(x, w8.codes, w8.scale, ACT[act]))
+
+
+def test_products_do_not_depend_on_threads_or_callers(ext):
+    """The products run on kvb::WorkPool (kvboost/csrc/work_pool.h: the caller and helpers claim chunks of tiles):
+    the same bits with 1, 2 or 5 threads (more than this machine's cores) and from 4 Python threads at once (one job
+    at a time; the others run alone)."""
+    import threading
+
+    w = _q4(256, 192, seed=6, bias=True)
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(m, 192, generator=g) for m in (1, 2, 7, 8, 33)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = [ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]) for x in xs]
+        for threads in (2, 5):
+            torch.set_num_threads(threads)
+            for _ in range(20):
+                for x, r in zip(xs, ref):
+                    assert torch.equal(ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]), r)
+    finally:
+        torch.set_num_threads(before)
+    bad: list[int] = []
+
+    def caller(k: int) -> None:
+        for i in range(60):
+            j = (i + k) % len(xs)
+            if not torch.equal(ext.q4_matmul(xs[j], w.codes, w.scale, w.minv, w.bias, ACT["int16"]), ref[j]):
+                bad.append(j)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_work_pool_state_machine(ext):
+    """Stateful: thread counts, row counts and concurrent callers in any order; after every step each product equals
+    the one-thread reference bit for bit (the pool's claims lose or repeat no chunk, whatever ran before)."""
+    import threading
+
+    from hypothesis import settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+    w = _q4(128, 96, seed=12, bias=True)
+    g = torch.Generator().manual_seed(13)
+    xs = {m: torch.randn(m, 96, generator=g) for m in (1, 3, 8, 17)}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ref = {m: ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]) for m, x in xs.items()}
+    torch.set_num_threads(before)
+
+    class Pool(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.results: list[tuple[int, torch.Tensor]] = []
+
+        @rule(threads=st.integers(1, 4))
+        def set_threads(self, threads):
+            torch.set_num_threads(threads)
+
+        @rule(m=st.sampled_from(sorted(xs)))
+        def product(self, m):
+            self.results.append((m, ext.q4_matmul(xs[m], w.codes, w.scale, w.minv, w.bias, ACT["int16"])))
+
+        @rule(ms=st.lists(st.sampled_from(sorted(xs)), min_size=2, max_size=4))
+        def concurrent_products(self, ms):
+            out: list[tuple[int, torch.Tensor]] = []
+            runs = [threading.Thread(target=lambda m=m: out.append(
+                (m, ext.q4_matmul(xs[m], w.codes, w.scale, w.minv, w.bias, ACT["int16"])))) for m in ms]  # fmt: skip
+            for t in runs:
+                t.start()
+            for t in runs:
+                t.join()
+            assert len(out) == len(ms)
+            self.results.extend(out)
+
+        @invariant()
+        def every_product_is_the_reference(self):
+            for m, r in self.results:
+                assert torch.equal(r, ref[m])
+            self.results.clear()
+
+    try:
+        Pool.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+        Pool.TestCase().runTest()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_kernels_build_is_chosen_from_the_cpu_or_the_environment(monkeypatch):
+    """``quant_isa``: $KVBOOST_QUANT_ISA when set (a bad value is refused by name), else VNNI where the CPU has it."""
+    from kvboost.runtime import quant_step
+
+    monkeypatch.setenv(quant_step.QUANT_ISA_ENV, "avx2")
+    assert quant_step.quant_isa() == "avx2"
+    monkeypatch.setenv(quant_step.QUANT_ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match="KVBOOST_QUANT_ISA='avx1024'"):
+        quant_step.quant_isa()
+    monkeypatch.delenv(quant_step.QUANT_ISA_ENV)
+    expected = "avx512_vnni" if quant_step.vnni_unavailable_reason() is None else "avx2"
+    assert quant_step.quant_isa() == expected
+    with pytest.raises(ValueError, match="must be one of"):
+        quant_step.load_quant_extension("sse2")
 
 
 def test_the_tiled_layout_round_trips_and_refuses_partial_tiles():

@@ -35,6 +35,14 @@
 #include <type_traits>
 #include <vector>
 
+// How the paged kernel runs `workers` copies of its worker loop (each claims units from a shared counter): torch's
+// OpenMP pool here; the quantized step (cpu_quant.cpp) defines it first to run them on its own pool where every
+// unit is on the direct path (`direct_only`: no MKL call, which inside an OpenMP region runs single-threaded but
+// from a thread of another pool could start a team of its own).
+#ifndef KVB_RUN_WORKERS
+#define KVB_RUN_WORKERS(workers, direct_only, body) at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(); })
+#endif
+
 extern "C" {
 // MKL, exported by libtorch_cpu on x86 builds (LP64: 32-bit integers).
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
@@ -623,7 +631,7 @@ void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_units);
   // Head dims of 2..8 vectors (32..128 with AVX-512, 16..64 with AVX2) get the direct path's unrolled loops.
   const int nc = P.D % Vec::size() == 0 && P.D / Vec::size() <= 8 ? static_cast<int>(P.D / Vec::size()) : 0;
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto worker = [&]() {
     Scratch<float> af, sf, of, invf;
     Scratch<T> at_, kvt, pt;
     std::vector<int64_t> seen(max_tn);
@@ -654,7 +662,11 @@ void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile) {
         paged_unit_gemm(P, u, seen.data(), at_, kvt, sf, pt, of, invf);
       }
     }
+  };
+  const bool direct_only = std::all_of(units.begin(), units.end(), [&](const PagedUnit& u) {
+    return u.hi <= 0 || P.G * u.tn <= kDirectMaxRows;
   });
+  KVB_RUN_WORKERS(workers, direct_only, worker);
 }
 
 void check_index(const at::Tensor& t, const char* name, int64_t dim0, int64_t dims) {

@@ -20,23 +20,72 @@
 // The paged attention kernel (cpu_paged_attention_forward), compiled into this extension so that a whole decode
 // step is one call from Python (the per-layer Python loop and its calls cost ~2 ms of a ~17 ms step).
 #define KVBOOST_CPU_ATTENTION_NO_MODULE
+#include "work_pool.h"
+
+namespace kvb {
+// Where the step's parallel parts run: kvb::WorkPool for decode steps (every sequence one row: many short products,
+// where a descheduled thread would stall each), torch's OpenMP pool for steps with prompt rows (their attention
+// calls MKL, which belongs in an OpenMP region, and two pools spinning beside each other would fight for the cores:
+// a 32-token quantized prefill took 2.5x as long that way). $KVBOOST_QUANT_POOL=omp: OpenMP always (A/B runs).
+inline bool work_pool_enabled() {
+  static const bool pool = [] {
+    const char* v = std::getenv("KVBOOST_QUANT_POOL");
+    return v == nullptr || std::string(v) != "omp";
+  }();
+  return pool;
+}
+inline thread_local bool decode_rows_only = true;  // set by decode_layers for its call
+struct DecodeRowsOnly {
+  bool saved;
+  explicit DecodeRowsOnly(bool value) : saved(decode_rows_only) { decode_rows_only = value; }
+  ~DecodeRowsOnly() { decode_rows_only = saved; }
+};
+// body(begin, end) over [0, n) in chunks of about `chunk`, on `threads` threads.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body) {
+  if (work_pool_enabled() && decode_rows_only) WorkPool::instance().run(n, chunk, threads, body);
+  else at::parallel_for(0, n, chunk, body);
+}
+}  // namespace kvb
+
+// The attention kernel's workers run on the same pool as the products (see work_pool.h for why) where no unit calls
+// MKL (decode rows); a prompt chunk's GEMM units keep torch's OpenMP pool.
+#define KVB_RUN_WORKERS(workers, direct_only, body)                                              \
+  do {                                                                                           \
+    if (direct_only) kvb::parallel_chunks(workers, 1, workers, [&](int64_t, int64_t) { body(); }); \
+    else at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(); });                     \
+  } while (0)
 #include "cpu_attention.cpp"
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVB_AVX2 1
 #endif
+// AVX-512 VNNI on 256-bit vectors (AMD Zen 4, Intel Xeon since Cascade Lake): one vpdpwssd / vpdpbusd per product
+// where AVX2 needs a multiply-add and an add (int16) or three instructions (int8). The integer sums are exact either
+// way, so both builds give the same bits (tests/kernels/test_quant_step.py compares them).
+#if defined(KVB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVB_VNNI 1
+#endif
 
 namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;      // output features per tile: one AVX2 vector of fp32 / int32 results
-constexpr int64_t kRowBlock = 4;  // rows of the step sharing each unpacked tile of weights (registers: 2 x 4 accs)
+// Rows of the step sharing each unpacked tile of weights: 4 in AVX2's 16 vector registers (2 accumulators a row),
+// 8 in AVX-512's 32.
+#ifdef KVB_VNNI
+constexpr int64_t kRowBlock = 8;
+#else
+constexpr int64_t kRowBlock = 4;
+#endif
 
 // How a product sees the activations (the Python side's ACTIVATIONS): exact fp32, or each row's 32-value groups
 // rounded to int8 / int16 codes with a scale of their own.
@@ -144,7 +193,7 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, c
   constexpr int64_t kQuadBytes = Q4 ? 16 : 32;
   __m256 fa[RB];
   for (int r = 0; r < RB; ++r) fa[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
     const TileCodes<Q4> codes{ct + g * 8 * kQuadBytes};
     const __m256 sc = _mm256_loadu_ps(st + g * kTile);
@@ -176,6 +225,10 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, c
     } else {
       __m256i ia[RB];
       for (int r = 0; r < RB; ++r) ia[r] = _mm256_setzero_si256();
+#ifdef KVB_VNNI
+      __m256i ib[RB];
+      for (int r = 0; r < RB; ++r) ib[r] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 2
       for (int64_t quad = 0; quad < 8; ++quad) {
         if constexpr (Act == kActInt16) {
@@ -183,19 +236,31 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, c
           codes.pairs(quad, p01, p23);
           for (int r = 0; r < RB; ++r) {
             const int16_t* xk = xr.q16.data() + (r0 + r) * K + g * kGroup + 4 * quad;
+#ifdef KVB_VNNI  // two accumulators a row: one vpdpwssd's latency between dependent ones, not two
+            ia[r] = _mm256_dpwssd_epi32(ia[r], p01, bcast32(xk));
+            ib[r] = _mm256_dpwssd_epi32(ib[r], p23, bcast32(xk + 2));
+#else
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p01, bcast32(xk)));
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p23, bcast32(xk + 2)));
+#endif
           }
-        } else {  // int8: vpmaddubsw takes unsigned x signed bytes; q8's signed codes give |w| and their sign to x
+        } else {  // int8: unsigned x signed bytes (vpmaddubsw / vpdpbusd); q8's signed codes give |w| and their sign to x
           const __m256i w = codes.fours(quad);
           const __m256i aw = Q4 ? w : _mm256_sign_epi8(w, w);
           for (int r = 0; r < RB; ++r) {
             __m256i xv = bcast32(xr.q8.data() + (r0 + r) * K + g * kGroup + 4 * quad);
             if constexpr (!Q4) xv = _mm256_sign_epi8(xv, w);
+#ifdef KVB_VNNI  // the 4 products summed in int32 at once (vpmaddubsw's int16 pair sums cannot saturate here either)
+            ia[r] = _mm256_dpbusd_epi32(ia[r], aw, xv);
+#else
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+#endif
           }
         }
       }
+#ifdef KVB_VNNI
+      for (int r = 0; r < RB; ++r) ia[r] = _mm256_add_epi32(ia[r], ib[r]);
+#endif
       for (int r = 0; r < RB; ++r) {
         const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xr.d[(r0 + r) * G + g]));
         fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), s, fa[r]);
@@ -252,6 +317,18 @@ void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, 
     }
 }
 
+#ifdef KVB_AVX2
+// The last rem (< kRowBlock) rows in one pass of tile_rows<rem>.
+template <int RB, int64_t Act, bool Q4>
+void tail_rows(const Rows& xr, int64_t r0, int64_t rem, const uint8_t* ct, const float* st, const float* mt,
+               float* out, int64_t ldo, const float* bias, bool accumulate) {
+  if constexpr (RB >= 1) {
+    if (rem == RB) tile_rows<RB, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate);
+    else tail_rows<RB - 1, Act, Q4>(xr, r0, rem, ct, st, mt, out, ldo, bias, accumulate);
+  }
+}
+#endif
+
 template <int64_t Act, bool Q4>
 void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, const float* st, const float* mt, float* out,
                    int64_t ldo, const float* bias, bool accumulate) {
@@ -259,26 +336,22 @@ void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, const float* st
   int64_t r0 = 0;
   for (; r0 + kRowBlock <= M; r0 += kRowBlock)
     tile_rows<kRowBlock, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate);
-  switch (M - r0) {
-    case 1: tile_rows<1, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate); break;
-    case 2: tile_rows<2, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate); break;
-    case 3: tile_rows<3, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate); break;
-    default: break;
-  }
+  if (M > r0) tail_rows<kRowBlock - 1, Act, Q4>(xr, r0, M - r0, ct, st, mt, out, ldo, bias, accumulate);
 #else
   tile_rows_scalar<Act, Q4>(xr, 0, M, ct, st, mt, out, ldo, bias, accumulate);
 #endif
 }
 
-// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel.
+// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel on
+// kvb::WorkPool, claimed a few at a time (work_pool.h).
 template <bool Q4>
 void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const float* scale,
                    const float* minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
   const Rows xr = prepare_rows(x, M, K, act);
   const int64_t G = K / kGroup, T = N / kTile;
   const int64_t tile_bytes = Q4 ? K / 2 * kTile : K * kTile;
-  const int64_t grain = std::max<int64_t>(2, T / (4 * std::max(1, at::get_num_threads())));
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+  const int64_t threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* ct = codes + t * tile_bytes;
       const float* st = scale + t * G * kTile;
@@ -503,6 +576,13 @@ void decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, c
                    int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t block_size, int64_t act) {
   constexpr size_t kPer = 16;
   const size_t L = keys.size();
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() && query_start.dim() == 1 &&
+                  query_start.size(0) >= 1,
+              "decode_layers: query_start must be contiguous int32 [B + 1]");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  bool one_row_each = true;
+  for (int64_t b = 0; b + 1 < query_start.size(0); ++b) one_row_each = one_row_each && qs[b + 1] - qs[b] <= 1;
+  const kvb::DecodeRowsOnly pool_choice(one_row_each);
   TORCH_CHECK(weights.size() == kPer * L && values.size() == L, "decode_layers: ", weights.size(),
               " weight tensors and ", L, " pool layers (16 per layer expected)");
   for (size_t l = 0; l < L; ++l) {
@@ -532,7 +612,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_input", &attention_input, "norm, q/k/v, RoPE and the K/V write of one layer", release());
   m.def("mlp_block", &mlp_block, "o-projection + residual, norm, SiLU-gated MLP + residual, in place", release());
   m.def("decode_layers", &decode_layers, "every decoder layer of one decode step, in place on x", release());
-#ifdef KVB_AVX2
+#if defined(KVB_VNNI)
+  m.attr("isa") = "avx512_vnni";
+#elif defined(KVB_AVX2)
   m.attr("isa") = "avx2";
 #else
   m.attr("isa") = "scalar";

@@ -10,7 +10,8 @@ head is tied to, or the model's own head), the activations rounded per 32 values
 
 What it needs, checked by :func:`unavailable_reason`: the Llama-family runner on CPU, a model loaded from a GGUF
 file whose seven projections of every layer are Q4_0 / Q4_1 / Q4_K (``model._kvboost_gguf_file``, recorded by the
-loader), an x86 CPU where the C++ extension builds (AVX2 + FMA for the vector kernel; a scalar build otherwise) and
+loader), an x86 CPU where the C++ extension builds (AVX2 + FMA for the vector kernel, AVX-512 VNNI where the CPU has
+it (:data:`QUANT_ISAS`); a scalar build otherwise) and
 the C++ paged attention kernel (``attn=cpu_kernel``'s). Every 4-bit tensor is checked against the dense weight it
 stands for when the step is built (bit for bit in fp32; after rounding to the model's dtype otherwise), so a file
 that is not the model's fails the build with the tensor's name instead of producing noise. Prefill and every
@@ -55,21 +56,64 @@ def extension_unavailable_reason() -> str | None:
     return toolchain_unavailable_reason(_SOURCE)
 
 
+#: The kernels' builds: ``avx2`` (AVX2 / FMA / F16C intrinsics, under either vector ISA) and ``avx512_vnni`` (the
+#: same kernels with AVX-512 VNNI's vpdpwssd / vpdpbusd on 256-bit vectors and 8 rows a pass: AMD Zen 4, Intel Xeon
+#: since Cascade Lake). The integer sums are exact in both, so both give the same bits; VNNI needs fewer instructions.
+QUANT_ISAS = ("avx2", "avx512_vnni")
+#: Environment variable that picks the build (one of :data:`QUANT_ISAS`) instead of the best this CPU runs (A/B runs).
+QUANT_ISA_ENV = "KVBOOST_QUANT_ISA"
+
+
+def vnni_unavailable_reason() -> str | None:
+    """Why the ``avx512_vnni`` build cannot run on this CPU, or None."""
+    from kvboost.attention.cpu_ext import cpu_capability
+    from kvboost.env import cpu_flags
+
+    if cpu_capability() != "AVX512":
+        return f"torch's CPU capability here is {cpu_capability()}, not AVX512"
+    if "avx512_vnni" not in cpu_flags():
+        return "the CPU has no AVX-512 VNNI"
+    return None
+
+
+def quant_isa() -> str:
+    """The build :func:`load_quant_extension` loads by default: ``$KVBOOST_QUANT_ISA`` when set, else ``avx512_vnni``
+    where the CPU has it, else ``avx2``."""
+    import os
+
+    chosen = os.environ.get(QUANT_ISA_ENV, "").strip()
+    if chosen:
+        if chosen not in QUANT_ISAS:
+            raise ValueError(f"{QUANT_ISA_ENV}={chosen!r}: expected one of {QUANT_ISAS}")
+        return chosen
+    return "avx512_vnni" if vnni_unavailable_reason() is None else "avx2"
+
+
+def load_quant_extension(isa: str | None = None) -> Any:
+    """Build (once; torch caches the binary) and return the extension of build ``isa`` (default :func:`quant_isa`);
+    RuntimeError naming why it cannot. It compiles the paged attention kernel (``kvboost/csrc/cpu_attention.cpp``) in
+    with the same vector ISA flags, so one call runs a whole step."""
+    return _load_quant_extension(quant_isa() if isa is None else isa)
+
+
 @functools.cache
-def load_quant_extension() -> Any:
-    """Build (once; torch caches the binary) and return the extension; RuntimeError naming why it cannot. It compiles
-    the paged attention kernel (``kvboost/csrc/cpu_attention.cpp``) in with the same vector ISA flags, so one call runs a
-    whole step."""
+def _load_quant_extension(isa: str) -> Any:
+    if isa not in QUANT_ISAS:
+        raise ValueError(f"quantized kernels' build must be one of {QUANT_ISAS}, got {isa!r}")
     reason = extension_unavailable_reason()
+    if reason is None and isa == "avx512_vnni":
+        reason = vnni_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"decode='quantized' is unavailable: {reason}")
     from kvboost.attention.cpu_ext import build_cpu_source
 
-    try:  # the integer kernels use AVX2 / FMA / F16C intrinsics under either vector ISA
-        return build_cpu_source(_EXT_NAME, _SOURCE, ("-mavx2", "-mfma", "-mf16c"))
+    flags = ("-mavx2", "-mfma", "-mf16c") + (("-mavx512vnni",) if isa == "avx512_vnni" else ())
+    name = _EXT_NAME if isa == "avx2" else f"{_EXT_NAME}_vnni"
+    try:
+        return build_cpu_source(name, _SOURCE, flags)
     except Exception as exc:
-        raise RuntimeError(f"decode='quantized': building {_SOURCE.name} failed ({type(exc).__name__}); it needs "
-                           "g++ and ninja") from exc  # fmt: skip
+        raise RuntimeError(f"decode='quantized': building {_SOURCE.name} ({isa}) failed ({type(exc).__name__}); it "
+                           "needs g++ and ninja") from exc  # fmt: skip
 
 
 #: Output features per tile of the kernel's layouts (kvboost/csrc/cpu_quant.cpp: kTile).
