@@ -59,6 +59,11 @@ def test_a_live_builder_is_waited_for_and_its_baton_left_alone(tmp_path, fake_to
 
 
 def test_the_build_directory_is_torchs():
+    """Under torch's root for extension builds: $TORCH_EXTENSIONS_DIR when set (torch's loader honours it; its
+    get_default_build_root() does not), else the default."""
+    import os
+
     from torch.utils import cpp_extension
 
-    assert str(ext_build.build_directory("kvboost_x")).startswith(cpp_extension.get_default_build_root())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    assert str(ext_build.build_directory("kvboost_x")).startswith(root)
