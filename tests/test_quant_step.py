@@ -7,6 +7,7 @@ SmolLM2 (integration)."""
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -140,6 +141,8 @@ def test_products_do_not_depend_on_threads_or_callers(ext):
     g = torch.Generator().manual_seed(11)
     xs = [torch.randn(m, 192, generator=g) for m in (1, 2, 7, 8, 33)]
     before = torch.get_num_threads()
+    ext.set_decode_pool(True)  # what kvboost-server's engine loop asks for (OpenMP otherwise)
+    assert ext.decode_pool() or os.environ.get("KVBOOST_QUANT_POOL") == "omp"
     try:
         torch.set_num_threads(1)
         ref = [ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]) for x in xs]
@@ -159,10 +162,13 @@ def test_products_do_not_depend_on_threads_or_callers(ext):
                 bad.append(j)
 
     threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        ext.set_decode_pool(False)
     assert not bad
 
 
@@ -214,11 +220,33 @@ def test_work_pool_state_machine(ext):
                 assert torch.equal(r, ref[m])
             self.results.clear()
 
+    ext.set_decode_pool(True)
     try:
         Pool.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
         Pool.TestCase().runTest()
     finally:
         torch.set_num_threads(before)
+        ext.set_decode_pool(False)
+
+
+def test_the_decode_pool_is_off_in_process_and_on_in_the_engine_loop(tmp_path):
+    """OpenMP by default (faster in a process alone); kvboost-server's engine loop turns the step's own pool on for a
+    quantized decode, and decode_info says which runs."""
+    from kvboost.runtime.quant_step import load_quant_extension, use_decode_pool
+    from kvboost.serving.loop import EngineLoop
+
+    if os.environ.get("KVBOOST_QUANT_POOL"):
+        pytest.skip("KVBOOST_QUANT_POOL forces the choice")
+    ext = load_quant_extension()
+    use_decode_pool(False)
+    engine = _engine(gguf_model(tmp_path, "llama"), decode="quantized")
+    assert engine.decode_info()["quantized"]["decode_pool"] == "openmp"
+    loop = EngineLoop(engine).start()
+    try:
+        assert ext.decode_pool() and engine.decode_info()["quantized"]["decode_pool"] == "own"
+    finally:
+        loop.shutdown()
+        use_decode_pool(False)
 
 
 def test_the_kernels_build_is_chosen_from_the_cpu_or_the_environment(monkeypatch):

@@ -23,16 +23,25 @@
 #include "work_pool.h"
 
 namespace kvb {
-// Where the step's parallel parts run: kvb::WorkPool for decode steps (every sequence one row: many short products,
-// where a descheduled thread would stall each), torch's OpenMP pool for steps with prompt rows (their attention
-// calls MKL, which belongs in an OpenMP region, and two pools spinning beside each other would fight for the cores:
-// a 32-token quantized prefill took 2.5x as long that way). $KVBOOST_QUANT_POOL=omp: OpenMP always (A/B runs).
+// Where the step's parallel parts run. Torch's OpenMP pool by default. kvb::WorkPool for decode steps (every
+// sequence one row: many short products, where a descheduled thread would stall each) once set_decode_pool(true)
+// was called: kvboost-server's engine loop does, where HTTP threads and clients share the cores (one client: 7.2
+// against 13.9 ms between tokens on 2 Zen 4 cores). Not by default: in a process alone, torch's OpenMP workers,
+// woken by the ops between steps, spin on the core the pool's helper needs (engine.generate 106 against 151 tok/s).
+// Steps with prompt rows always keep OpenMP (their attention calls MKL, which belongs in an OpenMP region, and two
+// pools spinning beside each other fought for the cores: a 32-token quantized prefill took 2.5x as long).
+// $KVBOOST_QUANT_POOL=omp | pool overrides both (A/B runs).
+inline std::atomic<bool>& decode_pool_requested() {
+  static std::atomic<bool> requested{false};
+  return requested;
+}
 inline bool work_pool_enabled() {
-  static const bool pool = [] {
+  static const int forced = [] {  // -1: not forced; 0: OpenMP; 1: the pool
     const char* v = std::getenv("KVBOOST_QUANT_POOL");
-    return v == nullptr || std::string(v) != "omp";
+    if (v == nullptr) return -1;
+    return std::string(v) == "omp" ? 0 : std::string(v) == "pool" ? 1 : -1;
   }();
-  return pool;
+  return forced >= 0 ? forced == 1 : decode_pool_requested().load(std::memory_order_relaxed);
 }
 inline thread_local bool decode_rows_only = true;  // set by decode_layers for its call
 struct DecodeRowsOnly {
@@ -57,6 +66,7 @@ void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body) {
   } while (0)
 #include "cpu_attention.cpp"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -612,6 +622,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_input", &attention_input, "norm, q/k/v, RoPE and the K/V write of one layer", release());
   m.def("mlp_block", &mlp_block, "o-projection + residual, norm, SiLU-gated MLP + residual, in place", release());
   m.def("decode_layers", &decode_layers, "every decoder layer of one decode step, in place on x", release());
+  m.def("set_decode_pool", [](bool on) { kvb::decode_pool_requested().store(on); },
+        "run decode steps on the step's own thread pool (kvboost/csrc/work_pool.h) instead of OpenMP", py::arg("on"));
+  m.def("decode_pool", [] { return kvb::work_pool_enabled(); }, "whether decode steps run on the step's own pool");
 #if defined(KVB_VNNI)
   m.attr("isa") = "avx512_vnni";
 #elif defined(KVB_AVX2)

@@ -69,6 +69,11 @@ class EngineLoop:
         if self._thread is not None:
             raise RuntimeError("this engine loop was started already")
         self._running = True
+        if getattr(getattr(self.engine, "runner_config", None), "decode", None) == "quantized":
+            # HTTP threads and clients share the cores with the decode step here: its own pool copes with that
+            from kvboost.runtime.quant_step import use_decode_pool
+
+            use_decode_pool(True)
         self._thread = threading.Thread(target=self._run, name="kvboost-engine-loop", daemon=True)
         self.core.driver = self._thread
         self.core.on_finished = self._turns.put
