@@ -49,21 +49,19 @@ struct DecodeRowsOnly {
   explicit DecodeRowsOnly(bool value) : saved(decode_rows_only) { decode_rows_only = value; }
   ~DecodeRowsOnly() { decode_rows_only = saved; }
 };
-// body(begin, end) over [0, n) in chunks of about `chunk`, on `threads` threads.
+// body(begin, end) over [0, n) in chunks of about `chunk`, on `threads` threads: on kvb::WorkPool where it is enabled,
+// the step has decode rows only and the caller allows it (`pool_ok`), else on torch's OpenMP pool.
 template <typename F>
-void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body) {
-  if (work_pool_enabled() && decode_rows_only) WorkPool::instance().run(n, chunk, threads, body);
+void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body, bool pool_ok = true) {
+  if (pool_ok && decode_rows_only && work_pool_enabled()) WorkPool::instance().run(n, chunk, threads, body);
   else at::parallel_for(0, n, chunk, body);
 }
 }  // namespace kvb
 
 // The attention kernel's workers run on the same pool as the products (see work_pool.h for why) where no unit calls
 // MKL (decode rows); a prompt chunk's GEMM units keep torch's OpenMP pool.
-#define KVB_RUN_WORKERS(workers, direct_only, body)                                              \
-  do {                                                                                           \
-    if (direct_only) kvb::parallel_chunks(workers, 1, workers, [&](int64_t, int64_t) { body(); }); \
-    else at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(); });                     \
-  } while (0)
+#define KVB_RUN_WORKERS(workers, direct_only, body) \
+  kvb::parallel_chunks(workers, 1, workers, [&](int64_t, int64_t) { body(); }, direct_only)
 #include "cpu_attention.cpp"
 
 #include <atomic>
@@ -80,7 +78,7 @@ void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body) {
 #endif
 // AVX-512 VNNI on 256-bit vectors (AMD Zen 4, Intel Xeon since Cascade Lake): one vpdpwssd / vpdpbusd per product
 // where AVX2 needs a multiply-add and an add (int16) or three instructions (int8). The integer sums are exact either
-// way, so both builds give the same bits (tests/kernels/test_quant_step.py compares them).
+// way, so both builds give the same bits (tests/test_quant_step.py compares them).
 #if defined(KVB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVB_VNNI 1
 #endif
@@ -352,8 +350,8 @@ void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, const float* st
 #endif
 }
 
-// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel on
-// kvb::WorkPool, claimed a few at a time (work_pool.h).
+// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel
+// (kvb::parallel_chunks: OpenMP, or kvb::WorkPool for a decode step in kvboost-server).
 template <bool Q4>
 void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const float* scale,
                    const float* minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
@@ -586,9 +584,7 @@ void decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, c
                    int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t block_size, int64_t act) {
   constexpr size_t kPer = 16;
   const size_t L = keys.size();
-  TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() && query_start.dim() == 1 &&
-                  query_start.size(0) >= 1,
-              "decode_layers: query_start must be contiguous int32 [B + 1]");
+  check_index(query_start, "query_start", std::max<int64_t>(1, query_start.numel()), 1);  // [B + 1] int32
   const int32_t* qs = query_start.data_ptr<int32_t>();
   bool one_row_each = true;
   for (int64_t b = 0; b + 1 < query_start.size(0); ++b) one_row_each = one_row_each && qs[b + 1] - qs[b] <= 1;

@@ -23,6 +23,7 @@ Memory: the packs beside the dense weights (the bundled model: 67 MB of 4-bit pr
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from typing import Any
 
@@ -79,8 +80,6 @@ def vnni_unavailable_reason() -> str | None:
 def quant_isa() -> str:
     """The build :func:`load_quant_extension` loads by default: ``$KVBOOST_QUANT_ISA`` when set, else ``avx512_vnni``
     where the CPU has it, else ``avx2``."""
-    import os
-
     chosen = os.environ.get(QUANT_ISA_ENV, "").strip()
     if chosen:
         if chosen not in QUANT_ISAS:
