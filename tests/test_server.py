@@ -500,10 +500,13 @@ def test_overload_answers_429_with_retry_after_then_recovers(busy):
 
 def test_client_that_disconnects_frees_its_blocks(busy):
     """A streaming client that reads two chunks and hangs up, and a non-streaming client that times out: each
-    request is cancelled (not run to its 480 tokens) and the pool's free blocks come back to where they were."""
+    request is cancelled (not run to its 480 tokens) and the blocks requests hold come back to where they were.
+
+    Counted as referenced blocks, not free ones: caching a prompt may evict an older idle entry, so the free count
+    can stay put while a request holds a block (CI saw exactly that)."""
     busy.wait_idle()
     pool = busy.engine.pool
-    before = pool.num_free
+    before = pool.num_referenced
     cancelled = sample(busy.metrics(), "vllm:request_success_total", finished_reason="cancelled") or 0.0
     body = {"prompt": "disconnect test, streaming", "max_tokens": 480, "stream": True}
     with busy.http(key=None) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -513,14 +516,14 @@ def test_client_that_disconnects_frees_its_blocks(busy):
             events += line.startswith("data:")
             if events == 2:
                 break
-        assert pool.num_free < before  # the request holds blocks while it streams
+        assert pool.num_referenced > before  # the request holds blocks while it streams
     with busy.http(key=None, timeout=httpx.Timeout(0.05)) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json={"prompt": "disconnect test, whole", "max_tokens": 480})
     busy.wait_idle()
     deadline = time.monotonic() + 10
-    while pool.num_free != before and time.monotonic() < deadline:
+    while pool.num_referenced != before and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert pool.num_free == before
+    assert pool.num_referenced == before
     time.sleep(0.1)  # the server counts a cancelled request when the loop hands back its completion
     after = sample(busy.metrics(), "vllm:request_success_total", finished_reason="cancelled")
     assert after >= cancelled + 2
