@@ -111,7 +111,8 @@ def _plan(s: Scheduler):
                         Rates(0.002, 0.015, 0.004, "test", prefill_base_s=0.120)]))
 def test_with_decode_rows_a_steps_prompt_tokens_never_exceed_the_chunk(requests, rates):
     """Any mix of decoding requests (1 row, or k + 1 with a draft) and prefilling ones of any length: the prompt tokens
-    of a step with R decode rows are at most chunk(R); with no decode row the idle budget applies."""
+    of a step with R decode rows are at most chunk(R, backlog), the backlog being the prefilling requests' pending
+    tokens; with no decode row the idle budget applies."""
     s = Scheduler(max_running=64)
     s.set_step_budget(StepBudget(GPU_MAX_BATCH_TOKENS, rates, "test"))
     for i, (decoding, prompt, draft) in enumerate(requests):
@@ -121,12 +122,15 @@ def test_with_decode_rows_a_steps_prompt_tokens_never_exceed_the_chunk(requests,
     prefill = sum(n for r, n in plan.rows if not r.decoding)
     assert len(decode_rows) == sum(d for d, _, _ in requests)  # every decode row runs, whatever the budget
     if decode_rows:
-        assert prefill <= chunk_tokens(rates, len(decode_rows))
-        assert plan.num_tokens <= max(GPU_MAX_BATCH_TOKENS, sum(decode_rows))
         waiting_prompt = sum(p for d, p, _ in requests if not d)
+        chunk = chunk_tokens(rates, len(decode_rows), backlog=waiting_prompt)
+        assert prefill <= chunk
+        assert plan.num_tokens <= max(GPU_MAX_BATCH_TOKENS, sum(decode_rows))
         # the chunk is used (prefill does not starve): all of it, or all that is waiting, or the 2,048 cap
-        assert prefill == min(waiting_prompt, chunk_tokens(rates, len(decode_rows)),
-                              max(0, GPU_MAX_BATCH_TOKENS - sum(decode_rows)))
+        assert prefill == min(waiting_prompt, chunk, max(0, GPU_MAX_BATCH_TOKENS - sum(decode_rows)))
+        # and it is at least the backlog over DRAIN_STEPS steps (under the caps), so a backlog drains in that many
+        assert prefill >= min(waiting_prompt / budget_rule.DRAIN_STEPS, MAX_CHUNK,
+                              GPU_MAX_BATCH_TOKENS - sum(decode_rows))  # fmt: skip
     else:
         assert prefill == min(sum(p for _, p, _ in requests), max(GPU_MAX_BATCH_TOKENS, DEFAULT_IDLE_PREFILL_TOKENS))
 
@@ -135,7 +139,7 @@ def test_assigning_max_batch_tokens_is_explicit():
     s = Scheduler()
     s.set_step_budget(StepBudget(GPU_MAX_BATCH_TOKENS, RATES, "test"))
     s.running += [_Req(1, True, 0), _Req(3000, False, 1)]
-    assert _plan(s).num_tokens == 1 + chunk_tokens(RATES, 1)
+    assert _plan(s).num_tokens == 1 + chunk_tokens(RATES, 1, backlog=3000) > 1 + chunk_tokens(RATES, 1)
     s.max_batch_tokens = 1000
     assert s.step_budget is None and _plan(s).num_tokens == 1000
 
@@ -177,10 +181,10 @@ def test_calibration_measures_the_runner_and_sizes_the_chunk():
     engine.close()
 
 
-def test_a_long_prompt_is_chunked_to_the_budget_while_others_decode():
-    """A real engine (tiny model) under the CPU rule with a chunk of 32 at 1-3 decode rows: every step that carries
-    decode rows carries at most chunk(R) prompt tokens, the 300-token prompt takes several steps, and the short
-    requests decode meanwhile; outputs equal each prompt's alone."""
+def _steps_with_late_prompts(step_budget: StepBudget) -> list[tuple[int, int]]:
+    """A real engine (tiny model) under ``step_budget``: two short requests start decoding, then a 300- and a
+    200-token prompt arrive; every step's (decode rows, prompt tokens). Asserts each request's output equals its
+    prompt's alone."""
     engine = make_engine("llama", decode="eager")
     engine.eos_ids = set()
     prompts = [random_ids(10, seed=1), random_ids(12, seed=2), random_ids(300, seed=3), random_ids(200, seed=4)]
@@ -193,16 +197,73 @@ def test_a_long_prompt_is_chunked_to_the_budget_while_others_decode():
         return real_run(rows, finished)
 
     engine.core._run = recording_run
-    engine.core.scheduler.set_step_budget(StepBudget(GPU_MAX_BATCH_TOKENS, RATES, "test"))
+    engine.core.scheduler.set_step_budget(step_budget)
     handles = [engine.add_request(p, SamplingParams(max_tokens=16)) for p in prompts[:2]]
     engine.step()  # the short ones prefill alone (idle budget) and start decoding
     handles += [engine.add_request(p, SamplingParams(max_tokens=16)) for p in prompts[2:]]
     while engine.core.has_work():
         engine.step()
     assert [h.result(0).output_ids for h in handles] == alone
+    engine.close()
+    return steps
+
+
+def test_a_long_prompt_is_chunked_to_the_budget_while_others_decode():
+    """Under the CPU rule with a chunk of 32 at 1-3 decode rows (the backlog bound off: the next test turns it on),
+    every step that carries decode rows carries at most chunk(R) prompt tokens, the 300-token prompt takes several
+    steps, and the short requests decode meanwhile."""
+    steps = _steps_with_late_prompts(StepBudget(GPU_MAX_BATCH_TOKENS, RATES, "test", drain_steps=0))
     with_decode = [(rows, prefill) for rows, prefill in steps if rows]
     assert with_decode and all(prefill <= chunk_tokens(RATES, rows) for rows, prefill in with_decode)
     assert sum(1 for rows, prefill in with_decode if prefill) >= 300 // chunk_tokens(RATES, 2)
+
+
+def test_each_step_takes_in_a_share_of_the_prompt_backlog():
+    """The backlog bound, with the same requests: of the 300 + 200 prompt tokens that arrive while two requests
+    decode, each step takes in the pending backlog / DRAIN_STEPS (rounded up to 16) or the decode rows' bound (32),
+    whichever is more: 11 steps where that bound alone took 16."""
+    steps = _steps_with_late_prompts(StepBudget(GPU_MAX_BATCH_TOKENS, RATES, "test"))
+    prefill_steps = [prefill for rows, prefill in steps[1:] if prefill]
+    assert sum(prefill_steps) == 500, steps
+    # each step took in the backlog / DRAIN_STEPS (rounded up to 16) or the decode rows' bound, whichever is more:
+    # the first 96 of 500 tokens, where the decode rows' bound alone gives 32 a step
+    backlog = 500
+    for chunk in prefill_steps:
+        share = math.ceil(backlog / budget_rule.DRAIN_STEPS / 16) * 16
+        assert chunk == min(backlog, max(share, chunk_tokens(RATES, 2))), (backlog, steps)
+        backlog -= chunk
+    assert prefill_steps[0] > chunk_tokens(RATES, 2) and len(prefill_steps) < 500 // chunk_tokens(RATES, 2)
+
+
+def test_the_backlog_bound():
+    # 1,000 tokens pending over 4 steps: 250 -> 256; the decode rows' bound (32 at one row) when it is larger
+    assert chunk_tokens(RATES, 1, backlog=1000, drain_steps=4) == 256
+    assert chunk_tokens(RATES, 1, backlog=1000) == math.ceil(1000 / budget_rule.DRAIN_STEPS / 16) * 16
+    assert chunk_tokens(RATES, 1, backlog=10) == chunk_tokens(RATES, 1) == 32
+    assert chunk_tokens(RATES, 1, backlog=1000, drain_steps=0) == 32  # off
+    assert chunk_tokens(RATES, 1, backlog=10**6) == MAX_CHUNK
+    sizes = [chunk_tokens(RATES, 8, backlog=b) for b in range(0, 20000, 97)]
+    assert sizes == sorted(sizes)  # more backlog never gives a smaller chunk
+    with pytest.raises(ValueError, match="drain_steps"):
+        choose("cpu", None, rates=RATES, drain_steps=-1)
+    assert choose("cpu", None, rates=RATES, drain_steps=2).describe()["drain_steps"] == 2
+    assert f"backlog / {budget_rule.DRAIN_STEPS}" in choose("cpu", None, rates=RATES).summary()
+    assert "backlog" not in choose("cpu", None, rates=RATES, drain_steps=0).summary()
+
+
+def test_the_drain_steps_setting_survives_calibration_and_the_cli_sets_it():
+    from kvboost.serving.cli import build_parser
+
+    assert build_parser().parse_args([]).prefill_drain_steps is None
+    assert build_parser().parse_args(["--prefill-drain-steps", "0"]).prefill_drain_steps == 0
+    engine = make_engine("llama", decode="eager")
+    engine.core.set_drain_steps(0)
+    assert engine.core.budget_info()["drain_steps"] == 0
+    assert engine.core.calibrate_budget(repeats=1)["drain_steps"] == 0  # the measured budget keeps it
+    engine.core.set_drain_steps(8)
+    assert engine.core.scheduler.step_budget.drain_steps == 8
+    with pytest.raises(ValueError, match="drain_steps"):
+        engine.core.set_drain_steps(-2)
     engine.close()
 
 

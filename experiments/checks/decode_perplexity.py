@@ -31,7 +31,9 @@ Arms (each its own engine, the bundled SmolLM2-135M-Instruct GGUF loaded in fp32
   on CPU, the new default;
 - ``quantized_int8``: ``engine.decode_activations=int8``: the same rounded to int8 (llama.cpp's arithmetic);
 - ``compiled_fp32`` (``--with-compiled`` only; its warm-up compiles for 1-3 minutes): ``engine.decode=compiled``,
-  the previous CPU default.
+  the previous CPU default;
+- ``default``: no override, what a user gets on this machine (``model.dtype=auto``: bf16 on a CPU with native bf16,
+  so the prompt is prefilled on the dense bf16 weights; the decode steps from the 4-bit blocks).
 
 Reported per arm: perplexity, mean NLL, tokens scored, the perplexity's ratio to ``dense_fp32``'s, the max and
 mean absolute per-token NLL difference from ``dense_fp32``, the greedy top-1 agreement with ``dense_fp32`` over the
@@ -63,6 +65,9 @@ ARMS: dict[str, list[str]] = {
     "quantized_int16": ["engine.decode=quantized", "engine.decode_activations=int16", "model.dtype=float32"],
     "quantized_int8": ["engine.decode=quantized", "engine.decode_activations=int8", "model.dtype=float32"],
     "compiled_fp32": ["engine.decode=compiled", "model.dtype=float32"],
+    # the configuration a user gets on this machine: model.dtype=auto (bf16 where the CPU has native bf16, e.g. Zen 4
+    # or AMX, so a bf16 dense prefill and the 4-bit decode), engine.decode=auto
+    "default": [],
 }
 REFERENCE = "dense_fp32"
 
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                               "prefill", "prefill_weights", "exact")}  # fmt: skip
             if "quantized" in info:
                 result["decode_info"]["quantized"] = info["quantized"]
+            result["decode_info"]["dtype"] = str(engine.adapter.dtype).removeprefix("torch.")
             result["load_s"], result["warmup_s"] = load_s, warmup_s
             results[name] = result
         finally:
@@ -235,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(generation prompt added) as the prompt ({data['prompt_tokens']} tokens in all), the first assistant reply "
         f"cut to {args.max_reply_tokens} tokens scored ({len(targets)} tokens). The first reply token is scored from "
         "the prefill's last logits, every later one from a decode step fed the previous reply token (teacher "
-        f"forcing through the decode path). SmolLM2-135M-Instruct (bundled Q4_1 GGUF), fp32, {threads} threads. "
+        f"forcing through the decode path). SmolLM2-135M-Instruct (bundled Q4_1 GGUF), each arm in its "
+        f"dtype (the runner lines below), {threads} threads. "
         "NLL differences and top-1 agreement are per scored position against dense_fp32."), "",
         ("| arm | perplexity | vs dense fp32 | mean NLL | tokens | NLL abs diff max | NLL abs diff mean "
          "| top-1 agreement | top-1 correct | forwards | wall s |"),
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines += ["", "Runners (`engine.decode_info()`):", ""]
     for r in rows:
         info = r["decode_info"]
-        text = f"- {r['arm']}: decode={info['decode']} ({info['decode_reason']})"
+        text = f"- {r['arm']}: {info.get('dtype', 'float32')}, prefill={info.get('prefill')}, decode={info['decode']} ({info['decode_reason']})"
         if "quantized" in info:
             text += f"; quantized: {info['quantized']}"
         lines.append(text)

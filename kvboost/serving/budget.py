@@ -6,11 +6,13 @@ decoding row for the chunk's time. With the old default budget (2,048 tokens per
 closed-loop ShareGPT clients) had an inter-token latency of p50 147 ms and p99 1.7 s: a 2,048-token chunk takes
 ~1.5 s there (~1,300 prefill tokens/s) against ~0.1-0.15 s for a decode step of ~32 rows (issue 44).
 
-The rule (CPU, ``max_batch_tokens`` not set by the user)::
+The rule (CPU, ``max_batch_tokens`` not set by the user), with B the prompt tokens admitted requests still have
+to prefill::
 
-    budget(R decode rows) = decode tokens + chunk(R)
-    chunk(R) = max((STALL_RATIO * decode_step_s(R) - prefill_base_s) / prefill_token_s,   # the stall bound
-                   prefill_base_s / prefill_token_s)                                       # the amortisation bound
+    budget(R decode rows) = decode tokens + chunk(R, B)
+    chunk(R, B) = max((STALL_RATIO * decode_step_s(R) - prefill_base_s) / prefill_token_s,   # the stall bound
+                      prefill_base_s / prefill_token_s,                                       # the amortisation bound
+                      B / DRAIN_STEPS)                                                        # the backlog bound
 
 clamped to ``[MIN_CHUNK, MAX_CHUNK]`` and rounded down to a multiple of ``CHUNK_QUANTUM`` (the amortisation bound
 up). The stall bound: a step with decode rows takes at most ``1 + STALL_RATIO`` (2.5x) a pure decode step, so the
@@ -25,6 +27,17 @@ cores, 4-turn sessions) against the 32-token chunks the stall bound alone gave, 
 1.028 / 0.819 vs 0.726 / 0.730 req/s, TTFT p50 at turns >= 2 1.7 / 34.1 vs 4.4 / 41.4 s, inter-token p50/p99 82/533
 and 368/635 vs 278/384 and 288/621 ms: at 8 the p99 is 6.5x the p50 (1.4x before), more steps being pure decode
 steps (experiments/results/README.md, issue 44).
+
+The backlog bound: the first two bounds size a chunk from the decode step alone, however much prompt work waits.
+Under load the prompts arrive faster than ~1.5 decode steps of prefill per step can take them in, so they queue, and
+time to first token is that queue: on 2 Zen 4 cores (bf16, 4-bit decode) at 32 closed-loop clients 13.4-17.2 s at
+turns >= 2, while the steps stayed short (inter-token p50 118-142 ms). By Little's law, in a closed loop a request's
+latency is concurrency / throughput whatever the order, so time to first token falls only if the time between
+tokens rises: with the backlog bound a step takes in at least 1 / DRAIN_STEPS of the waiting prompt tokens, so the
+prefill keeps pace with the arrivals, and the steps grow with the load, evenly (each carries a similar share of the
+backlog). Measured the same way: 2.9-3.3 s, 1.36-1.42x the throughput, inter-token p99 2.2x the p50; 4 steps broke
+p99 <= 3x p50 in three runs of four, 8 gave a later first token (experiments/results/README.md, "A prompt backlog
+bound for the step budget").
 
 ``decode_step_s(R) = decode_base_s + decode_row_s * R``, ``prefill_base_s`` and ``prefill_token_s`` are
 :class:`Rates`: measured on the engine's own runner by :func:`measure_rates` (the server
@@ -71,6 +84,9 @@ STALL_RATIO = 1.5
 MIN_CHUNK, MAX_CHUNK = 32, GPU_MAX_BATCH_TOKENS
 #: The chunk is a multiple of this (shapes repeat, the log reads simply).
 CHUNK_QUANTUM = 16
+#: The backlog bound: a step takes in at least 1 / DRAIN_STEPS of the prompt tokens admitted requests still have to
+#: prefill (a backlog shrinks geometrically, ~1/6 a step), however many requests decode.
+DRAIN_STEPS = 6
 
 
 @dataclass(frozen=True)
@@ -129,16 +145,18 @@ def prior_rates(isa: str, cores: int) -> Rates:
     return Rates(1.0 / (per_core * max(1, cores)), base, row, f"prior ({isa}, {cores} cores)")
 
 
-def chunk_tokens(rates: Rates, decode_rows: int, ratio: float = STALL_RATIO) -> int:
+def chunk_tokens(rates: Rates, decode_rows: int, ratio: float = STALL_RATIO, backlog: int = 0,
+                 drain_steps: int = DRAIN_STEPS) -> int:  # fmt: skip
     """The prompt tokens a step with ``decode_rows`` decode rows may carry: ``ratio`` decode steps' worth of
-    prefill, or, where that is shorter, as many tokens as the chunk's fixed cost is worth (see the module
-    docstring)."""
+    prefill, or, where that is shorter, as many tokens as the chunk's fixed cost is worth, or, where ``backlog``
+    prompt tokens wait in admitted requests, ``backlog / drain_steps`` (see the module docstring)."""
     if rates.prefill_token_s <= 0:
         return MAX_CHUNK
     stall = int((ratio * rates.decode_step_s(decode_rows) - rates.prefill_base_s) / rates.prefill_token_s)
     # at least the fixed cost's worth of tokens: rounded up to the quantum (the result is rounded down below)
     amortised = math.ceil(rates.prefill_base_s / rates.prefill_token_s / CHUNK_QUANTUM) * CHUNK_QUANTUM
-    n = max(stall, amortised)
+    drain = math.ceil(max(0, backlog) / max(1, drain_steps) / CHUNK_QUANTUM) * CHUNK_QUANTUM if drain_steps else 0
+    n = max(stall, amortised, drain)
     n = max(MIN_CHUNK, min(MAX_CHUNK, n))
     return max(MIN_CHUNK, n // CHUNK_QUANTUM * CHUNK_QUANTUM)
 
@@ -152,22 +170,27 @@ class StepBudget:
     rates: Rates | None
     reason: str
     ratio: float = STALL_RATIO
+    #: the backlog bound's horizon (0: off, the chunk depends on the decode rows alone)
+    drain_steps: int = DRAIN_STEPS
 
     @property
     def auto(self) -> bool:
         return self.rates is not None
 
-    def chunk(self, decode_rows: int) -> int:
+    def chunk(self, decode_rows: int, backlog: int = 0) -> int:
+        """Prompt tokens besides ``decode_rows`` decode rows, with ``backlog`` prompt tokens left in admitted
+        requests."""
         if self.rates is None:
             return self.max_batch_tokens
-        return chunk_tokens(self.rates, decode_rows, self.ratio)
+        return chunk_tokens(self.rates, decode_rows, self.ratio, backlog, self.drain_steps)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": "cpu-auto" if self.auto else "fixed", "max_batch_tokens": self.max_batch_tokens,
                                "reason": self.reason}  # fmt: skip
         if self.rates is not None:
             r = self.rates
-            out.update(source=r.source, stall_ratio=self.ratio, prefill_tokens_per_s=round(1 / r.prefill_token_s, 1),
+            out.update(source=r.source, stall_ratio=self.ratio, drain_steps=self.drain_steps,
+                       prefill_tokens_per_s=round(1 / r.prefill_token_s, 1),
                        decode_step_ms_1=round(r.decode_step_s(1) * 1e3, 2),
                        decode_step_ms_32=round(r.decode_step_s(32) * 1e3, 2),
                        prefill_chunk_base_ms=round(r.prefill_base_s * 1e3, 2),
@@ -181,14 +204,24 @@ class StepBudget:
         return (f"step budget cpu-auto: decode rows + {self.chunk(1)}..{self.chunk(32)} prompt tokens (1..32 rows; "
                 f"chunk = {self.ratio:g} decode steps, or its fixed cost's worth; {r.source}: "
                 f"{r.prefill_base_s * 1e3:.0f} ms + {1 / r.prefill_token_s:.0f} prefill tok/s per chunk, decode "
-                f"step {r.decode_step_s(1) * 1e3:.0f} ms at 1 row, {r.decode_step_s(32) * 1e3:.0f} ms at 32); idle "
-                f"prefill budget unchanged")  # fmt: skip
+                f"step {r.decode_step_s(1) * 1e3:.0f} ms at 1 row, {r.decode_step_s(32) * 1e3:.0f} ms at 32); "
+                + (f"at least the admitted prompts' backlog / {self.drain_steps}; " if self.drain_steps else "")
+                + "idle prefill budget unchanged")  # fmt: skip
+
+
+def check_drain_steps(steps: Any) -> int:
+    """``steps`` if it is a valid backlog-bound horizon (a non-negative integer; 0: off), else ValueError."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"drain_steps must be a non-negative integer (0: off), got {steps!r}")
+    return steps
 
 
 def choose(device_type: str, explicit: int | None, *, isa: str | None = None, cores: int | None = None,
-           rates: Rates | None = None) -> StepBudget:  # fmt: skip
+           rates: Rates | None = None, drain_steps: int = DRAIN_STEPS) -> StepBudget:  # fmt: skip
     """The step budget: ``explicit`` when given (fixed), 2,048 off CPU, else the CPU rule over ``rates`` (default:
-    the prior of ``isa`` and ``cores``, this machine's when None). Deterministic given its arguments."""
+    the prior of ``isa`` and ``cores``, this machine's when None) with the backlog bound over ``drain_steps`` steps
+    (0: off). Deterministic given its arguments."""
+    check_drain_steps(drain_steps)
     if explicit is not None:
         return StepBudget(int(explicit), None, "set explicitly")
     if device_type != "cpu":
@@ -196,7 +229,8 @@ def choose(device_type: str, explicit: int | None, *, isa: str | None = None, co
     if rates is None:
         isa = isa if isa is not None else cpu_isa()
         rates = prior_rates(isa, cores if cores is not None else cpu_cores())
-    return StepBudget(GPU_MAX_BATCH_TOKENS, rates, "CPU default: prefill chunk sized to the decode step")
+    return StepBudget(GPU_MAX_BATCH_TOKENS, rates, "CPU default: prefill chunk sized to the decode step",
+                      drain_steps=drain_steps)  # fmt: skip
 
 
 def measure_rates(runner: Any, pool: Any, *, vocab: int = 1000, context: int = 256, chunks: tuple[int, int] = (32, 256),

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step while requests decode (prefill chunks + decode rows). Default: 2048 "
                         "on GPUs; on CPU the decode rows + a prompt chunk of ~1.5 decode steps, measured at start "
                         "(kvboost.serving.budget); engine.core.max_batch_tokens=N also sets it")  # fmt: skip
+    p.add_argument("--prefill-drain-steps", type=_non_negative_int, default=None,
+                   help="CPU step budget: a step's prompt chunk is at least the admitted prompts' pending tokens / N, "
+                        "so prefill keeps pace with arriving prompts under load (default "
+                        "kvboost.serving.budget.DRAIN_STEPS, 6; 0 = off: the chunk follows the decode rows alone)")  # fmt: skip
     p.add_argument("--max-waiting", type=_non_negative_int, default=256,
                    help="queued requests before 429 (default 256; 0 = unbounded)")  # fmt: skip
     p.add_argument("--request-timeout", type=_non_negative_float, default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -291,6 +295,8 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
         loop = EngineLoop(engine, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
                           max_waiting=args.max_waiting or None, request_timeout_s=args.request_timeout,
                           **loop_options)  # fmt: skip
+        if args.prefill_drain_steps is not None:
+            loop.core.set_drain_steps(args.prefill_drain_steps)
         if cfg.get("warmup", True) and loop.core.scheduler.step_budget is not None:
             loop.core.calibrate_budget()  # CPU default budget: measured on this machine's runner now
         step_budget = loop.core.scheduler.step_budget

@@ -211,8 +211,9 @@ class _LoopCollector:
         yield gauge("kvboost:step_budget_max_batch_tokens", "Tokens a step may carry when no request is decoding "
                     "(the step budget, kvboost.serving.budget).", budget["max_batch_tokens"])  # fmt: skip
         chunk = GaugeMetricFamily(
-            "kvboost:step_budget_prompt_tokens", "Prompt tokens a step may carry beside R decode rows (the CPU "
-            "budget sizes this chunk to the measured decode step; a fixed budget is max_batch_tokens - R).",
+            "kvboost:step_budget_prompt_tokens", "Prompt tokens a step may carry beside R decode rows with no prompt "
+            "backlog (the CPU budget sizes this chunk to the measured decode step, and raises it to 1/drain_steps of "
+            "the admitted prompts' pending tokens; a fixed budget is max_batch_tokens - R).",
             labels=["model_name", "mode", "decode_rows"],
         )  # fmt: skip
         for rows in (1, 8, 32):

@@ -141,7 +141,8 @@ class Scheduler:
         if self.step_budget is None:
             return self.max_batch_tokens
         rows = sum(r.pending_tokens() for r in decoding)
-        return min(self.max_batch_tokens, rows + self.step_budget.chunk(len(decoding)))
+        backlog = sum(r.pending_tokens() for r in self.running if not r.decoding)
+        return min(self.max_batch_tokens, rows + self.step_budget.chunk(len(decoding), backlog))
 
     def plan_step(self, blocks_needed: Callable[[Any, int], int], make_room: Callable[[int], int]) -> StepPlan:
         """The rows of this step; preempts (newest first) while their blocks cannot be had. ``make_room(n)`` frees
