@@ -231,7 +231,7 @@ def test_work_pool_state_machine(ext):
 
 def test_the_decode_pool_is_off_in_process_and_on_in_the_engine_loop(tmp_path):
     """OpenMP by default (faster in a process alone); kvboost-server's engine loop turns the step's own pool on for a
-    quantized decode, and decode_info says which runs."""
+    quantized decode while it runs (two loops: until both have stopped), and decode_info says which runs."""
     from kvboost.runtime.quant_step import load_quant_extension, use_decode_pool
     from kvboost.serving.loop import EngineLoop
 
@@ -239,13 +239,19 @@ def test_the_decode_pool_is_off_in_process_and_on_in_the_engine_loop(tmp_path):
         pytest.skip("KVBOOST_QUANT_POOL forces the choice")
     ext = load_quant_extension()
     use_decode_pool(False)
-    engine = _engine(gguf_model(tmp_path, "llama"), decode="quantized")
-    assert engine.decode_info()["quantized"]["decode_pool"] == "openmp"
-    loop = EngineLoop(engine).start()
+    engines = [_engine(gguf_model(tmp_path, "llama"), decode="quantized") for _ in range(2)]
+    assert engines[0].decode_info()["quantized"]["decode_pool"] == "openmp"
+    loops = [EngineLoop(engines[0]).start()]
     try:
-        assert ext.decode_pool() and engine.decode_info()["quantized"]["decode_pool"] == "own"
+        assert ext.decode_pool() and engines[0].decode_info()["quantized"]["decode_pool"] == "own"
+        loops.append(EngineLoop(engines[1]).start())
+        loops[0].shutdown()
+        assert ext.decode_pool()  # the second loop still serves
+        loops[1].shutdown()
+        assert not ext.decode_pool() and engines[0].decode_info()["quantized"]["decode_pool"] == "openmp"
     finally:
-        loop.shutdown()
+        for loop in loops:
+            loop.shutdown()
         use_decode_pool(False)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import threading
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,39 @@ def use_decode_pool(on: bool = True) -> None:
     the extension cannot be built."""
     if extension_unavailable_reason() is None:
         load_quant_extension().set_decode_pool(bool(on))
+
+
+_pool_holds = 0
+_pool_before = False  # the setting before the first hold, restored when the last one is released
+_pool_lock = threading.Lock()
+
+
+def hold_decode_pool() -> None:
+    """:func:`use_decode_pool` for as long as a holder needs it (kvboost-server's engine loop, from start until its
+    thread ends): holds are counted, and when the last is released (:func:`release_decode_pool`) the setting from
+    before the first comes back, so a process that served and then computes alone is on OpenMP again."""
+    global _pool_holds, _pool_before
+    if extension_unavailable_reason() is not None:
+        return
+    ext = load_quant_extension()
+    with _pool_lock:
+        if _pool_holds == 0:
+            _pool_before = bool(ext.decode_pool())
+        _pool_holds += 1
+        ext.set_decode_pool(True)
+
+
+def release_decode_pool() -> None:
+    """One hold of :func:`hold_decode_pool` fewer (a release without a hold is ignored)."""
+    global _pool_holds
+    if extension_unavailable_reason() is not None:
+        return
+    with _pool_lock:
+        if _pool_holds == 0:
+            return
+        _pool_holds -= 1
+        if _pool_holds == 0:
+            load_quant_extension().set_decode_pool(_pool_before)
 
 
 def load_quant_extension(isa: str | None = None) -> Any:

@@ -60,6 +60,7 @@ class EngineLoop:
         self._frontend: threading.Thread | None = None
         self._stopping = False
         self._running = False
+        self._holds_pool = False  # a hold of the quantized decode step's own pool (start until the thread ends)
         self._stats: dict[str, Any] = self.core.stats()
         self._lock = threading.Lock()
         self.error: BaseException | None = None
@@ -69,11 +70,13 @@ class EngineLoop:
         if self._thread is not None:
             raise RuntimeError("this engine loop was started already")
         self._running = True
-        if getattr(getattr(self.engine, "runner_config", None), "decode", None) == "quantized":
-            # HTTP threads and clients share the cores with the decode step here: its own pool copes with that
-            from kvboost.runtime.quant_step import use_decode_pool
+        self._holds_pool = getattr(getattr(self.engine, "runner_config", None), "decode", None) == "quantized"
+        if self._holds_pool:
+            # HTTP threads and clients share the cores with the decode step here: its own pool copes with that (held
+            # until the loop's thread ends, then OpenMP again for a process that goes on alone)
+            from kvboost.runtime.quant_step import hold_decode_pool
 
-            use_decode_pool(True)
+            hold_decode_pool()
         self._thread = threading.Thread(target=self._run, name="kvboost-engine-loop", daemon=True)
         self.core.driver = self._thread
         self.core.on_finished = self._turns.put
@@ -174,6 +177,10 @@ class EngineLoop:
                 future.set_exception(LoopStopped("the engine loop stopped"))
             core.driver = None
             core.on_finished = None
+            if self._holds_pool:
+                from kvboost.runtime.quant_step import release_decode_pool
+
+                release_decode_pool()
             with self._lock:
                 self._stats = {**core.stats(), "num_waiting": 0}
 
