@@ -91,7 +91,8 @@ def quant_isa() -> str:
 
 def use_decode_pool(on: bool = True) -> None:
     """Run this process's quantized decode steps on the step's own thread pool (``kvboost/csrc/work_pool.h``) instead
-    of torch's OpenMP pool (the default). kvboost-server's engine loop turns it on: there HTTP threads and clients
+    of torch's OpenMP pool (the default). kvboost-server's engine loop holds it on while it runs
+    (:func:`hold_decode_pool`): there HTTP threads and clients
     share the cores, and OpenMP's fixed split stalls each of a step's ~150 parallel regions on whichever thread the OS
     set aside (2 Zen 4 cores, one client: 7.2 against 13.9 ms between tokens). In a process alone OpenMP is faster
     (``engine.generate`` 151 against 106 tok/s there). ``$KVBOOST_QUANT_POOL=omp|pool`` overrides this. No-op where

@@ -80,8 +80,6 @@ class EngineCore:
         self.engine = engine
         adapter = getattr(engine, "adapter", None)
         device = adapter.device.type if adapter is not None else "cpu"
-        #: the CPU budget's backlog bound: a step takes in >= 1/this of the admitted prompts' pending tokens (0: off)
-        self.drain_steps = budget_rule.DRAIN_STEPS
         step_budget = budget_rule.choose(device, max_batch_tokens)
         self.scheduler = Scheduler(max_running=max_running, cache_aware_limit=cache_aware_limit,
                                    aging_steps=aging_steps, step_budget=step_budget)  # fmt: skip
@@ -135,7 +133,8 @@ class EngineCore:
             vocab = int(getattr(engine.adapter.config, "vocab_size", 0) or 1000)
             for _ in range(2):  # the first pass meets new shapes (compiles, oneDNN primitives): the second counts
                 rates = budget_rule.measure_rates(engine.runner, engine.pool, vocab=vocab, repeats=repeats)
-        chosen = budget_rule.choose("cpu", None, rates=rates, drain_steps=self.drain_steps)
+        # the measured budget keeps the backlog bound in force (set_drain_steps)
+        chosen = budget_rule.choose("cpu", None, rates=rates, drain_steps=self.scheduler.step_budget.drain_steps)
         self.scheduler.set_step_budget(chosen)
         self.budget_choice = chosen
         return self.budget_info()
@@ -144,7 +143,7 @@ class EngineCore:
         """The CPU step budget's backlog bound (``kvboost.serving.budget``): a step carries at least the admitted
         prompts' pending tokens / ``steps`` (0: off, the chunk follows the decode rows alone). No effect on a fixed
         budget."""
-        self.drain_steps = budget_rule.check_drain_steps(steps)
+        budget_rule.check_drain_steps(steps)
         if self.scheduler.step_budget is not None:
             self.scheduler.set_step_budget(dataclasses.replace(self.scheduler.step_budget, drain_steps=steps))
             self.budget_choice = self.scheduler.step_budget
