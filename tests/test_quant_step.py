@@ -111,8 +111,9 @@ def test_a_rows_result_does_not_depend_on_the_batch(ext, act):
 
 @pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
 def test_the_vnni_build_gives_the_avx2_builds_bits(act):
-    """The AVX-512 VNNI build (vpdpwssd / vpdpbusd, 8 rows a pass) sums the same integers exactly and scales them
-    with the same fp32 operations as the AVX2 build: the same bits for every row count, 4-bit and 8-bit."""
+    """The AVX-512 VNNI build (vpdpwssd / vpdpbusd, 8 rows a pass; int16 rows two to a 512-bit vector from 2 rows
+    on) sums the same integers exactly and scales them with the same fp32 operations as the AVX2 build: the same
+    bits for every row count, 4-bit and 8-bit."""
     from kvboost.runtime.quant_step import load_quant_extension, vnni_unavailable_reason
 
     if vnni_unavailable_reason() is not None:
@@ -122,13 +123,21 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(act):
     w = _q4(64, 192, seed=5, bias=True)
     g = torch.Generator().manual_seed(9)
     w8 = Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8), torch.rand(32, 6, generator=g))
-    for rows in (1, 3, 8, 13, 32):
+    half = Q4Weight(torch.randint(0, 16, (64, 192), generator=g, dtype=torch.uint8),
+                    torch.rand(64, 6, generator=g).half(), -torch.rand(64, 6, generator=g).half())  # fmt: skip
+    half8 = Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8),
+                     torch.rand(32, 6, generator=g).half())  # fmt: skip
+    assert (w.scale.dtype, half.scale.dtype, half8.scale.dtype) == (torch.float32, torch.float16, torch.float16)
+    for rows in (1, 2, 3, 6, 7, 8, 13, 32):  # one row; each tail of the VNNI int16 row-pair kernel; full blocks
         x = torch.randn(rows, 192, generator=g) * 4
         for ext in (avx2, vnni):
             assert ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]).shape == (rows, 64)
-        assert torch.equal(avx2.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]),
-                           vnni.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]))  # fmt: skip
-        assert torch.equal(avx2.q8_matmul(x, w8.codes, w8.scale, ACT[act]), vnni.q8_matmul(x, w8.codes, w8.scale, ACT[act]))
+        for q4 in (w, half):  # fp32 and fp16 group values
+            assert torch.equal(avx2.q4_matmul(x, q4.codes, q4.scale, q4.minv, q4.bias, ACT[act]),
+                               vnni.q4_matmul(x, q4.codes, q4.scale, q4.minv, q4.bias, ACT[act]))  # fmt: skip
+        for q8 in (w8, half8):
+            assert torch.equal(avx2.q8_matmul(x, q8.codes, q8.scale, ACT[act]),
+                               vnni.q8_matmul(x, q8.codes, q8.scale, ACT[act]))  # fmt: skip
 
 
 def test_products_do_not_depend_on_threads_or_callers(ext):
@@ -285,6 +294,44 @@ def test_the_tiled_layout_round_trips_and_refuses_partial_tiles():
         Q4Weight(q[:12], scale[:12], minv[:12])
     with pytest.raises(ValueError, match="multiple of 8"):
         Q8Weight(q8[:12], scale[:12])
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
+def test_fp16_group_values_give_the_fp32_bits_and_fewer_bytes(ext, act):
+    """Scales and mins that are fp16 values (GGUF's Q4_0 / Q4_1 / Q8_0 blocks store them so) are kept in fp16: 20
+    bytes per 32 weights of a 4-bit matrix instead of 24, 34 instead of 36 of an 8-bit one. The kernels convert them
+    to fp32 exactly, so every row count of every kernel gives the bits of the same weight kept in fp32."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 16, (40, 192), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(40, 6, generator=g) * 0.02).half().float()  # fp16 values, as a file's
+    minv = (-torch.rand(40, 6, generator=g) * 0.1).half().float()
+    bias = torch.randn(40, generator=g)
+    half = Q4Weight(q, scale, minv, bias)
+    full = Q4Weight(q, scale, minv, bias)
+    full.scale, full.minv = full.scale.float(), full.minv.float()
+    assert half.scale.dtype == half.minv.dtype == torch.float16
+    assert half.nbytes * 24 == full.nbytes * 20
+    q8 = torch.randint(-127, 128, (40, 192), generator=g, dtype=torch.int8)
+    half8 = Q8Weight(q8, scale)
+    full8 = Q8Weight(q8, scale)
+    full8.scale = full8.scale.float()
+    assert half8.scale.dtype == torch.float16 and half8.nbytes * 36 == full8.nbytes * 34
+    for rows in (1, 2, 3, 8, 13):
+        x = torch.randn(rows, 192, generator=g) * 3
+        assert torch.equal(ext.q4_matmul(x, half.codes, half.scale, half.minv, half.bias, ACT[act]),
+                           ext.q4_matmul(x, full.codes, full.scale, full.minv, full.bias, ACT[act]))  # fmt: skip
+        assert torch.equal(ext.q8_matmul(x, half8.codes, half8.scale, ACT[act]),
+                           ext.q8_matmul(x, full8.codes, full8.scale, ACT[act]))  # fmt: skip
+    assert torch.equal(half.dequantized(), full.dequantized())
+    # one value that is not an fp16 keeps the whole weight in fp32; stacking an fp32 part makes the stack fp32
+    scale[3, 2] += 1e-7
+    mixed = Q4Weight(q, scale, minv)
+    assert mixed.scale.dtype == mixed.minv.dtype == torch.float32
+    both = Q4Weight.cat([half, mixed])
+    assert both.scale.dtype == both.minv.dtype == torch.float32
+    assert torch.equal(both.dequantized(), torch.cat([half.dequantized(), mixed.dequantized()]))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ext.q4_matmul(torch.randn(1, 192), half.codes, half.scale, full.minv, None, 0)
 
 
 def test_kernels_refuse_bad_shapes(ext):

@@ -79,7 +79,7 @@ void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body, b
 // AVX-512 VNNI on 256-bit vectors (AMD Zen 4, Intel Xeon since Cascade Lake): one vpdpwssd / vpdpbusd per product
 // where AVX2 needs a multiply-add and an add (int16) or three instructions (int8). The integer sums are exact either
 // way, so both builds give the same bits (tests/test_quant_step.py compares them).
-#if defined(KVB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(KVB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define KVB_VNNI 1
 #endif
 
@@ -110,7 +110,40 @@ struct Rows {
   std::vector<int16_t> q16;
   std::vector<float> d;    // [M, G]
   std::vector<float> sum;  // [M, G]
-  int64_t K = 0, G = 0;
+  // The int16 row-pair kernel's copies (tile_row_pairs; VNNI builds, 2 rows or more): `d` and `sum` as [G, Mp] so
+  // that two rows' values are one 64-bit broadcast, and q16 padded with a zero row to Mp = M rounded up to even.
+  std::vector<float> d_by_group, sum_by_group;
+  int64_t K = 0, G = 0, Mp = 0;
+};
+
+#ifdef KVB_VNNI
+inline bool row_pairs(int64_t M, int64_t act) { return act == kActInt16 && M >= 2; }
+#else
+inline bool row_pairs(int64_t, int64_t) { return false; }
+#endif
+
+// A tile's per-group scales (or mins), as the layouts above order them: fp32, or fp16 where every value of the
+// weight is an fp16 (Q4_0 / Q4_1 / Q8_0 store theirs so; kvboost/runtime/quant_step.py decides). fp16 is converted
+// to fp32 exactly, so both give the same bits; fp16 is 4 bytes less per 32 weights to stream (24 -> 20 for 4-bit
+// blocks with a min), and a one-row decode step streams every weight from memory.
+struct GroupVals {
+  const void* p = nullptr;
+  bool half = false;
+  GroupVals at(int64_t i) const {
+    return {half ? static_cast<const void*>(static_cast<const uint16_t*>(p) + i)
+                 : static_cast<const void*>(static_cast<const float*>(p) + i),
+            half};
+  }
+  float operator[](int64_t i) const {
+    return half ? static_cast<float>(c10::Half(static_cast<const uint16_t*>(p)[i], c10::Half::from_bits()))
+                : static_cast<const float*>(p)[i];
+  }
+#ifdef KVB_AVX2
+  __m256 load8(int64_t i) const {  // values i .. i+7
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+                : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+#endif
 };
 
 Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
@@ -119,10 +152,16 @@ Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
   rows.K = K;
   rows.G = K / kGroup;
   const int64_t G = rows.G;
+  const bool pairs = row_pairs(M, act);
+  rows.Mp = pairs ? (M + 1) / 2 * 2 : M;
   rows.sum.resize(M * G);
   if (act != kActFp32) rows.d.resize(M * G);
   if (act == kActInt8) rows.q8.resize(M * K);
-  if (act == kActInt16) rows.q16.resize(M * K);
+  if (act == kActInt16) rows.q16.resize(rows.Mp * K);  // the pad row (if any) stays zero
+  if (pairs) {
+    rows.d_by_group.assign(G * rows.Mp, 0.f);
+    rows.sum_by_group.assign(G * rows.Mp, 0.f);
+  }
   const float qmax = act == kActInt8 ? 127.f : 32767.f;
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < G; ++g) {
@@ -136,6 +175,10 @@ Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
       if (act == kActFp32) continue;
       const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
       rows.d[r * G + g] = d;
+      if (pairs) {
+        rows.d_by_group[g * rows.Mp + r] = d;
+        rows.sum_by_group[g * rows.Mp + r] = s;
+      }
       for (int64_t i = 0; i < kGroup; ++i) {
         const float v = std::nearbyint(p[i] * inv);
         if (act == kActInt8) rows.q8[r * K + g * kGroup + i] = static_cast<int8_t>(v);
@@ -150,7 +193,8 @@ Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
 // Layouts (built by kvboost/runtime/quant_step.py): a weight's output features in tiles of 8, so that one vector
 // holds one tile's 8 results and a weight read once serves every row of the step (the rows are broadcast):
 //   q4 [N, K]: codes uint8 [N/8][K/4][16]: for tile t and 4 consecutive k, byte 2j holds w[8t+j, k] (low nibble)
-//      and w[8t+j, k+2] (high), byte 2j+1 w[8t+j, k+1] and w[8t+j, k+3]; scale and min fp32 [N/8][K/32][8];
+//      and w[8t+j, k+2] (high), byte 2j+1 w[8t+j, k+1] and w[8t+j, k+3]; scale and min fp32 or fp16 (GroupVals)
+//      [N/8][K/32][8];
 //      w = q * scale + min.
 //   q8 [N, K]: codes int8 [N/8][K/2][16]: byte 2j = w[8t+j, k], byte 2j+1 = w[8t+j, k+1]; scale [N/8][K/32][8].
 // Per 32-value group each row's integer products are summed exactly in int32 (int16 rows: vpmaddwd on pairs of k;
@@ -195,7 +239,7 @@ inline __m256i bcast32(const void* p) {
 }
 
 template <int RB, int64_t Act, bool Q4>
-void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, const float* mt, float* out,
+void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
                int64_t ldo, const float* bias, bool accumulate) {
   const int64_t K = xr.K, G = xr.G;
   constexpr int64_t kQuadBytes = Q4 ? 16 : 32;
@@ -204,7 +248,7 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, c
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
     const TileCodes<Q4> codes{ct + g * 8 * kQuadBytes};
-    const __m256 sc = _mm256_loadu_ps(st + g * kTile);
+    const __m256 sc = st.load8(g * kTile);
     if constexpr (Act == kActFp32) {
       __m256 ga[RB];
       for (int r = 0; r < RB; ++r) ga[r] = _mm256_setzero_ps();
@@ -275,7 +319,7 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, c
       }
     }
     if constexpr (Q4) {
-      const __m256 mn = _mm256_loadu_ps(mt + g * kTile);
+      const __m256 mn = mt.load8(g * kTile);
       for (int r = 0; r < RB; ++r) fa[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xr.sum[(r0 + r) * G + g]), fa[r]);
     }
   }
@@ -289,9 +333,96 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, const float* st, c
 }
 #endif
 
+#ifdef KVB_VNNI
+// int16 rows on 512-bit vectors, two rows at a time: the same products and the same fp32 operations per output as
+// tile_rows<RB, kActInt16> (so the same bits), with one vpdpwssd per row and quad instead of two, one broadcast
+// instead of two, and one weight unpacking per quad for 8 rows. Zen 4 runs 1 zmm or 2 ymm vpdpwssd a cycle (4 cycles'
+// latency), so the peak is the same; what tile_rows loses is the work around it: in a standalone loop on one Zen 4
+// core at 8-32 rows, tile_rows reached ~50% of that peak and this ~65% (tests/test_quant_step.py checks the bits,
+// experiments/bench/bench_quant_products.py the speed). One row stays on tile_rows: it streams the weights from
+// memory, and this adds nothing there.
+//
+// Per 4 consecutive k ("quad") one zmm holds the tile's weights with dword lane 2j = (w[j, k], w[j, k+1]) and 2j+1 =
+// (w[j, k+2], w[j, k+3]) (TileCodes::fours widened to int16), so a row's 4 int16 codes broadcast as one 64-bit value
+// and one vpdpwssd adds all 32 products of the quad. After a group's 8 quads, lanes 2j and 2j+1 add up (in int32, so
+// exactly) to feature j's group sum; two rows share one fp32 vector from there on: lane 2j row r, lane 2j+1 row r+1.
+// RB rows (even) starting at r0; rows at or past `valid` (the pad row) are computed and not stored.
+inline __m512i bcast64(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+
+inline __m512 bcast_pair(const float* p) {  // p[0] in even lanes, p[1] in odd ones
+  double v;
+  std::memcpy(&v, p, 8);
+  return _mm512_castpd_ps(_mm512_set1_pd(v));
+}
+
+template <int RB, bool Q4>
+void tile_row_pairs(const Rows& xr, int64_t r0, int64_t valid, const uint8_t* ct, GroupVals st, GroupVals mt,
+                    float* out, int64_t ldo, const float* bias, bool accumulate) {
+  static_assert(RB % 2 == 0 && RB >= 2, "rows come in pairs");
+  constexpr int P = RB / 2;
+  constexpr int64_t kQuadBytes = Q4 ? 16 : 32;
+  const int64_t K = xr.K, G = xr.G, Mp = xr.Mp;
+  const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const int16_t* xb = xr.q16.data() + r0 * K;
+  __m512 fa[P];
+  for (int p = 0; p < P; ++p) fa[p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const TileCodes<Q4> codes{ct + g * 8 * kQuadBytes};
+    auto weights = [&](int64_t quad) {
+      return Q4 ? _mm512_cvtepu8_epi16(codes.fours(quad)) : _mm512_cvtepi8_epi16(codes.fours(quad));
+    };
+    __m512i ia[RB];
+    const __m512i w0 = weights(0);
+    for (int r = 0; r < RB; ++r) ia[r] = _mm512_madd_epi16(w0, bcast64(xb + r * K + g * kGroup));
+#pragma GCC unroll 7
+    for (int64_t quad = 1; quad < 8; ++quad) {
+      const __m512i w = weights(quad);
+      for (int r = 0; r < RB; ++r) ia[r] = _mm512_dpwssd_epi32(ia[r], w, bcast64(xb + r * K + g * kGroup + 4 * quad));
+    }
+    const __m512 sc = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(st.load8(g * kTile)));
+    [[maybe_unused]] __m512 mn;
+    if constexpr (Q4) mn = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(mt.load8(g * kTile)));
+    for (int p = 0; p < P; ++p) {
+      // row 2p's sums into even lanes, row 2p+1's into odd ones
+      const __m512i even = _mm512_add_epi32(ia[2 * p], _mm512_srli_epi64(ia[2 * p], 32));
+      const __m512i odd = _mm512_add_epi32(ia[2 * p + 1], _mm512_slli_epi64(ia[2 * p + 1], 32));
+      const __m512i sums = _mm512_mask_blend_epi32(0xAAAA, even, odd);
+      const __m512 s = _mm512_mul_ps(sc, bcast_pair(xr.d_by_group.data() + g * Mp + r0 + 2 * p));
+      fa[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, fa[p]);
+      if constexpr (Q4) fa[p] = _mm512_fmadd_ps(mn, bcast_pair(xr.sum_by_group.data() + g * Mp + r0 + 2 * p), fa[p]);
+    }
+  }
+  const __m512i split = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int p = 0; p < P; ++p) {
+    const __m512 both = _mm512_permutexvar_ps(split, fa[p]);  // row 2p in the low half, row 2p+1 in the high one
+    for (int half = 0; half < 2 && r0 + 2 * p + half < valid; ++half) {
+      float* o = out + (r0 + 2 * p + half) * ldo;
+      __m256 v = _mm256_add_ps(half ? _mm512_extractf32x8_ps(both, 1) : _mm512_castps512_ps256(both), b);
+      if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o), v);
+      _mm256_storeu_ps(o, v);
+    }
+  }
+}
+
+// The last M - r0 (< kRowBlock) rows, as the fewest RB rows that hold them (the pad row fills an odd count).
+template <int RB, bool Q4>
+void tail_row_pairs(const Rows& xr, int64_t r0, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt,
+                    float* out, int64_t ldo, const float* bias, bool accumulate) {
+  if constexpr (RB >= 2) {
+    if (M - r0 > RB - 2) tile_row_pairs<RB, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
+    else tail_row_pairs<RB - 2, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
+  }
+}
+#endif
+
 // The same arithmetic without AVX2 (the integer sums exact, then the same fp32 operations per group).
 template <int64_t Act, bool Q4>
-void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, const float* st, const float* mt,
+void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, GroupVals st, GroupVals mt,
                       float* out, int64_t ldo, const float* bias, bool accumulate) {
   const int64_t K = xr.K, G = xr.G;
   auto code = [&](int64_t j, int64_t k) -> int32_t {  // w's code at tile row j, column k (see the layouts above)
@@ -328,7 +459,7 @@ void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, 
 #ifdef KVB_AVX2
 // The last rem (< kRowBlock) rows in one pass of tile_rows<rem>.
 template <int RB, int64_t Act, bool Q4>
-void tail_rows(const Rows& xr, int64_t r0, int64_t rem, const uint8_t* ct, const float* st, const float* mt,
+void tail_rows(const Rows& xr, int64_t r0, int64_t rem, const uint8_t* ct, GroupVals st, GroupVals mt,
                float* out, int64_t ldo, const float* bias, bool accumulate) {
   if constexpr (RB >= 1) {
     if (rem == RB) tile_rows<RB, Act, Q4>(xr, r0, ct, st, mt, out, ldo, bias, accumulate);
@@ -338,8 +469,17 @@ void tail_rows(const Rows& xr, int64_t r0, int64_t rem, const uint8_t* ct, const
 #endif
 
 template <int64_t Act, bool Q4>
-void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, const float* st, const float* mt, float* out,
+void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
                    int64_t ldo, const float* bias, bool accumulate) {
+#ifdef KVB_VNNI
+  if (Act == kActInt16 && row_pairs(M, Act)) {
+    int64_t r0 = 0;
+    for (; r0 + kRowBlock <= M; r0 += kRowBlock)
+      tile_row_pairs<kRowBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
+    if (M > r0) tail_row_pairs<kRowBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
+    return;
+  }
+#endif
 #ifdef KVB_AVX2
   int64_t r0 = 0;
   for (; r0 + kRowBlock <= M; r0 += kRowBlock)
@@ -353,8 +493,8 @@ void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, const float* st
 // out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel
 // (kvb::parallel_chunks: OpenMP, or kvb::WorkPool for a decode step in kvboost-server).
 template <bool Q4>
-void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const float* scale,
-                   const float* minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
+void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, GroupVals scale,
+                   GroupVals minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
   const Rows xr = prepare_rows(x, M, K, act);
   const int64_t G = K / kGroup, T = N / kTile;
   const int64_t tile_bytes = Q4 ? K / 2 * kTile : K * kTile;
@@ -362,8 +502,8 @@ void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_
   kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* ct = codes + t * tile_bytes;
-      const float* st = scale + t * G * kTile;
-      const float* mt = Q4 ? minv + t * G * kTile : nullptr;
+      const GroupVals st = scale.at(t * G * kTile);
+      const GroupVals mt = Q4 ? minv.at(t * G * kTile) : GroupVals{};
       const float* bt = bias ? bias + t * kTile : nullptr;
       float* ot = out + t * kTile;
       if (act == kActInt16) tile_all_rows<kActInt16, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
@@ -385,10 +525,14 @@ void check_q4(const torch::Tensor& codes, const torch::Tensor& scale, const torc
   const int64_t N = codes.size(0);
   TORCH_CHECK(N % kTile == 0, "q4: out_features must be a multiple of 8 (the kernel's tiles), got ", N);
   for (const auto* t : {&scale, &minv})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / kGroup,
-                "q4: scale and min must be contiguous float32 [N, K/32]");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->is_contiguous() &&
+                    t->dim() == 2 && t->size(0) == N && t->size(1) == K / kGroup,
+                "q4: scale and min must be contiguous float32 or float16 [N, K/32]");
+  TORCH_CHECK(scale.scalar_type() == minv.scalar_type(), "q4: scale and min must have the same dtype");
 }
+
+// A weight's per-group values for the kernels (float32 or float16, checked by the caller).
+GroupVals group_vals(const torch::Tensor& t) { return {t.data_ptr(), t.scalar_type() == at::kHalf}; }
 
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), name,
@@ -410,8 +554,8 @@ void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const to
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "q4: bad bias");
     b = bias->data_ptr<float>();
   }
-  tiled_product<true>(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                      minv.data_ptr<float>(), b, out.data_ptr<float>(), out.stride(0), accumulate, act);
+  tiled_product<true>(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), group_vals(scale), group_vals(minv), b,
+                      out.data_ptr<float>(), out.stride(0), accumulate, act);
 }
 
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
@@ -429,13 +573,13 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& codes, cons
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.size(1) == K && codes.is_contiguous(),
               "q8: codes must be contiguous int8 [N, K]");
   TORCH_CHECK(N % kTile == 0, "q8: out_features must be a multiple of 8 (the kernel's tiles), got ", N);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == N &&
-                  scale.size(1) == K / kGroup,
-              "q8: scale must be contiguous float32 [N, K/32]");
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
+                  scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / kGroup,
+              "q8: scale must be contiguous float32 or float16 [N, K/32]");
   check_act(act);
   auto out = torch::empty({M, N}, x.options());
   tiled_product<false>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()),
-                       scale.data_ptr<float>(), nullptr, nullptr, out.data_ptr<float>(), N, false, act);
+                       group_vals(scale), GroupVals{}, nullptr, out.data_ptr<float>(), N, false, act);
   return out;
 }
 
