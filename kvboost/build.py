@@ -33,7 +33,7 @@ PLUGIN_GROUPS = {
 MODEL_FIELDS = ("name_or_path", "dtype", "device", "lm_head", "awq_prefill", "weights", "random_init", "random_seed")
 ENGINE_OPTIONS = (
     "store_generated", "store_canonical", "chat", "seed", "max_kv_bytes", "keep_buffer_bytes", "decode", "prefill",
-    "prefill_weights", "decode_activations", "kv", "core", "kv_events",
+    "prefill_weights", "decode_activations", "chunked_prompts", "kv", "core", "kv_events",
 )  # fmt: skip
 
 
@@ -89,6 +89,9 @@ def check_engine_config(cfg: dict[str, Any]) -> None:
 
     if decode != "auto" and decode not in DECODE_MODES:
         raise ValueError(f"engine.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    chunked = (cfg.get("engine") or {}).get("chunked_prompts")
+    if chunked not in (None, True, False):
+        raise ValueError(f"engine.chunked_prompts must be true, false or null, got {chunked!r}")
     prefill = (cfg.get("engine") or {}).get("prefill", "auto")
     from kvboost.runtime.config import PREFILL_MODES
 

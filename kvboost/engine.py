@@ -87,6 +87,10 @@ class InferenceEngine:
             ``plain`` | ``prepacked``. ``decode="quantized"`` (what ``auto`` picks on CPU for a GGUF model of 4-bit
             blocks, as the bundled one) multiplies the file's own blocks (``kvboost.runtime.quant_step``);
             ``prefill="quantized"`` runs the prompt rows through the same step.
+        chunked_prompts: prompts will come in a serving loop's bounded chunks (kvboost-server sets it): then
+            ``prefill="auto"`` runs them through the quantized step wherever decode is quantized, its fixed cost per
+            forward being the smaller one (bf16 models included). None / False: in-process use, where a prompt
+            prefills in one forward and a bf16 model keeps its dense prefill.
         decode_activations: ``decode="quantized"`` only: ``int16`` (the default: each row's 32-value groups rounded
             to int16 codes, the dense model's function up to ~1e-5), ``int8`` (llama.cpp's arithmetic: fastest; its
             generated rows are not stored, and greedy tokens of reuse and cold may part at near ties) or ``fp32``.
@@ -110,7 +114,7 @@ class InferenceEngine:
         share_model: bool = False,
         max_kv_bytes: int | str | None = None, keep_buffer_bytes: int | str | None = None, decode: str = "auto",
         speculative: Any = "none", prefill: str = "auto", prefill_weights: str = "auto", kv: dict | None = None,
-        decode_activations: str = "int16",
+        decode_activations: str = "int16", chunked_prompts: bool | None = None,
         store_canonical: bool = True, core: dict | None = None, kv_events: Any = None,
     ) -> None:  # fmt: skip
         from kvboost.rope import RopeRotator, check_rope_reusable
@@ -157,7 +161,7 @@ class InferenceEngine:
             attention.check_available()
             attention.check_model(model)
         config = choose_runner(model, attention, decode=decode, prefill=prefill, prefill_weights=prefill_weights,
-                               decode_activations=decode_activations)  # fmt: skip
+                               decode_activations=decode_activations, chunked_prompts=bool(chunked_prompts))  # fmt: skip
         speculative = DRAFT.build(speculative)
         speculative.bind(model, tokenizer)  # loads a draft model, refuses a misfit (vocabulary, layers)
         try:

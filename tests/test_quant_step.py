@@ -558,6 +558,30 @@ def test_quantized_prefill_needs_the_quantized_decode_and_is_in_the_cache_key(tm
     assert len(prints) == 2
 
 
+def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path):
+    """kvboost-server feeds prompts in its step budget's chunks (engine.chunked_prompts): then prefill=auto runs a bf16
+    model's prompt rows through the quantized step too (a smaller fixed cost per forward), says why, and keys the
+    cache apart; in process (the default) a bf16 model keeps its dense prefill. An explicit prefill still wins, and
+    int8 activations never prefill."""
+    model = copy.deepcopy(gguf_model(tmp_path, "llama", seed=3)).to(torch.bfloat16)
+    ids = random_ids(40, seed=9)
+    infos, prints = {}, set()
+    for chunked in (None, False, True):
+        engine = _engine(model, decode="quantized", chunked_prompts=chunked)
+        infos[chunked] = engine.decode_info()
+        prints.add(engine.fingerprint)
+        engine.generate(ids, 4)
+        assert (engine.runner.forwards["eager"] == 0) == bool(chunked)
+        engine.close()
+    assert infos[None]["prefill"] == infos[False]["prefill"] == "fused"
+    assert infos[True]["prefill"] == "quantized" and "chunked_prompts" in infos[True]["prefill_reason"]
+    assert len(prints) == 2  # None and False are the same engine
+    for options, path in (({"prefill": "fused"}, "fused"), ({"decode_activations": "int8"}, "fused")):
+        engine = _engine(model, decode="quantized", chunked_prompts=True, **options)
+        assert engine.decode_info()["prefill"] == path
+        engine.close()
+
+
 def test_int8_decode_stores_no_generated_rows(tmp_path):
     """The rows an int8 decode step writes are not a prefill's: a chat-less request stores its prompt's chunks only,
     where int16 (default) stores the generated rows too."""

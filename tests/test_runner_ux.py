@@ -244,6 +244,22 @@ def _run_py(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
+def test_kvboost_server_feeds_chunked_prompts_unless_told_otherwise():
+    """The server's step budget cuts prompts into chunks, so its engine is built with engine.chunked_prompts=true
+    (kvboost.runtime.config.choose_runner then prefers the quantized prefill where decode is quantized); an explicit
+    value from the command line is kept, and a value that is not a boolean is refused before any model loads."""
+    from kvboost.serving.cli import UsageError, build_parser, compose_config, serving_config
+
+    cfg = compose_config(build_parser().parse_args(["model=tiny_random"]))
+    assert cfg["engine"]["chunked_prompts"] is None  # the yaml's default: the caller decides
+    assert serving_config(cfg)["engine"]["chunked_prompts"] is True
+    assert cfg["engine"]["chunked_prompts"] is None  # the composed config is not changed in place
+    kept = compose_config(build_parser().parse_args(["model=tiny_random", "engine.chunked_prompts=false"]))
+    assert serving_config(kept)["engine"]["chunked_prompts"] is False
+    with pytest.raises(UsageError, match="chunked_prompts must be true, false or null"):
+        compose_config(build_parser().parse_args(["model=tiny_random", "engine.chunked_prompts=sometimes"]))
+
+
 def test_run_py_reads_a_cache_stack_and_checks_values_before_loading(tmp_path):
     """Both cache forms reach the run (the loader is reached, i.e. the config passed every check), and
     recompute.ratio=1.5 fails before it."""

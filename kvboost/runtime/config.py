@@ -72,9 +72,13 @@ def _dtype(model: Any) -> torch.dtype:
 
 def choose_runner(
     model: Any, attention: Any, *, decode: str = "auto", prefill: str = "auto", prefill_weights: str = "auto",
-    decode_activations: str = "int16",
+    decode_activations: str = "int16", chunked_prompts: bool = False,
 ) -> RunnerConfig:  # fmt: skip
-    """Resolve the engine's options for ``model`` under the installed-to-be ``attention`` backend."""
+    """Resolve the engine's options for ``model`` under the installed-to-be ``attention`` backend.
+
+    ``chunked_prompts``: the caller feeds prompts in a serving loop's bounded chunks (kvboost-server's step budget:
+    32-48 tokens a step on 2 CPU cores, more under a backlog), so ``prefill="auto"`` prefers the path with the smaller
+    fixed cost per forward: the quantized step's (~15 ms on 2 Zen 4 cores) over the dense bf16 one's (~30 ms)."""
     from kvboost.models.prepack import choose_prefill_weights, plain_projections, projection_bytes
     from kvboost.runtime.llama import has_int4_projections, inductor_unavailable_reason, unsupported_reason
 
@@ -183,13 +187,21 @@ def choose_runner(
     # auto: prompt rows from the blocks where the dense prefill is fp32 (a CPU without native bf16: on 2 AVX2 cores
     # a 32 / 64 / 256-token chunk took 78 / 146 / 517 ms against 210 / 279 / 762 ms dense); a bf16 model keeps the
     # dense prefill (oneDNN / AMX bf16 GEMMs outrun the AVX2 integer kernel), int8 activations too (see above).
+    # A serving loop's chunks (chunked_prompts) favour the blocks whatever the dtype: each dense bf16 forward costs a
+    # fixed ~30 ms on 2 Zen 4 cores, the quantized step's ~15 ms, and the ShareGPT load tests served 1.09-1.24x the
+    # throughput at 8 / 32 clients with it (experiments/results/README.md, "Two int16 rows to a 512-bit vector").
     quantized_prefill = prefill == "quantized" or (
-        prefill == "auto" and decode == "quantized" and decode_activations != "int8" and dtype == torch.float32)
+        prefill == "auto" and decode == "quantized" and decode_activations != "int8"
+        and (dtype == torch.float32 or chunked_prompts))  # fmt: skip
     if prefill != "auto":
         reasons["prefill"] = "requested"
-    elif quantized_prefill:
+    elif quantized_prefill and dtype == torch.float32:
         reasons["prefill"] = ("auto: fp32 on a CPU with the quantized step: prompt rows from the GGUF blocks too "
                               "(kvboost.runtime.quant_step)")  # fmt: skip
+    elif quantized_prefill:
+        reasons["prefill"] = ("auto: prompts come in a serving loop's chunks (engine.chunked_prompts) and the CPU "
+                              "decodes from the GGUF blocks: prompt rows from the blocks too, the smaller fixed cost "
+                              "per forward")  # fmt: skip
     else:
         reasons["prefill"] = ("short prefills replay CUDA graphs" if graph_prefill else
                               "the runner's eager forward" + (" on prepacked weights" if weights == "prepacked" else ""))

@@ -275,6 +275,15 @@ def tenant_keys(args: argparse.Namespace) -> tuple[list[str], str | None]:
     return list(args.api_key or []) + keys_from_env(), args.salt_secret or os.environ.get(SECRET_ENV) or None
 
 
+def serving_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` as the server builds its engine: ``engine.chunked_prompts`` left unset (null) becomes true, since the
+    step budget feeds prompts in chunks (``kvboost.runtime.config.choose_runner``); an explicit value is kept."""
+    engine = dict(cfg.get("engine") or {})
+    if engine.get("chunked_prompts") is None:
+        engine["chunked_prompts"] = True
+    return {**cfg, "engine": engine}
+
+
 def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret: str | None,
                  **loop_options: Any) -> tuple[Any, Any, Any]:  # fmt: skip
     """The engine (warmed up unless ``warmup=false``), its started loop and the server's app, from a composed
@@ -288,6 +297,7 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     torch.manual_seed(int(cfg.get("seed") or 0))
+    cfg = serving_config(cfg)
     engine = build_engine(cfg)
     try:
         if cfg.get("warmup", True):
@@ -322,7 +332,9 @@ def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret
     budget = loop.core.budget_info()
     chunks = f" chunk@1/8/32={budget['chunk_at_1']}/{budget['chunk_at_8']}/{budget['chunk_at_32']}" if (
         budget["mode"] == "cpu-auto") else ""
+    paths = engine.decode_info()  # what runs, as resolved (engine.chunked_prompts: kvboost.runtime.config)
     settings = (f"{_describe(cfg)} keys={len(keys)} max_running={args.max_running} max_waiting={args.max_waiting} "
+                f"decode={paths['decode']} prefill={paths['prefill']} "
                 f"step_budget={budget['mode']}:{budget['max_batch_tokens']}{chunks}")  # fmt: skip
 
     class Server(uvicorn.Server):
