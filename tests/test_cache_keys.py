@@ -38,6 +38,8 @@ KEYED = {
     "prefill": "fused or graphed prefill kernels",
     "prefill_weights": "plain or prepacked (oneDNN / MKL) projection kernels",
     "decode_activations": "decode=quantized rounds activations to int8 or keeps fp32 (tests/test_quant_step.py)",
+    "chunked_prompts": "where decode is quantized, prompt rows on the quantized step instead of the dense prefill "
+    "(the resolved prefill path is keyed; tests/test_quant_step.py builds both and compares fingerprints)",
     "kv.block_size": "paged kernels read the pool block by block",
     "weights": "GGUF int4 linears run torch's int4 kernel (weight formats in the fingerprint)",
     "awq_prefill": "AWQ prefill from dense copies or the int4 kernel",
