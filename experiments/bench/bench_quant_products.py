@@ -39,12 +39,19 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 from kvboost.attention.cpu_ext import build_cpu_source
 from kvboost.lab.environment import describe_environment
-from kvboost.runtime.quant_step import ACTIVATIONS, Q4Weight, Q8Weight, load_quant_extension, quant_isa
+from kvboost.runtime.quant_step import (
+    ACTIVATION_CODES,
+    ACTIVATIONS,
+    Q4Weight,
+    Q8Weight,
+    load_quant_extension,
+    quant_build_flags,
+    quant_isa,
+)
 
 HIDDEN, MLP, QKV, VOCAB = 576, 1536, 960, 49152
 #: (name, in features, out features) of one layer's products (gate and up as one, as the step runs them)
 LAYER = (("qkv", HIDDEN, QKV), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * MLP), ("down", MLP, HIDDEN))
-_ACT = {"fp32": 0, "int8": 1, "int16": 2}  # kvboost/csrc/cpu_quant.cpp kAct*
 _SOURCES = ("cpu_quant.cpp", "cpu_attention.cpp", "work_pool.h")  # cpu_quant.cpp and what it includes
 
 
@@ -60,8 +67,7 @@ def build_baseline(rev: str, isa: str) -> Any:
         text = subprocess.run(["git", "show", f"{sha}:kvboost/csrc/{name}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
         (folder / name).write_text(text)
-    flags = ("-mavx2", "-mfma", "-mf16c") + (("-mavx512vnni",) if isa == "avx512_vnni" else ())
-    ext = build_cpu_source(f"kvboost_quant_baseline_{sha}_{isa}", folder / "cpu_quant.cpp", flags)
+    ext = build_cpu_source(f"kvboost_quant_baseline_{sha}_{isa}", folder / "cpu_quant.cpp", quant_build_flags(isa))
     return ext, sha
 
 
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    isa, act = quant_isa(), _ACT[args.act]
+    isa, act = quant_isa(), ACTIVATION_CODES[args.act]
     ours = load_quant_extension(isa)
     base, sha = build_baseline(args.baseline_rev, isa)
     builds = {"baseline": base, "this tree": ours}

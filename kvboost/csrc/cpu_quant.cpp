@@ -108,11 +108,11 @@ struct Rows {
   const float* x = nullptr;
   std::vector<int8_t> q8;
   std::vector<int16_t> q16;
-  std::vector<float> d;    // [M, G]
-  std::vector<float> sum;  // [M, G]
-  // The int16 row-pair kernel's copies (tile_row_pairs; VNNI builds, 2 rows or more): `d` and `sum` as [G, Mp] so
-  // that two rows' values are one 64-bit broadcast, and q16 padded with a zero row to Mp = M rounded up to even.
-  std::vector<float> d_by_group, sum_by_group;
+  // `d` and `sum` group-major, [G, Mp]: a group's rows side by side, so that the int16 row-pair kernel
+  // (tile_row_pairs; VNNI builds, 2 rows or more) broadcasts two rows' values as one 64-bit load. Mp is M, rounded
+  // up to even for that kernel, whose pad row (zero codes, d and sum 0) is computed and not stored.
+  std::vector<float> d;    // [G, Mp]
+  std::vector<float> sum;  // [G, Mp]
   int64_t K = 0, G = 0, Mp = 0;
 };
 
@@ -152,16 +152,11 @@ Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
   rows.K = K;
   rows.G = K / kGroup;
   const int64_t G = rows.G;
-  const bool pairs = row_pairs(M, act);
-  rows.Mp = pairs ? (M + 1) / 2 * 2 : M;
-  rows.sum.resize(M * G);
-  if (act != kActFp32) rows.d.resize(M * G);
+  const int64_t Mp = rows.Mp = row_pairs(M, act) ? (M + 1) / 2 * 2 : M;
+  rows.sum.assign(G * Mp, 0.f);
+  if (act != kActFp32) rows.d.assign(G * Mp, 0.f);
   if (act == kActInt8) rows.q8.resize(M * K);
-  if (act == kActInt16) rows.q16.resize(rows.Mp * K);  // the pad row (if any) stays zero
-  if (pairs) {
-    rows.d_by_group.assign(G * rows.Mp, 0.f);
-    rows.sum_by_group.assign(G * rows.Mp, 0.f);
-  }
+  if (act == kActInt16) rows.q16.resize(Mp * K);  // the pad row (if any) stays zero
   const float qmax = act == kActInt8 ? 127.f : 32767.f;
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < G; ++g) {
@@ -171,14 +166,10 @@ Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
         amax = std::max(amax, std::fabs(p[i]));
         s += p[i];
       }
-      rows.sum[r * G + g] = s;
+      rows.sum[g * Mp + r] = s;
       if (act == kActFp32) continue;
       const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
-      rows.d[r * G + g] = d;
-      if (pairs) {
-        rows.d_by_group[g * rows.Mp + r] = d;
-        rows.sum_by_group[g * rows.Mp + r] = s;
-      }
+      rows.d[g * Mp + r] = d;
       for (int64_t i = 0; i < kGroup; ++i) {
         const float v = std::nearbyint(p[i] * inv);
         if (act == kActInt8) rows.q8[r * K + g * kGroup + i] = static_cast<int8_t>(v);
@@ -314,13 +305,13 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
       for (int r = 0; r < RB; ++r) ia[r] = _mm256_add_epi32(ia[r], ib[r]);
 #endif
       for (int r = 0; r < RB; ++r) {
-        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xr.d[(r0 + r) * G + g]));
+        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xr.d[g * xr.Mp + r0 + r]));
         fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), s, fa[r]);
       }
     }
     if constexpr (Q4) {
       const __m256 mn = mt.load8(g * kTile);
-      for (int r = 0; r < RB; ++r) fa[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xr.sum[(r0 + r) * G + g]), fa[r]);
+      for (int r = 0; r < RB; ++r) fa[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xr.sum[g * xr.Mp + r0 + r]), fa[r]);
     }
   }
   const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
@@ -391,9 +382,9 @@ void tile_row_pairs(const Rows& xr, int64_t r0, int64_t valid, const uint8_t* ct
       const __m512i even = _mm512_add_epi32(ia[2 * p], _mm512_srli_epi64(ia[2 * p], 32));
       const __m512i odd = _mm512_add_epi32(ia[2 * p + 1], _mm512_slli_epi64(ia[2 * p + 1], 32));
       const __m512i sums = _mm512_mask_blend_epi32(0xAAAA, even, odd);
-      const __m512 s = _mm512_mul_ps(sc, bcast_pair(xr.d_by_group.data() + g * Mp + r0 + 2 * p));
+      const __m512 s = _mm512_mul_ps(sc, bcast_pair(xr.d.data() + g * Mp + r0 + 2 * p));
       fa[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, fa[p]);
-      if constexpr (Q4) fa[p] = _mm512_fmadd_ps(mn, bcast_pair(xr.sum_by_group.data() + g * Mp + r0 + 2 * p), fa[p]);
+      if constexpr (Q4) fa[p] = _mm512_fmadd_ps(mn, bcast_pair(xr.sum.data() + g * Mp + r0 + 2 * p), fa[p]);
     }
   }
   const __m512i split = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -446,9 +437,9 @@ void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, 
           int32_t isum = 0;
           for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
             isum += code(j, k) * (Act == kActInt8 ? int32_t(xr.q8[r * K + k]) : int32_t(xr.q16[r * K + k]));
-          fa = std::fma(float(isum), st[g * kTile + j] * xr.d[r * G + g], fa);
+          fa = std::fma(float(isum), st[g * kTile + j] * xr.d[g * xr.Mp + r], fa);
         }
-        if (Q4) fa = std::fma(mt[g * kTile + j], xr.sum[r * G + g], fa);
+        if (Q4) fa = std::fma(mt[g * kTile + j], xr.sum[g * xr.Mp + r], fa);
       }
       float v = fa + (bias ? bias[j] : 0.f);
       float* o = out + r * ldo + j;
@@ -472,7 +463,7 @@ template <int64_t Act, bool Q4>
 void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
                    int64_t ldo, const float* bias, bool accumulate) {
 #ifdef KVB_VNNI
-  if (Act == kActInt16 && row_pairs(M, Act)) {
+  if (row_pairs(M, Act)) {
     int64_t r0 = 0;
     for (; r0 + kRowBlock <= M; r0 += kRowBlock)
       tile_row_pairs<kRowBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);

@@ -45,7 +45,8 @@ Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: stored); ``fp32``: exact activations, every code converted to fp32 (the dense model's function up to fp32
 #: summation order; ~2.5x int8's instructions per weight).
 ACTIVATIONS = ("int16", "int8", "fp32")
-_ACT_CODES = {"fp32": 0, "int8": 1, "int16": 2}  # kvboost/csrc/cpu_quant.cpp kAct*
+#: the extension's code for each of :data:`ACTIVATIONS` (its ``act`` argument; kvboost/csrc/cpu_quant.cpp kAct*)
+ACTIVATION_CODES = {"fp32": 0, "int8": 1, "int16": 2}
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -141,6 +142,11 @@ def load_quant_extension(isa: str | None = None) -> Any:
     return _load_quant_extension(quant_isa() if isa is None else isa)
 
 
+def quant_build_flags(isa: str) -> tuple[str, ...]:
+    """The compiler's ISA flags of the quantized kernels' build ``isa`` (beside the CPU capability's own)."""
+    return ("-mavx2", "-mfma", "-mf16c") + (("-mavx512vnni",) if isa == "avx512_vnni" else ())
+
+
 @functools.cache
 def _load_quant_extension(isa: str) -> Any:
     if isa not in QUANT_ISAS:
@@ -152,7 +158,7 @@ def _load_quant_extension(isa: str) -> Any:
         raise RuntimeError(f"decode='quantized' is unavailable: {reason}")
     from kvboost.attention.cpu_ext import build_cpu_source
 
-    flags = ("-mavx2", "-mfma", "-mf16c") + (("-mavx512vnni",) if isa == "avx512_vnni" else ())
+    flags = quant_build_flags(isa)
     name = _EXT_NAME if isa == "avx2" else f"{_EXT_NAME}_vnni"
     try:
         return build_cpu_source(name, _SOURCE, flags)
@@ -358,7 +364,7 @@ class QuantDecodeStep:
         if activations not in ACTIVATIONS:
             raise ValueError(f"quantized decode activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.activations = activations
-        self.act = _ACT_CODES[activations]
+        self.act = ACTIVATION_CODES[activations]
         self.runner = runner
         self.ext = load_quant_extension()
         path = gguf_file(model)
