@@ -112,8 +112,8 @@ def test_a_rows_result_does_not_depend_on_the_batch(ext, act):
 @pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
 def test_the_vnni_build_gives_the_avx2_builds_bits(act):
     """The AVX-512 VNNI build (vpdpwssd / vpdpbusd, 8 rows a pass; int16 rows two to a 512-bit vector from 2 rows
-    on) sums the same integers exactly and scales them with the same fp32 operations as the AVX2 build: the same
-    bits for every row count, 4-bit and 8-bit."""
+    on, 16 a pass) sums the same integers exactly and scales them with the same fp32 operations as the AVX2 build:
+    the same bits for every row count, 4-bit and 8-bit. Both prepare the rows alike (from 16 rows on every thread)."""
     from kvboost.runtime.quant_step import load_quant_extension, vnni_unavailable_reason
 
     if vnni_unavailable_reason() is not None:
@@ -128,7 +128,7 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(act):
     half8 = Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8),
                      torch.rand(32, 6, generator=g).half())  # fmt: skip
     assert (w.scale.dtype, half.scale.dtype, half8.scale.dtype) == (torch.float32, torch.float16, torch.float16)
-    for rows in (1, 2, 3, 6, 7, 8, 13, 32):  # one row; each tail of the VNNI int16 row-pair kernel; full blocks
+    for rows in (1, 2, 3, 6, 7, 8, 13, 15, 17, 32, 33):  # one row; tails of 8- and 16-row passes; full passes
         x = torch.randn(rows, 192, generator=g) * 4
         for ext in (avx2, vnni):
             assert ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]).shape == (rows, 64)
@@ -155,11 +155,13 @@ def test_products_do_not_depend_on_threads_or_callers(ext):
     try:
         torch.set_num_threads(1)
         ref = [ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]) for x in xs]
-        for threads in (2, 5):
+        ref8 = [ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int8"]) for x in xs]
+        for threads in (2, 5):  # 33 rows: prepared on every thread too
             torch.set_num_threads(threads)
             for _ in range(20):
-                for x, r in zip(xs, ref):
+                for x, r, r8 in zip(xs, ref, ref8):
                     assert torch.equal(ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]), r)
+                    assert torch.equal(ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int8"]), r8)
     finally:
         torch.set_num_threads(before)
     bad: list[int] = []

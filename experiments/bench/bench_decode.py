@@ -6,6 +6,7 @@ batch 1 or more.
         --batches 1 2 4 8 16 32 --tokens 16 --repeats 3 --out experiments/results/decode/batch   # batched step cost
     python -m experiments.bench.bench_decode --model "$(python scripts/quantize_awq.py --print-path)" --dtypes bfloat16 \
         --out experiments/results/decode/awq       # AWQ int4 weights: hf and eager (int4 kernel) paths
+    python -m experiments.bench.bench_decode --dtypes bfloat16 --paths quantized --override engine.decode_activations=int8
 
 For each dtype, one engine per decode path on the same weights; each (context, repeat) feeds the same random
 prompt of ``context`` tokens (prefilled once, not timed) and then times ``--tokens`` greedy steps, EOS ignored,
@@ -117,7 +118,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
             paths.remove("quantized")
             print(f"the quantized path is skipped: {why}")
     for name in paths:
-        engine = build_engine(compose_run_config(decode=name), model, tokenizer, model_identity=path,
+        engine = build_engine(compose_run_config(args.override, decode=name), model, tokenizer, model_identity=path,
                               share_model=bool(engines))  # fmt: skip
         compile_s[name] = engine.warmup()["decode_compile_s"]
         engines[name] = engine
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="several batch sizes in the same repeats (e.g. 1 2 4 8 16 32): each step's cost against the "
                         "smallest batch's, paired by repeat")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--override", action="append", default=[], metavar="HYDRA_OVERRIDE",
+                   help="a run.py override for every engine, e.g. engine.decode_activations=int8 (repeatable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model folder (default: the bundled model); an AWQ folder works")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "decode"))

@@ -56,6 +56,15 @@ void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body, b
   if (pool_ok && decode_rows_only && work_pool_enabled()) WorkPool::instance().run(n, chunk, threads, body);
   else at::parallel_for(0, n, chunk, body);
 }
+// body(r0, r1) over the rows [0, M) of a step: split over `threads` from kParallelRows rows (a prompt chunk's, or a
+// batch's), one call below (the fork would cost more than the rows).
+template <typename F>
+void parallel_rows(int64_t M, const F& body) {
+  constexpr int64_t kParallelRows = 16;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  if (M >= kParallelRows && threads > 1) parallel_chunks(M, std::max<int64_t>(4, M / (2 * threads)), threads, body);
+  else if (M > 0) body(0, M);
+}
 }  // namespace kvb
 
 // The attention kernel's workers run on the same pool as the products (see work_pool.h for why) where no unit calls
@@ -94,6 +103,9 @@ constexpr int64_t kRowBlock = 8;
 #else
 constexpr int64_t kRowBlock = 4;
 #endif
+// Rows of tile_row_pairs' pass (VNNI, int16): 16 rows share each unpacked quad of weights (16 int32 accumulators and
+// 8 fp32 ones of 32 registers); from memory, at 16-64 rows, 1.03-1.07x the products of 8-row passes on a Zen 4.
+constexpr int64_t kPairBlock = 16;
 
 // How a product sees the activations (the Python side's ACTIVATIONS): exact fp32, or each row's 32-value groups
 // rounded to int8 / int16 codes with a scale of their own.
@@ -146,6 +158,63 @@ struct GroupVals {
 #endif
 };
 
+// A 32-value group's fp32 sum in one fixed order, the same in every build: lane i < 8 adds p[i], p[i+8], p[i+16],
+// p[i+24] in turn, then lanes i and i+4, then i and i+2, then the last two. (A left-to-right sum is a chain of 32
+// dependent adds: it was most of the rows' preparation, which runs before the products of every step.)
+inline float group_sum(const float* p) {
+#ifdef KVB_AVX2
+  __m256 v = _mm256_loadu_ps(p);
+  v = _mm256_add_ps(v, _mm256_loadu_ps(p + 8));
+  v = _mm256_add_ps(v, _mm256_loadu_ps(p + 16));
+  v = _mm256_add_ps(v, _mm256_loadu_ps(p + 24));
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes i + (i + 4)
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));                                         // (0 + 2), (1 + 3)
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+#else
+  float lane[8];
+  for (int i = 0; i < 8; ++i) lane[i] = ((p[i] + p[i + 8]) + p[i + 16]) + p[i + 24];
+  for (int i = 0; i < 4; ++i) lane[i] = lane[i] + lane[i + 4];
+  return (lane[0] + lane[2]) + (lane[1] + lane[3]);
+#endif
+}
+
+// One row's group rounded to int8 / int16 codes `q` (to nearest, ties to even, as std::nearbyint) with scale
+// d = max|x| / qmax; returns d.
+template <typename Code>
+float round_group(const float* p, float qmax, Code* q) {
+#ifdef KVB_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+  const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(p + 8 * i), vinv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // packs work within 128-bit halves: put the values back in order (codes are within int16 / int8 range)
+  const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+  const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
+  if constexpr (sizeof(Code) == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), w01);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), w23);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xD8));
+  }
+  return d;
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(p[i]));
+  const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<Code>(std::nearbyint(p[i] * inv));
+  return d;
+#endif
+}
+
 Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
   Rows rows;
   rows.x = x;
@@ -157,25 +226,16 @@ Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t act) {
   if (act != kActFp32) rows.d.assign(G * Mp, 0.f);
   if (act == kActInt8) rows.q8.resize(M * K);
   if (act == kActInt16) rows.q16.resize(Mp * K);  // the pad row (if any) stays zero
-  const float qmax = act == kActInt8 ? 127.f : 32767.f;
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = x + r * K + g * kGroup;
-      float amax = 0.f, s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        amax = std::max(amax, std::fabs(p[i]));
-        s += p[i];
+  auto prepare = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = x + r * K + g * kGroup;
+        rows.sum[g * Mp + r] = group_sum(p);
+        if (act == kActInt8) rows.d[g * Mp + r] = round_group(p, 127.f, rows.q8.data() + r * K + g * kGroup);
+        else if (act == kActInt16) rows.d[g * Mp + r] = round_group(p, 32767.f, rows.q16.data() + r * K + g * kGroup);
       }
-      rows.sum[g * Mp + r] = s;
-      if (act == kActFp32) continue;
-      const float d = amax / qmax, inv = d > 0.f ? 1.f / d : 0.f;
-      rows.d[g * Mp + r] = d;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const float v = std::nearbyint(p[i] * inv);
-        if (act == kActInt8) rows.q8[r * K + g * kGroup + i] = static_cast<int8_t>(v);
-        else rows.q16[r * K + g * kGroup + i] = static_cast<int16_t>(v);
-      }
-    }
+  };
+  kvb::parallel_rows(M, prepare);  // each row's values are its own: the same bits on any thread
   return rows;
 }
 
@@ -327,7 +387,7 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
 #ifdef KVB_VNNI
 // int16 rows on 512-bit vectors, two rows at a time: the same products and the same fp32 operations per output as
 // tile_rows<RB, kActInt16> (so the same bits), with one vpdpwssd per row and quad instead of two, one broadcast
-// instead of two, and one weight unpacking per quad for 8 rows. Zen 4 runs 1 zmm or 2 ymm vpdpwssd a cycle (4 cycles'
+// instead of two, and one weight unpacking per quad for 16 rows (kPairBlock). Zen 4 runs 1 zmm or 2 ymm vpdpwssd a cycle (4 cycles'
 // latency), so the peak is the same; what tile_rows loses is the work around it: in a standalone loop on one Zen 4
 // core at 8-32 rows, tile_rows reached ~50% of that peak and this ~65% (tests/test_quant_step.py checks the bits,
 // experiments/bench/bench_quant_products.py the speed). One row stays on tile_rows: it streams the weights from
@@ -400,7 +460,7 @@ void tile_row_pairs(const Rows& xr, int64_t r0, int64_t valid, const uint8_t* ct
   }
 }
 
-// The last M - r0 (< kRowBlock) rows, as the fewest RB rows that hold them (the pad row fills an odd count).
+// The last M - r0 (< kPairBlock) rows, as the fewest RB rows that hold them (the pad row fills an odd count).
 template <int RB, bool Q4>
 void tail_row_pairs(const Rows& xr, int64_t r0, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt,
                     float* out, int64_t ldo, const float* bias, bool accumulate) {
@@ -465,9 +525,9 @@ void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals st, G
 #ifdef KVB_VNNI
   if (row_pairs(M, Act)) {
     int64_t r0 = 0;
-    for (; r0 + kRowBlock <= M; r0 += kRowBlock)
-      tile_row_pairs<kRowBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
-    if (M > r0) tail_row_pairs<kRowBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
+    for (; r0 + kPairBlock <= M; r0 += kPairBlock)
+      tile_row_pairs<kPairBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
+    if (M > r0) tail_row_pairs<kPairBlock, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
     return;
   }
 #endif
@@ -576,13 +636,15 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& codes, cons
 
 // HF's LlamaRMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * w.
 void rms_norm_rows(const float* x, const float* w, float eps, int64_t M, int64_t H, float* out) {
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = x + r * H;
-    float ss = 0.f;
-    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / float(H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[r * H + i] = w[i] * (xr[i] * inv);
-  }
+  kvb::parallel_rows(M, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * H;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / float(H) + eps);
+      for (int64_t i = 0; i < H; ++i) out[r * H + i] = w[i] * (xr[i] * inv);
+    }
+  });
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -646,7 +708,8 @@ torch::Tensor attention_input(const torch::Tensor& x, const torch::Tensor& ln, d
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1);
-  for (int64_t r = 0; r < M; ++r) {
+  kvb::parallel_rows(M, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     float* row = qkv.data_ptr<float>() + r * (nq + 2 * nk);
     const float* c = cp + r * D;
     const float* s = sp + r * D;
@@ -667,6 +730,7 @@ torch::Tensor attention_input(const torch::Tensor& x, const torch::Tensor& ln, d
       }
     }
   }
+  });
   return q;
 }
 
@@ -688,7 +752,8 @@ void mlp_block(torch::Tensor x, const torch::Tensor& attn, const torch::Tensor& 
   q4_matmul_into(m, gu_codes, gu_scale, gu_min, c10::nullopt, gu, false, act);
   auto h = torch::empty({M, I}, x.options());
   using Vec = at::vec::Vectorized<float>;
-  for (int64_t r = 0; r < M; ++r) {
+  kvb::parallel_rows(M, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* g = gu.data_ptr<float>() + r * I2;
     const float* u = g + I;
     float* hr = h.data_ptr<float>() + r * I;
@@ -699,6 +764,7 @@ void mlp_block(torch::Tensor x, const torch::Tensor& attn, const torch::Tensor& 
     }
     for (; i < I; ++i) hr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
+  });
   q4_matmul_into(h, d_codes, d_scale, d_min, c10::nullopt, x, true, act);
 }
 

@@ -60,8 +60,9 @@ def extension_unavailable_reason() -> str | None:
 
 
 #: The kernels' builds: ``avx2`` (AVX2 / FMA / F16C intrinsics, under either vector ISA) and ``avx512_vnni`` (the
-#: same kernels with AVX-512 VNNI's vpdpwssd / vpdpbusd on 256-bit vectors and 8 rows a pass: AMD Zen 4, Intel Xeon
-#: since Cascade Lake). The integer sums are exact in both, so both give the same bits; VNNI needs fewer instructions.
+#: same kernels with AVX-512 VNNI's vpdpwssd / vpdpbusd on 256-bit vectors and 8 rows a pass, int16 rows from 2 on
+#: two to a 512-bit vector and 16 a pass: AMD Zen 4, Intel Xeon since Cascade Lake). The integer sums are exact in
+#: both, so both give the same bits; VNNI needs fewer instructions.
 QUANT_ISAS = ("avx2", "avx512_vnni")
 #: Environment variable that picks the build (one of :data:`QUANT_ISAS`) instead of the best this CPU runs (A/B runs).
 QUANT_ISA_ENV = "KVBOOST_QUANT_ISA"
