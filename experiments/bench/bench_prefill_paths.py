@@ -1,6 +1,8 @@
 """Suffix prefill through HF's forward vs the fused prefill (``engine.prefill: hf|fused``), same requests.
 
     python -m experiments.bench.bench_prefill_paths --threads 2                    # bf16 and fp32, ~4 min on 2 cores
+    python -m experiments.bench.bench_prefill_paths --threads 2 --dtypes bfloat16 --quantized \
+        --shapes 0:16 0:48 0:128 0:256 0:512                                       # the dense prefill vs the blocks'
 
 Engines on the bundled model, same dtype, differing only in ``prefill`` (``hf`` / ``fused`` on the model's own
 weights) and, where prepacking runs (oneDNN in bf16, MKL in fp32), a third: ``fused`` on prepacked weights
@@ -35,22 +37,26 @@ from kvboost.lab.environment import describe_environment
 RESULTS = ROOT / "experiments" / "results" / "decode"
 
 
-def engine_options(dtype: str) -> dict[str, dict[str, str]]:
-    """The engines compared: HF's forward, the fused prefill on the model's own weights, and (bf16 on a CPU with
-    oneDNN) the fused prefill on prepacked weights."""
+def engine_options(dtype: str, quantized: bool = False) -> dict[str, dict[str, str]]:
+    """The engines compared: HF's forward, the fused prefill on the model's own weights, (bf16 on a CPU with
+    oneDNN) the fused prefill on prepacked weights, and with ``quantized`` the quantized step's prefill on the GGUF
+    blocks (``prefill=quantized``: kvboost.runtime.quant_step)."""
     from kvboost.models.prepack import unavailable_reason
 
     options = {"hf": {"prefill": "hf"}, "fused": {"prefill": "fused", "prefill_weights": "plain"}}
     if unavailable_reason(getattr(torch, dtype), torch.device("cpu")) is None:
         options["fused_prepacked"] = {"prefill": "fused", "prefill_weights": "prepacked"}
+    if quantized:
+        options["quantized"] = {"prefill": "quantized", "decode": "quantized"}
     return options
 
 
-def run(dtype: str, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any]:
+def run(dtype: str, shapes: list[tuple[int, int]], rounds: int, quantized: bool = False) -> dict[str, Any]:
     from experiments.common import compose_run_config
     from kvboost.build import build_engine
 
-    engines = {path: build_engine(compose_run_config(dtype=dtype, **opts)) for path, opts in engine_options(dtype).items()}
+    options = engine_options(dtype, quantized)
+    engines = {path: build_engine(compose_run_config(dtype=dtype, **opts)) for path, opts in options.items()}
     for engine in engines.values():
         engine.warmup()
     names = list(engines)
@@ -82,7 +88,7 @@ def run(dtype: str, shapes: list[tuple[int, int]], rounds: int) -> dict[str, Any
     info = engines["fused"].decode_info()
     for engine in engines.values():
         engine.close()
-    return {"dtype": dtype, "rounds": rounds, "engines": engine_options(dtype),
+    return {"dtype": dtype, "rounds": rounds, "engines": options,
             "prefill_reason": info["prefill_reason"], "shapes": rows}  # fmt: skip
 
 
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shapes", nargs="+", type=cached_new_shape, default=[(20, 42), (500, 188), (1000, 255)])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quantized", action="store_true",
+                        help="also the quantized step's prefill on the GGUF blocks (engine.prefill=quantized)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     from experiments.common import set_threads
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for dtype in args.dtypes:
-        result = {"command": command, "threads": torch.get_num_threads(), **run(dtype, args.shapes, args.rounds),
+        result = {"command": command, "threads": torch.get_num_threads(), **run(dtype, args.shapes, args.rounds, args.quantized),
                   "environment": describe_environment()}  # fmt: skip
         stem = out / f"prefill_paths_{dtype}"
         packed = "fused_prepacked" in result["engines"]
@@ -128,6 +136,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{max(row['prepacked_max_abs_logit_diff_vs_hf']):.3g} |"
                 )
             lines.append(line)
+        if "quantized" in result["engines"]:
+            dense = "fused_prepacked" if packed else "fused"
+            lines += ["", f"The quantized step's prefill (`prefill=quantized`) against the dense one ({dense}):", "",
+                      f"| cached | new | TTFT ms quantized | {dense} / quantized (paired) |", "| --- | --- | --- | --- |"]  # fmt: skip
+            for row in result["shapes"]:
+                t = row["ttft_ms"]
+                paired = [d / q for d, q in zip(t[dense], t["quantized"], strict=True)]
+                lines.append(f"| {row['cached']} | {row['new']} | {median_range(t['quantized'])} | "
+                             f"{median_range(paired, 2)}x |")  # fmt: skip
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         results[dtype] = result

@@ -39,6 +39,9 @@ DECODE_MODES = ("hf", "eager", "compiled", "graphed", "quantized")
 #: ``graphed`` = CUDA graphs for short prefills too, ``quantized`` = prompt rows through the quantized step as well
 #: (``decode="quantized"``: every forward without hooks multiplies the GGUF blocks; see kvboost.runtime.quant_step).
 PREFILL_MODES = ("hf", "fused", "graphed", "quantized")
+#: prefill="auto" for a bf16 model on a CPU without AMX: forwards of fewer rows than this on the quantized step (the
+#: crossover measured on 2 Zen 4 cores with the bundled model; see choose_runner)
+SHORT_PREFILL_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,18 @@ class RunnerConfig:
     graph_prefill: bool = False
     quantized_prefill: bool = False
     decode_activations: str = "int16"  # decode="quantized": int16 | int8 | fp32 (kvboost.runtime.quant_step.ACTIVATIONS)
+    #: > 0: forwards of fewer rows than this on the quantized step, the others on the dense weights (``fused``)
+    quantized_prefill_rows: int = 0
 
     @property
     def prefill_path(self) -> str:
-        """How the Llama runner prefills: ``graphed``, ``quantized`` or ``fused`` (decode_info and the cache key)."""
-        return "graphed" if self.graph_prefill else "quantized" if self.quantized_prefill else "fused"
+        """How the Llama runner prefills: ``graphed``, ``quantized``, ``quantized_below_N`` (forwards of fewer than N
+        rows on the quantized step, longer ones dense) or ``fused`` (decode_info and the cache key)."""
+        if self.graph_prefill:
+            return "graphed"
+        if self.quantized_prefill:
+            return "quantized"
+        return f"quantized_below_{self.quantized_prefill_rows}" if self.quantized_prefill_rows else "fused"
 
 
 def _device(model: Any) -> torch.device:
@@ -79,6 +89,7 @@ def choose_runner(
     ``chunked_prompts``: the caller feeds prompts in a serving loop's bounded chunks (kvboost-server's step budget:
     32-48 tokens a step on 2 CPU cores, more under a backlog), so ``prefill="auto"`` prefers the path with the smaller
     fixed cost per forward: the quantized step's (~15 ms on 2 Zen 4 cores) over the dense bf16 one's (~30 ms)."""
+    from kvboost.env import has_amx
     from kvboost.models.prepack import choose_prefill_weights, plain_projections, projection_bytes
     from kvboost.runtime.llama import has_int4_projections, inductor_unavailable_reason, unsupported_reason
 
@@ -193,8 +204,19 @@ def choose_runner(
     quantized_prefill = prefill == "quantized" or (
         prefill == "auto" and decode == "quantized" and decode_activations != "int8"
         and (dtype == torch.float32 or chunked_prompts))  # fmt: skip
+    # auto, a bf16 model in process on a CPU without AMX: oneDNN's bf16 GEMMs run on AVX-512 BF16 there, at the same
+    # multiply-adds per cycle as the int16 kernel, and read 2 bytes per weight against ~0.6: the quantized step
+    # prefills short prompts faster and the dense one long prompts (2 Zen 4 cores, bundled model, one process:
+    # dense / quantized TTFT 1.68x at 16 tokens, 1.36x at 48, 1.04x at 128, 0.87x / 0.94x at 256 / 512;
+    # experiments/results/README.md, "Rows prepared on every thread"). With AMX the dense prefill stays everywhere.
+    quantized_prefill_rows = SHORT_PREFILL_ROWS if (
+        prefill == "auto" and not quantized_prefill and decode == "quantized" and decode_activations != "int8"
+        and dtype == torch.bfloat16 and not has_amx()) else 0  # fmt: skip
     if prefill != "auto":
         reasons["prefill"] = "requested"
+    elif quantized_prefill_rows:
+        reasons["prefill"] = (f"auto: bf16 on a CPU without AMX: forwards of fewer than {quantized_prefill_rows} rows "
+                              "on the quantized step (the smaller fixed cost), longer ones on the dense bf16 weights")  # fmt: skip
     elif quantized_prefill and dtype == torch.float32:
         reasons["prefill"] = ("auto: fp32 on a CPU with the quantized step: prompt rows from the GGUF blocks too "
                               "(kvboost.runtime.quant_step)")  # fmt: skip
@@ -206,7 +228,8 @@ def choose_runner(
         reasons["prefill"] = ("short prefills replay CUDA graphs" if graph_prefill else
                               "the runner's eager forward" + (" on prepacked weights" if weights == "prepacked" else ""))
     return RunnerConfig("llama", decode, weights, reasons, graph_prefill=graph_prefill,
-                        quantized_prefill=quantized_prefill, decode_activations=decode_activations)  # fmt: skip
+                        quantized_prefill=quantized_prefill, decode_activations=decode_activations,
+                        quantized_prefill_rows=quantized_prefill_rows)  # fmt: skip
 
 
 def quantized_unavailable_reason(model: Any, attention: Any) -> str | None:
@@ -258,4 +281,5 @@ def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **
     return LlamaRunner(model, pool, attention, decode=config.decode, weights=config.weights,
                        graph_options=options if config.decode == "graphed" else None,
                        decode_activations=config.decode_activations,
-                       quantized_prefill=config.quantized_prefill)  # fmt: skip
+                       quantized_prefill=config.quantized_prefill,
+                       quantized_prefill_rows=config.quantized_prefill_rows)  # fmt: skip

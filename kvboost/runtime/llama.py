@@ -209,6 +209,8 @@ class LlamaRunner:
         decode_activations: ``decode="quantized"``: ``"int16"``, ``"int8"`` or ``"fp32"`` activations.
         quantized_prefill: ``decode="quantized"`` only: prompt rows (every forward without hooks) through the
             quantized step too, instead of the eager forward on the dense weights (``engine.prefill=quantized``).
+        quantized_prefill_rows: ``decode="quantized"`` only: forwards of fewer rows than this through the quantized
+            step, longer ones eagerly on the dense weights (``prefill=auto`` for bf16 on a CPU without AMX).
     """
 
     def __init__(
@@ -222,6 +224,7 @@ class LlamaRunner:
         graph_options: dict[str, Any] | None = None,
         decode_activations: str = "int16",
         quantized_prefill: bool = False,
+        quantized_prefill_rows: int = 0,
     ) -> None:
         reason = unsupported_reason(model, hooks=False)
         if reason is not None:
@@ -277,7 +280,10 @@ class LlamaRunner:
         self.quantized: Any = None
         if quantized_prefill and decode != "quantized":
             raise ValueError("quantized_prefill needs decode='quantized' (its step runs the prompt rows)")
+        if quantized_prefill_rows and decode != "quantized":
+            raise ValueError("quantized_prefill_rows needs decode='quantized' (its step runs the prompt rows)")
         self.quantized_prefill = quantized_prefill
+        self.quantized_prefill_rows = quantized_prefill_rows
         if decode == "quantized":  # decode steps from the GGUF's own 4-bit blocks (kvboost.runtime.quant_step)
             from kvboost.runtime.quant_step import QuantDecodeStep
 
@@ -314,7 +320,7 @@ class LlamaRunner:
         if batch.num_tokens == 0:
             raise ValueError("an empty forward batch")
         if batch.hook is None and batch.num_layers is None and self.quantized is not None:
-            if batch.is_decode or self.quantized_prefill:
+            if batch.is_decode or self.quantized_prefill or batch.num_tokens < self.quantized_prefill_rows:
                 self.forwards["quantized"] += 1
                 return self.quantized.run(batch)
             decoding = [b for b in range(batch.num_seqs)
