@@ -1,13 +1,16 @@
-"""experiments/bench/bench_quant_products.py: a tiny run against this commit's own kernel (built a second time from
-git), which must find the two builds bit-equal and write both reports."""
+"""experiments/bench/bench_quant_products.py and bench_step_ab.py, the kernels against another revision's: tiny runs
+against this commit's own kernels (built a second time from git), which must find the two builds equal and write
+both reports; a bench_step_ab baseline whose kernels read the packed weights otherwise is refused."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import pytest
 
+from experiments.bench import bench_step_ab
 from experiments.bench.bench_quant_products import ROOT, main
 from kvboost.runtime.quant_step import extension_unavailable_reason
 
@@ -38,3 +41,45 @@ def test_a_small_run_against_head_is_bit_equal_and_writes_reports(tmp_path):
 def test_an_unknown_revision_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="'no-such-revision-xyz' is not a commit"):
         main(["--baseline-rev", "no-such-revision-xyz", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(not _git_ok(), reason="not a git checkout")
+def test_a_step_ab_run_against_head_writes_reports(tmp_path):
+    assert bench_step_ab.main(["--baseline-rev", "HEAD", "--rows", "1", "2", "--prompts", "16", "--rounds", "2", "--tokens", "2",
+                 "--threads", "1", "--out", str(tmp_path)]) == 0  # fmt: skip
+    saved = json.loads((tmp_path / "step_ab.json").read_text())
+    assert saved["logits_max_diff_between_builds"] == 0.0  # the same source, the same bits
+    assert [r["rows"] for r in saved["decode"]] == [1, 2] and [r["tokens"] for r in saved["prefill"]] == [16]
+    for r in saved["decode"]:
+        assert r["baseline_ms"] > 0 and r["tree_ms"] > 0 and r["speedup"]["min"] <= r["speedup"]["max"]
+    assert saved["decode"][0]["tree_cost_vs_1_rows"] == 1.0
+    assert all(len(v) == 2 for v in saved["raw"]["prefill"].values())
+    md = (tmp_path / "step_ab.md").read_text()
+    assert "| 2 |" in md and "| 16 |" in md
+
+
+class _Shifted:
+    """An extension whose head adds 1 to every logit: what a baseline with another packing looks like."""
+
+    def __init__(self, ext: Any) -> None:
+        self._ext = ext
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ext, name)
+
+    def q8_matmul(self, *args: Any) -> Any:
+        return self._ext.q8_matmul(*args) + 1.0
+
+
+def test_a_baseline_with_other_logits_is_refused():
+    from kvboost import KVBoost
+
+    engine = KVBoost.from_pretrained(chunked_prompts=True)
+    try:
+        ext = engine.runner.quantized.ext
+        assert bench_step_ab.check_same_packing(engine, {"baseline": ext, "tree": ext}) == 0.0
+        with pytest.raises(SystemExit, match="packing differs"):
+            bench_step_ab.check_same_packing(engine, {"baseline": _Shifted(ext), "tree": ext})
+    finally:
+        engine.runner.quantized.ext = ext
+        engine.close()
