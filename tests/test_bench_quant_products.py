@@ -59,7 +59,7 @@ def test_a_step_ab_run_against_head_writes_reports(tmp_path):
 
 
 class _Shifted:
-    """An extension whose head adds 1 to every logit: what a baseline with another packing looks like."""
+    """An extension whose head negates every logit: what a baseline with another packing looks like."""
 
     def __init__(self, ext: Any) -> None:
         self._ext = ext
@@ -68,7 +68,7 @@ class _Shifted:
         return getattr(self._ext, name)
 
     def q8_matmul(self, *args: Any) -> Any:
-        return self._ext.q8_matmul(*args) + 1.0
+        return -self._ext.q8_matmul(*args)
 
 
 def test_a_baseline_with_other_logits_is_refused():

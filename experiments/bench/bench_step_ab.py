@@ -8,7 +8,7 @@ kvboost-server runs; ``engine.prefill`` resolves to ``quantized``). The step's C
 ``bench_quant_products`` does), swapped in between calls (``QuantDecodeStep.ext``), so both time the same packed
 weights, the same pool and the same Python around the kernels: the difference is the extension's. The baseline's
 packing must be this tree's (the tensors are shared): a first prompt's logits under both builds are compared and a
-baseline that does not match them within 1e-2 is refused.
+baseline whose logits are off by 5% of their span or more is refused.
 
 Timed, in rounds that alternate which build goes first:
 - decode steps (``bench_decode.time_decode``: ``--tokens`` greedy steps of R rows, each row a random prompt of
@@ -60,17 +60,20 @@ def prefill_logits(engine: Any, prompt: list[int]) -> torch.Tensor:
 
 
 def check_same_packing(engine: Any, builds: dict[str, Any]) -> float:
-    """Max |logit difference| of one prompt's forward under each build; raises when the baseline reads the packed
-    weights differently (another layout: its timings would be meaningless)."""
+    """Max |logit difference| of one prompt's forward under each build; raises when it exceeds 5% of the logits'
+    span: the baseline reads the packed weights differently (another layout: its timings would be meaningless).
+    Kernels that round differently stay far below that (a changed summation order: ~0.07 of a span of ~25)."""
     step, prompt = engine.runner.quantized, _prompt(random.Random(7), 48)
     logits = {}
     for name, ext in builds.items():
         step.ext = ext
         logits[name] = prefill_logits(engine, prompt)
     diff = (logits["baseline"] - logits["tree"]).abs().max().item()
-    if not diff < 1e-2:
-        raise SystemExit(f"the baseline's kernels give other logits on this tree's packed weights (max diff {diff:.3g}):"
-                         " its packing differs; pick a revision with this tree's layout")  # fmt: skip
+    spread = (logits["tree"].max() - logits["tree"].min()).item()
+    if not diff < 0.05 * spread:
+        raise SystemExit(f"the baseline's kernels give other logits on this tree's packed weights (max diff {diff:.3g}"
+                         f", the logits span {spread:.3g}): its packing differs; pick a revision with this tree's "
+                         "layout")  # fmt: skip
     return diff
 
 

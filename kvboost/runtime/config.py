@@ -197,7 +197,7 @@ def choose_runner(
                          "a prefill's), so prompt rows need int16 or fp32 activations; use prefill='fused'")  # fmt: skip
     # auto: prompt rows from the blocks where the dense prefill is fp32 (a CPU without native bf16: on 2 AVX2 cores
     # a 32 / 64 / 256-token chunk took 78 / 146 / 517 ms against 210 / 279 / 762 ms dense); a bf16 model keeps the
-    # dense prefill (oneDNN / AMX bf16 GEMMs outrun the AVX2 integer kernel), int8 activations too (see above).
+    # dense prefill for long forwards (AMX: for all; see below), int8 activations always (see above).
     # A serving loop's chunks (chunked_prompts) favour the blocks whatever the dtype: each dense bf16 forward costs a
     # fixed ~30 ms on 2 Zen 4 cores, the quantized step's ~15 ms, and the ShareGPT load tests served 1.09-1.24x the
     # throughput at 8 / 32 clients with it (experiments/results/README.md, "Two int16 rows to a 512-bit vector").
@@ -207,8 +207,8 @@ def choose_runner(
     # auto, a bf16 model in process on a CPU without AMX: oneDNN's bf16 GEMMs run on AVX-512 BF16 there, at the same
     # multiply-adds per cycle as the int16 kernel, and read 2 bytes per weight against ~0.6: the quantized step
     # prefills short prompts faster and the dense one long prompts (2 Zen 4 cores, bundled model, one process:
-    # dense / quantized TTFT 1.68x at 16 tokens, 1.36x at 48, 1.04x at 128, 0.87x / 0.94x at 256 / 512;
-    # experiments/results/README.md, "Rows prepared on every thread"). With AMX the dense prefill stays everywhere.
+    # prepacked dense / quantized TTFT 1.78x at 16 tokens, 1.42x at 48, 1.08x at 128, 0.97x / 0.96x at 256 / 512;
+    # experiments/results/decode/prefill_quantized_zen4/). With AMX the dense prefill stays everywhere.
     quantized_prefill_rows = SHORT_PREFILL_ROWS if (
         prefill == "auto" and not quantized_prefill and decode == "quantized" and decode_activations != "int8"
         and dtype == torch.bfloat16 and not has_amx()) else 0  # fmt: skip
