@@ -473,9 +473,7 @@ def test_bf16_model_decodes_from_the_blocks_into_a_bf16_pool(tmp_path):
     steps, table = _teacher_forced(engine, ids, fed)
     for logits, ref in zip(steps, ref_logits, strict=True):
         assert (logits - ref).abs().max().item() < 0.03 * (ref.max() - ref.min()).item()
-    # the 33-row prefill too where prefill=auto puts short bf16 forwards on the blocks (a CPU without AMX)
-    prefilled = int(engine.decode_info()["prefill"].startswith("quantized"))
-    assert engine.runner.forwards["quantized"] == len(fed) + prefilled
+    assert engine.runner.forwards["quantized"] == len(fed)
     table.release()
     engine.close()
 
@@ -562,14 +560,11 @@ def test_quantized_prefill_needs_the_quantized_decode_and_is_in_the_cache_key(tm
     assert len(prints) == 2
 
 
-def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path, monkeypatch):
+def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path):
     """kvboost-server feeds prompts in its step budget's chunks (engine.chunked_prompts): then prefill=auto runs a bf16
     model's prompt rows through the quantized step too (a smaller fixed cost per forward), says why, and keys the
-    cache apart; in process (the default) a bf16 model on an AMX CPU keeps its dense prefill. An explicit prefill
-    still wins, and int8 activations never prefill."""
-    import kvboost.env
-
-    monkeypatch.setattr(kvboost.env, "has_amx", lambda: True)
+    cache apart; in process (the default) a bf16 model keeps its dense prefill. An explicit prefill still wins, and
+    int8 activations never prefill."""
     model = copy.deepcopy(gguf_model(tmp_path, "llama", seed=3)).to(torch.bfloat16)
     ids = random_ids(40, seed=9)
     infos, prints = {}, set()
@@ -589,19 +584,16 @@ def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path, m
         engine.close()
 
 
-def test_a_bf16_model_without_amx_prefills_short_forwards_on_the_blocks(tmp_path, monkeypatch):
-    """In process, a bf16 model on a CPU without AMX (AVX-512 BF16: dense bf16 GEMMs at the int16 kernel's rate, on
-    3x the bytes) prefills forwards of fewer than SHORT_PREFILL_ROWS rows on the quantized step and longer ones on
-    the dense weights; the path is named, explained and keyed. With AMX, fp32, int8 activations or an explicit
-    prefill, there is no split."""
-    import kvboost.env
+def test_prefill_quantized_short_puts_short_forwards_on_the_blocks(tmp_path):
+    """engine.prefill=quantized_short (asked for; auto never picks it): forwards of fewer than SHORT_PREFILL_ROWS
+    rows on the quantized step, longer ones on the dense weights, decode on the step; the path is named and keyed
+    apart from fused and quantized; it needs the quantized decode and int16 / fp32 activations."""
     from kvboost.runtime.config import SHORT_PREFILL_ROWS
 
     model = copy.deepcopy(gguf_model(tmp_path, "llama", seed=3)).to(torch.bfloat16)
-    monkeypatch.setattr(kvboost.env, "has_amx", lambda: False)
-    engine = _engine(model, decode="quantized")
-    info, split_print = engine.decode_info(), engine.fingerprint
-    assert info["prefill"] == f"quantized_below_{SHORT_PREFILL_ROWS}" and "without AMX" in info["prefill_reason"]
+    engine = _engine(model, decode="quantized", prefill="quantized_short")
+    info, prints = engine.decode_info(), {engine.fingerprint}
+    assert info["prefill"] == "quantized_short" and info["prefill_reason"] == "requested"
     forwards = engine.runner.forwards
     engine.generate(random_ids(40, seed=9), 1)
     assert (forwards["quantized"], forwards["eager"]) == (1, 0)
@@ -610,18 +602,16 @@ def test_a_bf16_model_without_amx_prefills_short_forwards_on_the_blocks(tmp_path
     engine.generate(random_ids(SHORT_PREFILL_ROWS - 1, seed=11), 3)  # one short prefill, then decode steps
     assert forwards["quantized"] >= 2 and forwards["eager"] == 1
     engine.close()
-    for options, path in (({"prefill": "fused"}, "fused"), ({"prefill": "quantized"}, "quantized"),
-                          ({"decode_activations": "int8"}, "fused")):  # fmt: skip
-        engine = _engine(model, decode="quantized", **options)
-        assert engine.decode_info()["prefill"] == path and engine.fingerprint != split_print
+    for prefill in ("auto", "fused", "quantized"):
+        engine = _engine(model, decode="quantized", prefill=prefill)
+        assert engine.decode_info()["prefill"] == ("fused" if prefill == "auto" else prefill)
+        prints.add(engine.fingerprint)
         engine.close()
-    monkeypatch.setattr(kvboost.env, "has_amx", lambda: True)
-    engine = _engine(model, decode="quantized")
-    assert engine.decode_info()["prefill"] == "fused" and engine.fingerprint != split_print
-    engine.close()
-    fp32 = _engine(gguf_model(tmp_path, "llama", seed=3), decode="quantized")
-    assert fp32.decode_info()["prefill"] == "quantized"  # fp32: every prompt row on the blocks, as before
-    fp32.close()
+    assert len(prints) == 3  # auto is fused here
+    with pytest.raises(ValueError, match="prefill='quantized_short'.*decode='quantized'"):
+        _engine(model, decode="eager", prefill="quantized_short")
+    with pytest.raises(ValueError, match="prefill='quantized_short' with decode_activations='int8'"):
+        _engine(model, decode="quantized", prefill="quantized_short", decode_activations="int8")
 
 
 def test_int8_decode_stores_no_generated_rows(tmp_path):

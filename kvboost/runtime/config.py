@@ -37,10 +37,11 @@ import torch
 DECODE_MODES = ("hf", "eager", "compiled", "graphed", "quantized")
 #: ``engine.prefill``: ``fused`` = the Llama runner (its eager forward), ``hf`` = the HF-generic runner,
 #: ``graphed`` = CUDA graphs for short prefills too, ``quantized`` = prompt rows through the quantized step as well
-#: (``decode="quantized"``: every forward without hooks multiplies the GGUF blocks; see kvboost.runtime.quant_step).
-PREFILL_MODES = ("hf", "fused", "graphed", "quantized")
-#: prefill="auto" for a bf16 model on a CPU without AMX: forwards of fewer rows than this on the quantized step (the
-#: crossover measured on 2 Zen 4 cores with the bundled model; see choose_runner)
+#: (``decode="quantized"``: every forward without hooks multiplies the GGUF blocks; see kvboost.runtime.quant_step),
+#: ``quantized_short`` = forwards of fewer than :data:`SHORT_PREFILL_ROWS` rows there, longer ones on the dense weights.
+PREFILL_MODES = ("hf", "fused", "graphed", "quantized", "quantized_short")
+#: prefill="quantized_short": forwards of fewer rows than this on the quantized step, longer ones on the dense weights
+#: (the crossover of a bf16 model on 2 Zen 4 cores with the bundled model; see choose_runner)
 SHORT_PREFILL_ROWS = 128
 
 
@@ -61,13 +62,14 @@ class RunnerConfig:
 
     @property
     def prefill_path(self) -> str:
-        """How the Llama runner prefills: ``graphed``, ``quantized``, ``quantized_below_N`` (forwards of fewer than N
-        rows on the quantized step, longer ones dense) or ``fused`` (decode_info and the cache key)."""
+        """How the Llama runner prefills: ``graphed``, ``quantized``, ``quantized_short`` (forwards of fewer than
+        :data:`SHORT_PREFILL_ROWS` rows on the quantized step, longer ones dense) or ``fused`` (decode_info and the
+        cache key)."""
         if self.graph_prefill:
             return "graphed"
         if self.quantized_prefill:
             return "quantized"
-        return f"quantized_below_{self.quantized_prefill_rows}" if self.quantized_prefill_rows else "fused"
+        return "quantized_short" if self.quantized_prefill_rows else "fused"
 
 
 def _device(model: Any) -> torch.device:
@@ -89,7 +91,6 @@ def choose_runner(
     ``chunked_prompts``: the caller feeds prompts in a serving loop's bounded chunks (kvboost-server's step budget:
     32-48 tokens a step on 2 CPU cores, more under a backlog), so ``prefill="auto"`` prefers the path with the smaller
     fixed cost per forward: the quantized step's (~15 ms on 2 Zen 4 cores) over the dense bf16 one's (~30 ms)."""
-    from kvboost.env import has_amx
     from kvboost.models.prepack import choose_prefill_weights, plain_projections, projection_bytes
     from kvboost.runtime.llama import has_int4_projections, inductor_unavailable_reason, unsupported_reason
 
@@ -188,35 +189,31 @@ def choose_runner(
     graph_prefill = decode == "graphed" and prefill in ("auto", "graphed")
     if prefill == "graphed" and decode != "graphed":
         raise ValueError("prefill='graphed' needs decode='graphed' (CUDA graphs); use prefill='fused' or 'auto'")
-    if prefill == "quantized" and decode != "quantized":
-        raise ValueError(f"prefill='quantized' multiplies the GGUF blocks of decode='quantized', which is not the "
+    if prefill in ("quantized", "quantized_short") and decode != "quantized":
+        raise ValueError(f"prefill={prefill!r} multiplies the GGUF blocks of decode='quantized', which is not the "
                          f"decode path here ({decode}: {reasons.get('decode', '')}); use prefill='fused' or 'auto'")  # fmt: skip
     dtype = _dtype(model)
-    if prefill == "quantized" and decode_activations == "int8":
-        raise ValueError("prefill='quantized' with decode_activations='int8': int8 rows are never stored (they are not "
-                         "a prefill's), so prompt rows need int16 or fp32 activations; use prefill='fused'")  # fmt: skip
+    if prefill in ("quantized", "quantized_short") and decode_activations == "int8":
+        raise ValueError(f"prefill={prefill!r} with decode_activations='int8': int8 rows are never stored (they are "
+                         "not a prefill's), so prompt rows need int16 or fp32 activations; use prefill='fused'")  # fmt: skip
     # auto: prompt rows from the blocks where the dense prefill is fp32 (a CPU without native bf16: on 2 AVX2 cores
     # a 32 / 64 / 256-token chunk took 78 / 146 / 517 ms against 210 / 279 / 762 ms dense); a bf16 model keeps the
-    # dense prefill for long forwards (AMX: for all; see below), int8 activations always (see above).
+    # dense prefill (quantized_short asks for the blocks on short forwards; see below), int8 activations too.
     # A serving loop's chunks (chunked_prompts) favour the blocks whatever the dtype: each dense bf16 forward costs a
     # fixed ~30 ms on 2 Zen 4 cores, the quantized step's ~15 ms, and the ShareGPT load tests served 1.09-1.24x the
     # throughput at 8 / 32 clients with it (experiments/results/README.md, "Two int16 rows to a 512-bit vector").
     quantized_prefill = prefill == "quantized" or (
         prefill == "auto" and decode == "quantized" and decode_activations != "int8"
         and (dtype == torch.float32 or chunked_prompts))  # fmt: skip
-    # auto, a bf16 model in process on a CPU without AMX: oneDNN's bf16 GEMMs run on AVX-512 BF16 there, at the same
-    # multiply-adds per cycle as the int16 kernel, and read 2 bytes per weight against ~0.6: the quantized step
-    # prefills short prompts faster and the dense one long prompts (2 Zen 4 cores, bundled model, one process:
-    # prepacked dense / quantized TTFT 1.78x at 16 tokens, 1.42x at 48, 1.08x at 128, 0.97x / 0.96x at 256 / 512;
-    # experiments/results/decode/prefill_quantized_zen4/). With AMX the dense prefill stays everywhere.
-    quantized_prefill_rows = SHORT_PREFILL_ROWS if (
-        prefill == "auto" and not quantized_prefill and decode == "quantized" and decode_activations != "int8"
-        and dtype == torch.bfloat16 and not has_amx()) else 0  # fmt: skip
+    # quantized_short (asked for, never auto): a bf16 model on a CPU without AMX runs oneDNN's bf16 GEMMs on AVX-512
+    # BF16, at the int16 kernel's multiply-adds per cycle on 3x the bytes, so the blocks prefill short forwards
+    # faster (2 Zen 4 cores, bundled model: prepacked dense / quantized TTFT 1.78x at 16 tokens, 1.42x at 48, 1.08x
+    # at 128, 0.97x / 0.96x at 256 / 512; experiments/results/decode/prefill_quantized_zen4/). auto does not take
+    # it: a cold prompt (long: dense) and a reuse's suffix (short: blocks) then run different arithmetic, and
+    # run.py's reuse gave its cold prefill's greedy tokens on 12 of 16 requests against 14-15 of 16 on one path.
+    quantized_prefill_rows = SHORT_PREFILL_ROWS if prefill == "quantized_short" else 0
     if prefill != "auto":
         reasons["prefill"] = "requested"
-    elif quantized_prefill_rows:
-        reasons["prefill"] = (f"auto: bf16 on a CPU without AMX: forwards of fewer than {quantized_prefill_rows} rows "
-                              "on the quantized step (the smaller fixed cost), longer ones on the dense bf16 weights")  # fmt: skip
     elif quantized_prefill and dtype == torch.float32:
         reasons["prefill"] = ("auto: fp32 on a CPU with the quantized step: prompt rows from the GGUF blocks too "
                               "(kvboost.runtime.quant_step)")  # fmt: skip

@@ -210,7 +210,7 @@ class LlamaRunner:
         quantized_prefill: ``decode="quantized"`` only: prompt rows (every forward without hooks) through the
             quantized step too, instead of the eager forward on the dense weights (``engine.prefill=quantized``).
         quantized_prefill_rows: ``decode="quantized"`` only: forwards of fewer rows than this through the quantized
-            step, longer ones eagerly on the dense weights (``prefill=auto`` for bf16 on a CPU without AMX).
+            step, longer ones eagerly on the dense weights (``engine.prefill=quantized_short``).
     """
 
     def __init__(
