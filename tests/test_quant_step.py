@@ -473,7 +473,9 @@ def test_bf16_model_decodes_from_the_blocks_into_a_bf16_pool(tmp_path):
     steps, table = _teacher_forced(engine, ids, fed)
     for logits, ref in zip(steps, ref_logits, strict=True):
         assert (logits - ref).abs().max().item() < 0.03 * (ref.max() - ref.min()).item()
-    assert engine.runner.forwards["quantized"] == len(fed)
+    # the 33-row prefill too where prefill=auto puts a bf16 model's prompt rows on the blocks (a CPU without AMX)
+    prefilled = int(engine.decode_info()["prefill"] == "quantized")
+    assert engine.runner.forwards["quantized"] == len(fed) + prefilled
     table.release()
     engine.close()
 
@@ -560,11 +562,14 @@ def test_quantized_prefill_needs_the_quantized_decode_and_is_in_the_cache_key(tm
     assert len(prints) == 2
 
 
-def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path):
+def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path, monkeypatch):
     """kvboost-server feeds prompts in its step budget's chunks (engine.chunked_prompts): then prefill=auto runs a bf16
     model's prompt rows through the quantized step too (a smaller fixed cost per forward), says why, and keys the
-    cache apart; in process (the default) a bf16 model keeps its dense prefill. An explicit prefill still wins, and
-    int8 activations never prefill."""
+    cache apart; in process a bf16 model on an AMX CPU keeps its dense prefill, and on one without AMX takes the
+    blocks too, with its own reason. An explicit prefill still wins, and int8 activations never prefill."""
+    import kvboost.env
+
+    monkeypatch.setattr(kvboost.env, "has_amx", lambda: True)
     model = copy.deepcopy(gguf_model(tmp_path, "llama", seed=3)).to(torch.bfloat16)
     ids = random_ids(40, seed=9)
     infos, prints = {}, set()
@@ -582,14 +587,21 @@ def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path):
         engine = _engine(model, decode="quantized", chunked_prompts=True, **options)
         assert engine.decode_info()["prefill"] == path
         engine.close()
+    monkeypatch.setattr(kvboost.env, "has_amx", lambda: False)
+    engine = _engine(model, decode="quantized")
+    info = engine.decode_info()
+    assert info["prefill"] == "quantized" and "without AMX" in info["prefill_reason"]
+    engine.close()
 
 
-def test_prefill_quantized_short_puts_short_forwards_on_the_blocks(tmp_path):
+def test_prefill_quantized_short_puts_short_forwards_on_the_blocks(tmp_path, monkeypatch):
     """engine.prefill=quantized_short (asked for; auto never picks it): forwards of fewer than SHORT_PREFILL_ROWS
     rows on the quantized step, longer ones on the dense weights, decode on the step; the path is named and keyed
     apart from fused and quantized; it needs the quantized decode and int16 / fp32 activations."""
+    import kvboost.env
     from kvboost.runtime.config import SHORT_PREFILL_ROWS
 
+    monkeypatch.setattr(kvboost.env, "has_amx", lambda: True)  # auto: the dense prefill (below)
     model = copy.deepcopy(gguf_model(tmp_path, "llama", seed=3)).to(torch.bfloat16)
     engine = _engine(model, decode="quantized", prefill="quantized_short")
     info, prints = engine.decode_info(), {engine.fingerprint}
@@ -607,7 +619,7 @@ def test_prefill_quantized_short_puts_short_forwards_on_the_blocks(tmp_path):
         assert engine.decode_info()["prefill"] == ("fused" if prefill == "auto" else prefill)
         prints.add(engine.fingerprint)
         engine.close()
-    assert len(prints) == 3  # auto is fused here
+    assert len(prints) == 3  # auto is fused with AMX
     with pytest.raises(ValueError, match="prefill='quantized_short'.*decode='quantized'"):
         _engine(model, decode="eager", prefill="quantized_short")
     with pytest.raises(ValueError, match="prefill='quantized_short' with decode_activations='int8'"):

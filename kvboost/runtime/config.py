@@ -91,6 +91,7 @@ def choose_runner(
     ``chunked_prompts``: the caller feeds prompts in a serving loop's bounded chunks (kvboost-server's step budget:
     32-48 tokens a step on 2 CPU cores, more under a backlog), so ``prefill="auto"`` prefers the path with the smaller
     fixed cost per forward: the quantized step's (~15 ms on 2 Zen 4 cores) over the dense bf16 one's (~30 ms)."""
+    from kvboost.env import has_amx
     from kvboost.models.prepack import choose_prefill_weights, plain_projections, projection_bytes
     from kvboost.runtime.llama import has_int4_projections, inductor_unavailable_reason, unsupported_reason
 
@@ -198,25 +199,30 @@ def choose_runner(
                          "not a prefill's), so prompt rows need int16 or fp32 activations; use prefill='fused'")  # fmt: skip
     # auto: prompt rows from the blocks where the dense prefill is fp32 (a CPU without native bf16: on 2 AVX2 cores
     # a 32 / 64 / 256-token chunk took 78 / 146 / 517 ms against 210 / 279 / 762 ms dense); a bf16 model keeps the
-    # dense prefill (quantized_short asks for the blocks on short forwards; see below), int8 activations too.
+    # dense prefill where the CPU has AMX (below), int8 activations always (see above).
     # A serving loop's chunks (chunked_prompts) favour the blocks whatever the dtype: each dense bf16 forward costs a
     # fixed ~30 ms on 2 Zen 4 cores, the quantized step's ~15 ms, and the ShareGPT load tests served 1.09-1.24x the
     # throughput at 8 / 32 clients with it (experiments/results/README.md, "Two int16 rows to a 512-bit vector").
+    # bf16 without AMX (AVX-512 BF16: oneDNN's bf16 GEMMs at the int16 kernel's multiply-adds per cycle, on 3x the
+    # bytes): the blocks prefill short prompts 1.42-1.78x faster than the prepacked dense forward and 256 / 512-token
+    # ones at 0.97x / 0.96x (2 Zen 4 cores; experiments/results/decode/prefill_quantized_zen4/), so one path, the
+    # blocks, serves every forward (a split by length costs reuse / cold agreement; see quantized_short below).
     quantized_prefill = prefill == "quantized" or (
         prefill == "auto" and decode == "quantized" and decode_activations != "int8"
-        and (dtype == torch.float32 or chunked_prompts))  # fmt: skip
-    # quantized_short (asked for, never auto): a bf16 model on a CPU without AMX runs oneDNN's bf16 GEMMs on AVX-512
-    # BF16, at the int16 kernel's multiply-adds per cycle on 3x the bytes, so the blocks prefill short forwards
-    # faster (2 Zen 4 cores, bundled model: prepacked dense / quantized TTFT 1.78x at 16 tokens, 1.42x at 48, 1.08x
-    # at 128, 0.97x / 0.96x at 256 / 512; experiments/results/decode/prefill_quantized_zen4/). auto does not take
+        and (dtype == torch.float32 or chunked_prompts or (dtype == torch.bfloat16 and not has_amx())))  # fmt: skip
+    # quantized_short (asked for, never auto): the blocks for forwards under SHORT_PREFILL_ROWS rows, the dense
+    # weights for longer ones (on 2 Zen 4 cores 3-4% faster than the blocks at 256-512 tokens). auto does not take
     # it: a cold prompt (long: dense) and a reuse's suffix (short: blocks) then run different arithmetic, and
-    # run.py's reuse gave its cold prefill's greedy tokens on 12 of 16 requests against 14-15 of 16 on one path.
+    # run.py's reuse gave its cold prefill's greedy tokens on 12 of 16 requests against 14 of 16 on one path.
     quantized_prefill_rows = SHORT_PREFILL_ROWS if prefill == "quantized_short" else 0
     if prefill != "auto":
         reasons["prefill"] = "requested"
     elif quantized_prefill and dtype == torch.float32:
         reasons["prefill"] = ("auto: fp32 on a CPU with the quantized step: prompt rows from the GGUF blocks too "
                               "(kvboost.runtime.quant_step)")  # fmt: skip
+    elif quantized_prefill and not chunked_prompts:
+        reasons["prefill"] = ("auto: bf16 on a CPU without AMX, where the quantized step prefills short prompts faster "
+                              "than the dense bf16 GEMMs and long ones about as fast: prompt rows from the GGUF blocks")  # fmt: skip
     elif quantized_prefill:
         reasons["prefill"] = ("auto: prompts come in a serving loop's chunks (engine.chunked_prompts) and the CPU "
                               "decodes from the GGUF blocks: prompt rows from the blocks too, the smaller fixed cost "
