@@ -83,14 +83,16 @@ class InferenceEngine:
         max_kv_bytes: refuse a request whose KV (prompt + max new tokens) would exceed this many bytes.
         decode, prefill, prefill_weights: the path (``kvboost.runtime.config.choose_runner``): ``decode`` ``auto`` |
             ``graphed`` (CUDA graphs) | ``compiled`` (inductor) | ``eager`` (HF's bits) | ``hf`` (HF's modules);
-            ``prefill`` ``auto`` | ``fused`` | ``graphed`` | ``quantized`` | ``hf``; ``prefill_weights`` ``auto`` |
-            ``plain`` | ``prepacked``. ``decode="quantized"`` (what ``auto`` picks on CPU for a GGUF model of 4-bit
-            blocks, as the bundled one) multiplies the file's own blocks (``kvboost.runtime.quant_step``);
-            ``prefill="quantized"`` runs the prompt rows through the same step.
+            ``prefill`` ``auto`` | ``fused`` | ``graphed`` | ``quantized`` | ``quantized_short`` | ``hf``;
+            ``prefill_weights`` ``auto`` | ``plain`` | ``prepacked``. ``decode="quantized"`` (what ``auto`` picks
+            on CPU for a GGUF model of 4-bit blocks, as the bundled one) multiplies the file's own blocks
+            (``kvboost.runtime.quant_step``); ``prefill="quantized"`` runs the prompt rows through the same step,
+            ``"quantized_short"`` the forwards of fewer than 128 rows.
         chunked_prompts: prompts will come in a serving loop's bounded chunks (kvboost-server sets it): then
             ``prefill="auto"`` runs them through the quantized step wherever decode is quantized, its fixed cost per
             forward being the smaller one (bf16 models included). None / False: in-process use, where a prompt
-            prefills in one forward and a bf16 model keeps its dense prefill.
+            prefills in one forward and a bf16 model keeps its dense prefill on a CPU with AMX (without AMX it
+            takes the quantized step too: ``kvboost.runtime.config.choose_runner``).
         decode_activations: ``decode="quantized"`` only: ``int16`` (the default: each row's 32-value groups rounded
             to int16 codes, the dense model's function up to ~1e-5), ``int8`` (llama.cpp's arithmetic: fastest; its
             generated rows are not stored, and greedy tokens of reuse and cold may part at near ties) or ``fp32``.
