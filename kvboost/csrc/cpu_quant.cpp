@@ -387,11 +387,11 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
 #ifdef KVB_VNNI
 // int16 rows on 512-bit vectors, two rows at a time: the same products and the same fp32 operations per output as
 // tile_rows<RB, kActInt16> (so the same bits), with one vpdpwssd per row and quad instead of two, one broadcast
-// instead of two, and one weight unpacking per quad for 16 rows (kPairBlock). Zen 4 runs 1 zmm or 2 ymm vpdpwssd a cycle (4 cycles'
-// latency), so the peak is the same; what tile_rows loses is the work around it: in a standalone loop on one Zen 4
-// core at 8-32 rows, tile_rows reached ~50% of that peak and this ~65% (tests/test_quant_step.py checks the bits,
-// experiments/bench/bench_quant_products.py the speed). One row stays on tile_rows: it streams the weights from
-// memory, and this adds nothing there.
+// instead of two, and one weight unpacking per quad for 16 rows (kPairBlock). Zen 4 runs 1 zmm or 2 ymm vpdpwssd a
+// cycle (4 cycles' latency), so the peak is the same; what tile_rows loses is the work around it: in a standalone
+// loop on one Zen 4 core at 8-32 rows, tile_rows reached ~50% of that peak and this ~65% (tests/test_quant_step.py
+// checks the bits, experiments/bench/bench_quant_products.py the speed). One row stays on tile_rows: it streams the
+// weights from memory, and this adds nothing there.
 //
 // Per 4 consecutive k ("quad") one zmm holds the tile's weights with dword lane 2j = (w[j, k], w[j, k+1]) and 2j+1 =
 // (w[j, k+2], w[j, k+3]) (TileCodes::fours widened to int16), so a row's 4 int16 codes broadcast as one 64-bit value
@@ -709,27 +709,27 @@ torch::Tensor attention_input(const torch::Tensor& x, const torch::Tensor& ln, d
   const float* sp = sin.data_ptr<float>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1);
   kvb::parallel_rows(M, [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    float* row = qkv.data_ptr<float>() + r * (nq + 2 * nk);
-    const float* c = cp + r * D;
-    const float* s = sp + r * D;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) rope_row(row + h * D, c, s, D);
-    const int64_t off = sl[r] * ks1;
-    if (dtype == at::kFloat) {
-      store_row(q.data_ptr<float>() + r * nq, row, nq);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        store_row(k_cache.data_ptr<float>() + h * ks0 + off, row + nq + h * D, D);
-        store_row(v_cache.data_ptr<float>() + h * ks0 + off, row + nq + nk + h * D, D);
-      }
-    } else {
-      using bf = c10::BFloat16;
-      store_row(q.data_ptr<bf>() + r * nq, row, nq);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        store_row(k_cache.data_ptr<bf>() + h * ks0 + off, row + nq + h * D, D);
-        store_row(v_cache.data_ptr<bf>() + h * ks0 + off, row + nq + nk + h * D, D);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = qkv.data_ptr<float>() + r * (nq + 2 * nk);
+      const float* c = cp + r * D;
+      const float* s = sp + r * D;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) rope_row(row + h * D, c, s, D);
+      const int64_t off = sl[r] * ks1;
+      if (dtype == at::kFloat) {
+        store_row(q.data_ptr<float>() + r * nq, row, nq);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          store_row(k_cache.data_ptr<float>() + h * ks0 + off, row + nq + h * D, D);
+          store_row(v_cache.data_ptr<float>() + h * ks0 + off, row + nq + nk + h * D, D);
+        }
+      } else {
+        using bf = c10::BFloat16;
+        store_row(q.data_ptr<bf>() + r * nq, row, nq);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          store_row(k_cache.data_ptr<bf>() + h * ks0 + off, row + nq + h * D, D);
+          store_row(v_cache.data_ptr<bf>() + h * ks0 + off, row + nq + nk + h * D, D);
+        }
       }
     }
-  }
   });
   return q;
 }
@@ -753,17 +753,17 @@ void mlp_block(torch::Tensor x, const torch::Tensor& attn, const torch::Tensor& 
   auto h = torch::empty({M, I}, x.options());
   using Vec = at::vec::Vectorized<float>;
   kvb::parallel_rows(M, [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* g = gu.data_ptr<float>() + r * I2;
-    const float* u = g + I;
-    float* hr = h.data_ptr<float>() + r * I;
-    int64_t i = 0;
-    for (; i + Vec::size() <= I; i += Vec::size()) {  // silu(g) * u, vectorized exp (Sleef, ~1 ulp)
-      const Vec gv = Vec::loadu(g + i);
-      (gv / (Vec(1.f) + gv.neg().exp()) * Vec::loadu(u + i)).store(hr + i);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gu.data_ptr<float>() + r * I2;
+      const float* u = g + I;
+      float* hr = h.data_ptr<float>() + r * I;
+      int64_t i = 0;
+      for (; i + Vec::size() <= I; i += Vec::size()) {  // silu(g) * u, vectorized exp (Sleef, ~1 ulp)
+        const Vec gv = Vec::loadu(g + i);
+        (gv / (Vec(1.f) + gv.neg().exp()) * Vec::loadu(u + i)).store(hr + i);
+      }
+      for (; i < I; ++i) hr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
-    for (; i < I; ++i) hr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
   });
   q4_matmul_into(h, d_codes, d_scale, d_min, c10::nullopt, x, true, act);
 }

@@ -278,10 +278,9 @@ class LlamaRunner:
                              "are the model's own (not AWQ int4, not attn=batch_invariant); use decode='eager'")  # fmt: skip
         self.graphs: Any = None
         self.quantized: Any = None
-        if quantized_prefill and decode != "quantized":
-            raise ValueError("quantized_prefill needs decode='quantized' (its step runs the prompt rows)")
-        if quantized_prefill_rows and decode != "quantized":
-            raise ValueError("quantized_prefill_rows needs decode='quantized' (its step runs the prompt rows)")
+        if (quantized_prefill or quantized_prefill_rows) and decode != "quantized":
+            which = "quantized_prefill" if quantized_prefill else "quantized_prefill_rows"
+            raise ValueError(f"{which} needs decode='quantized' (its step runs the prompt rows)")
         self.quantized_prefill = quantized_prefill
         self.quantized_prefill_rows = quantized_prefill_rows
         if decode == "quantized":  # decode steps from the GGUF's own 4-bit blocks (kvboost.runtime.quant_step)
