@@ -1,6 +1,7 @@
 """experiments/bench/bench_quant_products.py and bench_step_ab.py, the kernels against another revision's: tiny runs
 against this commit's own kernels (built a second time from git), which must find the two builds equal and write
-both reports; a bench_step_ab baseline whose kernels read the packed weights otherwise is refused."""
+both reports; a bench_step_ab baseline whose kernels read the packed weights otherwise is refused; the layouts' A/B
+(tiles of 8 against the default packing) gives the same logits and the same products."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ def test_a_small_run_against_head_is_bit_equal_and_writes_reports(tmp_path):
     assert "| 3 |" in (tmp_path / "products.md").read_text()
 
 
+def test_the_layouts_products_are_bit_equal(tmp_path):
+    from kvboost.runtime.quant_step import quant_isa
+
+    if quant_isa() != "avx512_vnni":
+        pytest.skip("wide tiles are read by the avx512_vnni build only")
+    assert main(["--layout", "tiles8-vs-wide", "--act", "int8", "--rows", "1", "9", "--rounds", "1", "--repeats", "1",
+                 "--threads", "1", "--out", str(tmp_path)]) == 0  # fmt: skip
+    saved = json.loads((tmp_path / "products.json").read_text())
+    assert saved["mismatches"] == [] and saved["layout"] == "tiles8-vs-wide"
+    assert saved["baseline_rev"] == "this tree (tiles of 8)"
+
+
 @pytest.mark.skipif(not _git_ok(), reason="not a git checkout")
 def test_an_unknown_revision_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="'no-such-revision-xyz' is not a commit"):
@@ -56,6 +69,15 @@ def test_a_step_ab_run_against_head_writes_reports(tmp_path):
     assert all(len(v) == 2 for v in saved["raw"]["prefill"].values())
     md = (tmp_path / "step_ab.md").read_text()
     assert "| 2 |" in md and "| 16 |" in md
+    assert saved["packing"].startswith("both: ")  # HEAD's kernels on a packing they read
+
+
+def test_a_layouts_ab_times_this_trees_kernels_on_both_packings(tmp_path):
+    assert bench_step_ab.main(["--baseline-layout", "tiles8", "--rows", "1", "--prompts", "16", "--rounds", "2",
+                               "--tokens", "2", "--threads", "1", "--out", str(tmp_path)]) == 0  # fmt: skip
+    saved = json.loads((tmp_path / "step_ab.json").read_text())
+    assert saved["baseline_rev"] == "this tree" and saved["packing"].startswith("baseline: tiles of 8; tree: ")
+    assert saved["logits_max_diff_between_builds"] == 0.0  # both layouts give the same bits
 
 
 class _Shifted:
@@ -76,10 +98,11 @@ def test_a_baseline_with_other_logits_is_refused():
 
     engine = KVBoost.from_pretrained(chunked_prompts=True)
     try:
-        ext = engine.runner.quantized.ext
-        assert bench_step_ab.check_same_packing(engine, {"baseline": ext, "tree": ext}) == 0.0
+        step = engine.runner.quantized
+        ext = step.ext
+        assert bench_step_ab.check_same_packing(engine, {"baseline": (step, ext), "tree": (step, ext)}) == 0.0
         with pytest.raises(SystemExit, match="packing differs"):
-            bench_step_ab.check_same_packing(engine, {"baseline": _Shifted(ext), "tree": ext})
+            bench_step_ab.check_same_packing(engine, {"baseline": (step, _Shifted(ext)), "tree": (step, ext)})
     finally:
-        engine.runner.quantized.ext = ext
+        bench_step_ab.use(engine, (step, ext))
         engine.close()

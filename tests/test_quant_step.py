@@ -140,6 +140,66 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(act):
                                vnni.q8_matmul(x, q8.codes, q8.scale, ACT[act]))  # fmt: skip
 
 
+@pytest.mark.parametrize("act", ["int8", "int16"])
+def test_wide_tiles_give_the_tiles_of_8_bits(act):
+    """The VNNI build's wide tiles (16 features, 8 k per 512-bit load: the step's layout for int16 / int8 rows there)
+    sum the same integers exactly and scale them with the same fp32 operations as the tiles of 8: the same bits for
+    every row count (8-row passes, their tails, a prompt's many passes), fp32 and fp16 group values, with a bias;
+    and each row's result is its result alone."""
+    from kvboost.runtime.quant_step import load_quant_extension, vnni_unavailable_reason
+
+    if vnni_unavailable_reason() is not None:
+        pytest.skip(vnni_unavailable_reason())
+    vnni = load_quant_extension("avx512_vnni")
+    g = torch.Generator().manual_seed(21)
+    q = torch.randint(0, 16, (48, 160), generator=g, dtype=torch.uint8)
+    bias = torch.randn(48, generator=g)
+    full = (torch.rand(48, 5, generator=g) * 0.02, -torch.rand(48, 5, generator=g) * 0.1)
+    half = tuple(v.half() for v in full)
+    for scale, minv in (full, half):
+        narrow, wide = Q4Weight(q, scale, minv, bias), Q4Weight(q, scale, minv, bias, wide=True)
+        assert wide.codes.shape == (3, 20, 64) and wide.scale.shape == (3, 5, 16) and wide.scale.dtype == scale.dtype
+        assert wide.nbytes == narrow.nbytes
+        assert torch.equal(wide.dequantized(), narrow.dequantized())
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 70):
+            x = torch.randn(rows, 160, generator=g) * 3
+            ours = vnni.q4_matmul(x, wide.codes, wide.scale, wide.minv, wide.bias, ACT[act])
+            assert torch.equal(ours, vnni.q4_matmul(x, narrow.codes, narrow.scale, narrow.minv, narrow.bias, ACT[act]))
+            if rows in (9, 17):
+                for r in range(rows):
+                    alone = vnni.q4_matmul(x[r : r + 1], wide.codes, wide.scale, wide.minv, wide.bias, ACT[act])
+                    assert torch.equal(ours[r], alone[0])
+
+
+def test_wide_tiles_are_read_where_their_kernel_is_and_refused_elsewhere(ext):
+    """A wide weight rebuilt from its tiles is the one it was built from; out_features not a multiple of 16, a
+    stack of both layouts, fp32 activations and the AVX2 build are refused, each naming why."""
+    from kvboost.runtime.quant_step import load_quant_extension, wide_tiles_for
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (32, 64), generator=g, dtype=torch.uint8)
+    scale, minv = torch.rand(32, 2, generator=g), torch.randn(32, 2, generator=g)
+    dense = (q.float().reshape(32, 2, 32) * scale[..., None] + minv[..., None]).reshape(32, 64)
+    wide = Q4Weight(q, scale, minv, wide=True)
+    assert torch.equal(wide.dequantized(), dense)
+    assert all(torch.equal(a, b) for a, b in zip(wide.group_params(), (scale, minv), strict=True))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Q4Weight(q[:24], scale[:24], minv[:24], wide=True)
+    with pytest.raises(ValueError, match="different layouts"):
+        Q4Weight.cat([wide, Q4Weight(q, scale, minv)])
+    assert torch.equal(Q4Weight.cat([wide, wide]).dequantized(), torch.cat([dense, dense]))
+    assert (wide_tiles_for("int16", "avx512_vnni"), wide_tiles_for("int8", "avx512_vnni")) == (True, True)
+    assert not wide_tiles_for("fp32", "avx512_vnni") and not wide_tiles_for("int16", "avx2")
+    x = torch.randn(2, 64, generator=g)
+    if ext.isa == "avx512_vnni":
+        with pytest.raises(RuntimeError, match="int8 or int16 activations"):
+            ext.q4_matmul(x, wide.codes, wide.scale, wide.minv, None, ACT["fp32"])
+        with pytest.raises(RuntimeError, match=r"\[N/16, K/32, 16\]"):
+            ext.q4_matmul(x, wide.codes, wide.scale.reshape(32, 2), wide.minv.reshape(32, 2), None, ACT["int16"])
+    with pytest.raises(RuntimeError, match="avx512_vnni build only"):
+        load_quant_extension("avx2").q4_matmul(x, wide.codes, wide.scale, wide.minv, None, ACT["int16"])
+
+
 def test_products_do_not_depend_on_threads_or_callers(ext):
     """The products run on kvb::WorkPool (kvboost/csrc/work_pool.h: the caller and helpers claim chunks of tiles):
     the same bits with 1, 2 or 5 threads (more than this machine's cores) and from 4 Python threads at once (one job
@@ -458,6 +518,46 @@ def test_integer_step_is_close_to_hf_and_batches_like_one(tmp_path, arch, act, t
     alone = [engine.generate(p, 7, mode="cold").output_ids for p in prompts]
     together = [r.output_ids for r in engine.generate_batch(prompts, 7, mode="cold")]
     assert together == alone
+    engine.close()
+
+
+@pytest.mark.parametrize("act", ["int16", "int8"])
+def test_the_step_in_wide_tiles_gives_the_tiles_of_8_logits(tmp_path, act):
+    """On the VNNI build the step packs int16 / int8 weights in wide tiles (the tiny model's projections are whole
+    tiles of 16): a prompt chunk and batched decode steps give the logits, bit for bit, and the pool rows of the same
+    step packed in tiles of 8. Elsewhere it keeps tiles of 8 and refuses wide ones."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+    from kvboost.runtime.quant_step import QuantDecodeStep
+
+    model = gguf_model(tmp_path, "qwen2", seed=3)  # q/k/v biases: the wide tiles' bias too
+    engine = _engine(model, decode="quantized", decode_activations=act)
+    step = engine.runner.quantized
+    if step.ext.isa != "avx512_vnni":
+        assert engine.decode_info()["quantized"]["layout"] == "tiles of 8"
+        with pytest.raises(ValueError, match="wide tiles need"):
+            QuantDecodeStep(engine.runner, act, wide=True)
+        engine.close()
+        return
+    assert engine.decode_info()["quantized"]["layout"] == "wide tiles of 16"
+    narrow = QuantDecodeStep(engine.runner, act, wide=False)
+    assert narrow.describe()["layout"] == "tiles of 8"
+    prompts = [random_ids(n, seed=n) for n in (3, 21, 40)]
+    runs = {}
+    for name, quantized in (("wide", step), ("narrow", narrow)):
+        engine.runner.quantized = quantized
+        tables = [BlockTable(engine.pool) for _ in prompts]
+        logits = [quantized.run(ForwardBatch.build([SeqInput(t, p) for t, p in zip(tables, prompts, strict=True)]))]
+        for i in range(4):
+            feed = [SeqInput(t, [5 + i + j]) for j, t in enumerate(tables)]
+            logits.append(quantized.run(ForwardBatch.build(feed)))
+        keys = [engine.pool.keys[layer][:, tables[2].slots(0, 44)].clone() for layer in range(engine.pool.num_layers)]
+        runs[name] = (logits, keys)
+        for t in tables:
+            t.release()
+    engine.runner.quantized = step
+    for a, b in zip(*(runs[n][0] + runs[n][1] for n in ("wide", "narrow")), strict=True):
+        assert torch.equal(a, b)
     engine.close()
 
 

@@ -8,7 +8,9 @@ built as another extension in this process). The weights are random, in the bund
 hidden 576, MLP 1536, q/k/v 960 rows): one layer's four products (q/k/v, o, gate/up, down) on 4-bit blocks, and
 the 49,152-row head on 8-bit blocks, activations rounded to int16 (the default; ``--act``). The same layer's
 weights are read again and again, so they stay in the caches: this is the kernels' compute, not the decode step's
-stream of every layer from memory (that is ``bench_decode``'s).
+stream of every layer from memory (that is ``bench_decode``'s). ``--layout`` packs the 4-bit weights in tiles of 8
+(the default), in wide tiles of 16 (the step's layout for int16 / int8 rows on the avx512_vnni build), or times this
+tree's kernels on both (``tiles8-vs-wide``: the baseline is tiles of 8).
 
 Each round times both builds on the same inputs, one after the other, in alternating order (``--repeats`` calls
 each, the best kept, so a descheduled call does not count); ``--rounds`` rounds. Reported per build and row count:
@@ -71,10 +73,11 @@ def build_baseline(rev: str, isa: str) -> Any:
     return ext, sha
 
 
-def random_q4(rows: int, cols: int, gen: torch.Generator) -> Q4Weight:
+def random_q4(rows: int, cols: int, gen: torch.Generator) -> tuple[Q4Weight, Q4Weight]:
+    """One random 4-bit weight in tiles of 8 and in wide tiles of 16 (the same values)."""
     q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
     scale, minv = torch.rand(rows, cols // 32, generator=gen) * 0.02, -torch.rand(rows, cols // 32, generator=gen) * 0.1
-    return Q4Weight(q, scale, minv)
+    return Q4Weight(q, scale, minv), Q4Weight(q, scale, minv, wide=True)
 
 
 def random_q8(rows: int, cols: int, gen: torch.Generator) -> Q8Weight:
@@ -99,6 +102,9 @@ def best_ms(fn: Any, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", default="HEAD", help="git revision whose kernel is the baseline")
+    parser.add_argument("--layout", choices=("tiles8", "wide", "tiles8-vs-wide"), default="tiles8",
+                        help="the 4-bit weights' layout: tiles of 8 or wide tiles of 16 for both builds (the baseline "
+                        "must read it), or tiles8-vs-wide: this tree's kernels on both (--baseline-rev not used)")  # fmt: skip
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--act", choices=ACTIVATIONS, default="int16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -110,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     isa, act = quant_isa(), ACTIVATION_CODES[args.act]
     ours = load_quant_extension(isa)
-    base, sha = build_baseline(args.baseline_rev, isa)
+    base, sha = (ours, "this tree (tiles of 8)") if args.layout == "tiles8-vs-wide" else build_baseline(
+        args.baseline_rev, isa)  # fmt: skip
     builds = {"baseline": base, "this tree": ours}
     gen = torch.Generator().manual_seed(0)
-    layer = [(k, random_q4(n, k, gen)) for _, k, n in LAYER]
+    both = [(k, random_q4(n, k, gen)) for _, k, n in LAYER]
+    narrow, wide = [(k, w[0]) for k, w in both], [(k, w[1]) for k, w in both]
+    layers = {"baseline": wide if args.layout == "wide" else narrow,
+              "this tree": narrow if args.layout == "tiles8" else wide}  # fmt: skip
     head = random_q8(VOCAB, HIDDEN, gen)
     layer_macs = sum(k * n for _, k, n in LAYER)
     head_macs = HIDDEN * VOCAB
@@ -123,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, MLP)}
         inputs[rows] = xs
-        a, b = (layer_products(e, xs, layer, act) for e in (base, ours))
+        a, b = (layer_products(builds[name], xs, layers[name], act) for name in builds)
         if not all(torch.equal(x, y) for x, y in zip(a, b)):
             mismatches.append(f"layer products at {rows} rows")
         if not torch.equal(base.q8_matmul(xs[HIDDEN], head.codes, head.scale, act),
@@ -138,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             xs = inputs[rows]
             for name in order:
-                ext = builds[name]
+                ext, layer = builds[name], layers[name]
 
-                def products(ext: Any = ext, xs: dict[int, torch.Tensor] = xs) -> list:
+                def products(ext: Any = ext, xs: dict[int, torch.Tensor] = xs, layer: list = layer) -> list:
                     return layer_products(ext, xs, layer, act)
 
                 def head_product(ext: Any = ext, xs: dict[int, torch.Tensor] = xs) -> torch.Tensor:
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     results: dict[str, Any] = {"command": "python -m experiments.bench.bench_quant_products " + shlex.join(
-        sys.argv[1:] if argv is None else argv), "baseline_rev": sha, "isa": isa, "act": args.act,
+        sys.argv[1:] if argv is None else argv), "baseline_rev": sha, "layout": args.layout, "isa": isa, "act": args.act,
         "threads": torch.get_num_threads(), "environment": describe_environment(), "mismatches": mismatches,
         "rows": {}}  # fmt: skip
     for rows in args.rows:
@@ -168,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         entry["head_speedup"] = [statistics.median(head_speedups), min(head_speedups), max(head_speedups)]
         results["rows"][rows] = entry
 
-    setting = (f"{isa} build, activations {args.act}, {results['threads']} threads, {args.rounds} rounds; baseline = "
+    setting = (f"{isa} build, activations {args.act}, 4-bit layout {args.layout}, {results['threads']} threads, "
+               f"{args.rounds} rounds; baseline = "
                f"{sha}; bit-for-bit mismatches between the builds: {', '.join(mismatches) or 'none'}")  # fmt: skip
     header = (f"| rows | layer ms baseline / this tree | GMAC/s baseline / this tree | cost vs {args.rows[0]} row(s) "
               "baseline / this tree | layer speed-up (min-max) | head ms baseline / this tree | head speed-up (min-max) |")  # fmt: skip

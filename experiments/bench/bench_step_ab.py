@@ -1,22 +1,28 @@
-"""The quantized step in the engine, this tree's kernels against another revision's, same process, same weights.
+"""The quantized step in the engine, this tree's kernels against another revision's (or against this tree's own
+tiles of 8), same process, same weights.
 
     python -m experiments.bench.bench_step_ab --baseline-rev d77316e --out experiments/results/decode/step_ab
+    python -m experiments.bench.bench_step_ab --baseline-layout tiles8 --out experiments/results/decode/wide_ab
 
 One engine on the bundled model with its prompts on the quantized step too (``chunked_prompts=True``: what
-kvboost-server runs; ``engine.prefill`` resolves to ``quantized``). The step's C++ extension is this tree's
-``kvboost/csrc/cpu_quant.cpp`` or ``--baseline-rev``'s (built as another extension, as
-``bench_quant_products`` does), swapped in between calls (``QuantDecodeStep.ext``), so both time the same packed
-weights, the same pool and the same Python around the kernels: the difference is the extension's. The baseline's
-packing must be this tree's (the tensors are shared): a first prompt's logits under both builds are compared and a
-baseline whose logits are off by 5% of their span or more is refused.
+kvboost-server runs; ``engine.prefill`` resolves to ``quantized``). Each arm is a packed step and a C++ extension,
+swapped into the engine between calls (``runner.quantized``, ``QuantDecodeStep.ext``), so both time the same pool
+and the same Python around the kernels:
+- ``--baseline-rev REV``: the baseline is ``REV``'s ``kvboost/csrc/cpu_quant.cpp`` (built as another extension,
+  as ``bench_quant_products`` does) on this tree's packing; where that revision cannot read the tree's wide tiles
+  (``Q4Weight(wide=True)``, from the first revision that has them), both arms run a step packed in tiles of 8, and
+  the report says so. The baseline's packing must be this tree's (the tensors are shared): a first prompt's logits
+  under both arms are compared and a baseline whose logits are off by 5% of their span or more is refused.
+- ``--baseline-layout tiles8``: the baseline is this tree's extension on a step packed in tiles of 8, the tree arm
+  the default packing (wide tiles on the avx512_vnni build): the layouts' A/B (the same bits).
 
-Timed, in rounds that alternate which build goes first:
+Timed, in rounds that alternate which arm goes first:
 - decode steps (``bench_decode.time_decode``: ``--tokens`` greedy steps of R rows, each row a random prompt of
-  ``--context`` tokens prefilled untimed) at each of ``--rows``; the cost of R rows against one row per build;
+  ``--context`` tokens prefilled untimed) at each of ``--rows``; the cost of R rows against one row per arm;
 - cold prefills (``generate(..., max_new_tokens=1)``, its TTFT) of a new random prompt of each of ``--prompts``
   tokens (never seen before, so nothing is reused).
 
-Reported: medians per build, and the per-round speed-up (baseline / this tree: median, min-max). Writes
+Reported: medians per arm, and the per-round speed-up (baseline / this tree: median, min-max). Writes
 ``<out>/step_ab.json`` and ``<out>/step_ab.md`` (the command at the top).
 """
 
@@ -39,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 from experiments.bench.bench_decode import time_decode
 from experiments.bench.bench_quant_products import build_baseline
 from kvboost.lab.environment import describe_environment
-from kvboost.runtime.quant_step import quant_isa
+from kvboost.runtime.quant_step import ACTIVATIONS, quant_isa
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -59,14 +65,37 @@ def prefill_logits(engine: Any, prompt: list[int]) -> torch.Tensor:
         table.release()
 
 
-def check_same_packing(engine: Any, builds: dict[str, Any]) -> float:
-    """Max |logit difference| of one prompt's forward under each build; raises when it exceeds 5% of the logits'
+#: an arm of the A/B: a packed quantized step and the extension that runs it
+Arm = tuple[Any, Any]
+
+
+def use(engine: Any, arm: Arm) -> None:
+    """Put ``arm``'s step and extension into the engine."""
+    step, ext = arm
+    step.ext = ext
+    engine.runner.quantized = step
+
+
+def reads_wide_tiles(ext: Any) -> bool:
+    """Whether ``ext`` multiplies a weight in wide tiles (revisions before them refuse its codes' shape)."""
+    from kvboost.runtime.quant_step import ACTIVATION_CODES, Q4Weight
+
+    w = Q4Weight(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), wide=True)
+    try:
+        ext.q4_matmul(torch.ones(1, 32), w.codes, w.scale, w.minv, None, ACTIVATION_CODES["int16"])
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_same_packing(engine: Any, arms: dict[str, Arm]) -> float:
+    """Max |logit difference| of one prompt's forward under each arm; raises when it exceeds 5% of the logits'
     span: the baseline reads the packed weights differently (another layout: its timings would be meaningless).
     Kernels that round differently stay far below that (a changed summation order: ~0.07 of a span of ~25)."""
-    step, prompt = engine.runner.quantized, _prompt(random.Random(7), 48)
+    prompt = _prompt(random.Random(7), 48)
     logits = {}
-    for name, ext in builds.items():
-        step.ext = ext
+    for name, arm in arms.items():
+        use(engine, arm)
         logits[name] = prefill_logits(engine, prompt)
     diff = (logits["baseline"] - logits["tree"]).abs().max().item()
     spread = (logits["tree"].max() - logits["tree"].min()).item()
@@ -82,18 +111,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = KVBoost.from_pretrained(chunked_prompts=True)
+    engine = KVBoost.from_pretrained(chunked_prompts=True, decode_activations=args.activations)
     info = engine.decode_info()
-    if info.get("decode") != "quantized" or info.get("prefill") != "quantized":
+    if info.get("decode") != "quantized":
         raise SystemExit(f"the bundled model does not run on the quantized step here ({info.get('reasons')})")
+    if info.get("prefill") != "quantized" and args.prompts:  # int8: prompts run dense, the same in both arms
+        print(f"prompts prefill on the {info.get('prefill')} path with {args.activations} activations, not on the "
+              "step: not timed", file=sys.stderr)  # fmt: skip
+        args.prompts = []
+    from kvboost.runtime.quant_step import QuantDecodeStep
+
     step = engine.runner.quantized
-    baseline, sha = build_baseline(args.baseline_rev, quant_isa())
-    builds = {"baseline": baseline, "tree": step.ext}
+
+    def tiles8() -> Any:
+        return step if not step.wide else QuantDecodeStep(engine.runner, step.activations, wide=False)
+
+    if args.baseline_layout == "tiles8":
+        sha, packing = "this tree", "baseline: tiles of 8; tree: " + step.describe()["layout"]
+        arms = {"baseline": (tiles8(), step.ext), "tree": (step, step.ext)}
+    else:
+        baseline, sha = build_baseline(args.baseline_rev, quant_isa())
+        shared = step if not step.wide or reads_wide_tiles(baseline) else tiles8()
+        packing = "both: " + shared.describe()["layout"]
+        arms = {"baseline": (shared, baseline), "tree": (shared, step.ext)}
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    diff = check_same_packing(engine, builds)
-    for ext in builds.values():  # first calls of each shape: allocator, oneDNN, the kernels' pages
-        step.ext = ext
+    diff = check_same_packing(engine, arms)
+    for arm in arms.values():  # first calls of each shape: allocator, oneDNN, the kernels' pages
+        use(engine, arm)
         time_decode(engine, [_prompt(rng, args.context)] * max(args.rows), 2)
         for n in args.prompts:
             engine.generate(_prompt(rng, n), max_new_tokens=1)
@@ -106,36 +151,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for rows in args.rows:
                 prompts = [torch.randint(100, 40000, (args.context,), generator=gen).tolist() for _ in range(rows)]
                 for name in order:
-                    step.ext = builds[name]
+                    use(engine, arms[name])
                     seconds, _ = time_decode(engine, prompts, args.tokens)
                     decode.setdefault((rows, name), []).append(seconds / args.tokens * 1e3)
                     bar.update(1)
             for n in args.prompts:
                 for name in order:
-                    step.ext = builds[name]
+                    use(engine, arms[name])
                     ttft = engine.generate(_prompt(rng, n), max_new_tokens=1).ttft_ms
                     prefill.setdefault((n, name), []).append(ttft)
                     bar.update(1)
-    step.ext = builds["tree"]
+    use(engine, arms["tree"])
     engine.close()
 
     def speedups(base: list[float], tree: list[float]) -> dict[str, float]:
         ratios = sorted(b / t for b, t in zip(base, tree, strict=True))
         return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
-    one = {name: statistics.median(decode[(min(args.rows), name)]) for name in builds}
+    one = {name: statistics.median(decode[(min(args.rows), name)]) for name in arms}
     decode_rows = [{
-        "rows": rows, **{f"{name}_ms": statistics.median(decode[(rows, name)]) for name in builds},
+        "rows": rows, **{f"{name}_ms": statistics.median(decode[(rows, name)]) for name in arms},
         **{f"{name}_cost_vs_{min(args.rows)}_rows": statistics.median(decode[(rows, name)]) / one[name]
-           for name in builds},
+           for name in arms},
         "speedup": speedups(decode[(rows, "baseline")], decode[(rows, "tree")]),
     } for rows in args.rows]  # fmt: skip
     prefill_rows = [{
-        "tokens": n, **{f"{name}_ms": statistics.median(prefill[(n, name)]) for name in builds},
+        "tokens": n, **{f"{name}_ms": statistics.median(prefill[(n, name)]) for name in arms},
         "speedup": speedups(prefill[(n, "baseline")], prefill[(n, "tree")]),
     } for n in args.prompts]  # fmt: skip
     return {
-        "baseline_rev": sha, "isa": quant_isa(), "threads": torch.get_num_threads(), "rounds": args.rounds,
+        "baseline_rev": sha, "packing": packing, "activations": args.activations, "isa": quant_isa(), "threads": torch.get_num_threads(), "rounds": args.rounds,
         "context": args.context, "tokens": args.tokens, "logits_max_diff_between_builds": diff,
         "decode": decode_rows, "prefill": prefill_rows,
         "raw": {"decode": {f"{k[0]}:{k[1]}": v for k, v in decode.items()},
@@ -146,9 +191,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any], command: str) -> str:
     base = res["baseline_rev"]
     lines = [f"`{command}`", "",
-             (f"{res['isa']} build, {res['threads']} threads, {res['rounds']} rounds; baseline = {base}'s extension, "
-              f"tree = this tree's, swapped into one engine (max logit difference between them on one prompt: "
-              f"{res['logits_max_diff_between_builds']:.2g})"), "",
+             (f"{res['isa']} build, {res['activations']} activations, {res['threads']} threads, {res['rounds']} "
+              f"rounds; baseline = {base}'s extension, "
+              f"tree = this tree's, swapped into one engine; packing: {res['packing']} (max logit difference "
+              f"between them on one prompt: {res['logits_max_diff_between_builds']:.2g})"), "",
              f"Decode steps ({res['tokens']} steps, {res['context']} tokens of context per row):", "",
              "| rows | ms per step baseline / tree | cost vs one row baseline / tree | speed-up (min-max) |",
              "| --- | --- | --- | --- |"]  # fmt: skip
@@ -158,6 +204,8 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
         lines.append(f"| {r['rows']} | {r['baseline_ms']:.2f} / {r['tree_ms']:.2f} | "
                      f"{r[f'baseline_cost_vs_{first}_rows']:.2f} / {r[f'tree_cost_vs_{first}_rows']:.2f} | "
                      f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) |")  # fmt: skip
+    if not res["prefill"]:
+        return "\n".join(lines) + "\n"
     lines += ["", "Cold prefills (TTFT of a new prompt, nothing reused):", "",
               "| tokens | ms baseline / tree | speed-up (min-max) |", "| --- | --- | --- |"]  # fmt: skip
     for r in res["prefill"]:
@@ -170,8 +218,13 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", default="HEAD", help="git revision whose kernels are the baseline")
+    parser.add_argument("--baseline-layout", choices=("same", "tiles8"), default="same",
+                        help="tiles8: the baseline is this tree's kernels on a step packed in tiles of 8 (the layouts' "
+                        "A/B; --baseline-rev is not used)")  # fmt: skip
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--prompts", type=int, nargs="+", default=[16, 48, 128, 256, 512])
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="int16",
+                        help="the step's activations (int8: decode only; its prompts prefill dense)")  # fmt: skip
+    parser.add_argument("--prompts", type=int, nargs="*", default=[16, 48, 128, 256, 512])
     parser.add_argument("--context", type=int, default=64, help="tokens of context of each decoding row")
     parser.add_argument("--tokens", type=int, default=16, help="decode steps timed per row count and round")
     parser.add_argument("--rounds", type=int, default=6)

@@ -8,9 +8,10 @@
 // blocks computes the same function, only summed in another order, when the activations stay fp32; rounded to
 // int16 codes per 32 values (the default) it is that function up to ~1e-5; int8 codes are llama.cpp's arithmetic.
 //
-// Layouts: tiles of 8 output features (see tile_rows below; built by kvboost/runtime/quant_step.py). Every product
-// reads each weight once for all M rows of the step (the rows are broadcast against a tile's 8 features), which is
-// what makes a batched decode step cheaper than M single steps.
+// Layouts (built by kvboost/runtime/quant_step.py): tiles of 8 output features (tile_rows below; every build and
+// activation), and for int16 / int8 rows on the VNNI build wide tiles of 16 (wide_product; the same bits, faster).
+// Every product reads each weight once for all M rows of the step (the rows are broadcast against a tile's
+// features), which is what makes a batched decode step cheaper than M single steps.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -96,6 +97,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;      // output features per tile: one AVX2 vector of fp32 / int32 results
+constexpr int64_t kWideTile = 16;  // output features per wide tile (VNNI builds: wide_product)
 // Rows of the step sharing each unpacked tile of weights: 4 in AVX2's 16 vector registers (2 accumulators a row),
 // 8 in AVX-512's 32.
 #ifdef KVB_VNNI
@@ -154,6 +156,12 @@ struct GroupVals {
   __m256 load8(int64_t i) const {  // values i .. i+7
     return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
                 : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+#endif
+#ifdef KVB_VNNI
+  __m512 load16(int64_t i) const {  // values i .. i+15
+    if (!half) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
   }
 #endif
 };
@@ -469,6 +477,132 @@ void tail_row_pairs(const Rows& xr, int64_t r0, int64_t M, const uint8_t* ct, Gr
     else tail_row_pairs<RB - 2, Q4>(xr, r0, M, ct, st, mt, out, ldo, bias, accumulate);
   }
 }
+
+// Rows against 4-bit weights in tiles of 16 output features ("wide" tiles; VNNI builds), the layout
+// kvboost/runtime/quant_step.py builds for int16 and int8 activations there:
+//   codes uint8 [N/16][K/8][64]: for tile t and 8 consecutive k (an "octet"), byte 4j+i holds w[16t+j, k+i] (low
+//   nibble) and w[16t+j, k+4+i] (high); scale and min [N/16][K/32][16] (fp32 or fp16, GroupVals).
+// Why: the tiles of 8 unpack each quad of 32 weights with five shuffles. Here one 512-bit load holds an octet of 16
+// features and a mask and a shift unpack it, with no shuffle: for int8 rows into two vpdpbusd operands of 64
+// products each; for int16 rows, widened by halves, into four vpdpwssd operands of 32 (dword lanes 2j and 2j+1 hold
+// feature j's pairs (k, k+1) and (k+2, k+3), as tile_row_pairs' quads). A tile's codes are one contiguous stream,
+// prefetched kPrefetchBytes ahead. The integer group sums are exact and the fp32 operations per output and group are
+// tile_rows<RB, Act>'s, in its order, so both layouts give the same bits (tests/test_quant_step.py).
+constexpr int64_t kWideRows = 8;          // rows sharing each unpacked octet (int32 and fp32 accumulators: 24-32)
+constexpr int64_t kPrefetchBytes = 2048;  // ~8 groups ahead; from memory, 2-4 KB were best on a Zen 4
+
+template <int RB, int64_t Act>
+void wide_tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
+                    int64_t ldo, const float* bias, bool accumulate, bool prefetch) {
+  static_assert(Act == kActInt8 || Act == kActInt16, "wide tiles take int8 or int16 rows");
+  // int8: two accumulators a row where few rows cannot hide vpdpbusd's latency, one where 5 or more rows do.
+  // int16: features 0-7 and 8-15 (lane pairs), each its own chain.
+  constexpr int NA = Act == kActInt16 ? 2 : (RB <= 4 ? 2 : 1);
+  const int64_t K = xr.K, G = xr.G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // int16: lane pairs (2j, 2j+1) of the two accumulators gathered as features 0..15
+  [[maybe_unused]] const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  [[maybe_unused]] const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  __m512 fa[RB];
+  for (int r = 0; r < RB; ++r) fa[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, ct += 4 * 64) {
+    if (prefetch)
+      for (int64_t line = 0; line < 4 * 64; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ct) + kPrefetchBytes + line, _MM_HINT_T0);
+    __m512i ia[RB][NA];
+    for (int r = 0; r < RB; ++r)
+      for (int a = 0; a < NA; ++a) ia[r][a] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t o = 0; o < 4; ++o) {
+      const __m512i v = _mm512_loadu_si512(ct + 64 * o);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (Act == kActInt8) {
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* xk = xr.q8.data() + (r0 + r) * K + g * kGroup + 8 * o;
+          int32_t a, b;
+          std::memcpy(&a, xk, 4);
+          std::memcpy(&b, xk + 4, 4);
+          ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], lo, _mm512_set1_epi32(a));
+          ia[r][NA - 1] = _mm512_dpbusd_epi32(ia[r][NA - 1], hi, _mm512_set1_epi32(b));
+        }
+      } else {
+        const __m512i lo0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));      // features 0-7, k .. k+3
+        const __m512i lo1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));  // features 8-15
+        const __m512i hi0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));      // features 0-7, k+4 .. k+7
+        const __m512i hi1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        for (int r = 0; r < RB; ++r) {
+          const int16_t* xk = xr.q16.data() + (r0 + r) * K + g * kGroup + 8 * o;
+          const __m512i xa = bcast64(xk), xb = bcast64(xk + 4);
+          ia[r][0] = _mm512_dpwssd_epi32(ia[r][0], lo0, xa);
+          ia[r][1] = _mm512_dpwssd_epi32(ia[r][1], lo1, xa);
+          ia[r][0] = _mm512_dpwssd_epi32(ia[r][0], hi0, xb);
+          ia[r][1] = _mm512_dpwssd_epi32(ia[r][1], hi1, xb);
+        }
+      }
+    }
+    const __m512 sc = st.load16(g * kWideTile);
+    const __m512 mn = mt.load16(g * kWideTile);
+    for (int r = 0; r < RB; ++r) {
+      __m512i sums;
+      if constexpr (Act == kActInt16)
+        sums = _mm512_add_epi32(_mm512_permutex2var_epi32(ia[r][0], evens, ia[r][1]),
+                                _mm512_permutex2var_epi32(ia[r][0], odds, ia[r][1]));
+      else if constexpr (NA == 2)
+        sums = _mm512_add_epi32(ia[r][0], ia[r][1]);
+      else
+        sums = ia[r][0];
+      const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xr.d[g * xr.Mp + r0 + r]));
+      fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, fa[r]);
+      fa[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.sum[g * xr.Mp + r0 + r]), fa[r]);
+    }
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < RB; ++r) {
+    float* o = out + (r0 + r) * ldo;
+    __m512 v = _mm512_add_ps(fa[r], b);
+    if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+    _mm512_storeu_ps(o, v);
+  }
+}
+
+// The last rem (< kWideRows) rows in one pass of wide_tile_rows<rem, Act>.
+template <int RB, int64_t Act>
+void wide_tail_rows(const Rows& xr, int64_t r0, int64_t rem, const uint8_t* ct, GroupVals st, GroupVals mt,
+                    float* out, int64_t ldo, const float* bias, bool accumulate, bool prefetch) {
+  if constexpr (RB >= 1) {
+    if (rem == RB) wide_tile_rows<RB, Act>(xr, r0, ct, st, mt, out, ldo, bias, accumulate, prefetch);
+    else wide_tail_rows<RB - 1, Act>(xr, r0, rem, ct, st, mt, out, ldo, bias, accumulate, prefetch);
+  }
+}
+
+template <int64_t Act>
+void wide_tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
+                        int64_t ldo, const float* bias, bool accumulate) {
+  int64_t r0 = 0;
+  for (; r0 + kWideRows <= M; r0 += kWideRows)
+    wide_tile_rows<kWideRows, Act>(xr, r0, ct, st, mt, out, ldo, bias, accumulate, r0 == 0);
+  if (M > r0) wide_tail_rows<kWideRows - 1, Act>(xr, r0, M - r0, ct, st, mt, out, ldo, bias, accumulate, r0 == 0);
+}
+
+// out [M, N] (+)= x [M, K] @ w^T (+ bias) for a q4 weight in wide tiles, int8 or int16 rows. A tile's row blocks
+// run one after the other while its codes sit in L1; only the first streams (and prefetches) them from memory.
+void wide_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, GroupVals scale,
+                  GroupVals minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
+  const Rows xr = prepare_rows(x, M, K, act);
+  const int64_t G = K / kGroup, T = N / kWideTile, tile_bytes = K / 2 * kWideTile;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* ct = codes + t * tile_bytes;
+      const GroupVals st = scale.at(t * G * kWideTile), mt = minv.at(t * G * kWideTile);
+      const float* bt = bias ? bias + t * kWideTile : nullptr;
+      float* ot = out + t * kWideTile;
+      if (act == kActInt16) wide_tile_all_rows<kActInt16>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+      else wide_tile_all_rows<kActInt8>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+    }
+  });
+}
 #endif
 
 // The same arithmetic without AVX2 (the integer sums exact, then the same fp32 operations per group).
@@ -569,8 +703,37 @@ void check_act(int64_t act) {
               "or 2 (int16), got ", act);
 }
 
-void check_q4(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& minv, int64_t K) {
+// A q4 weight's layout, told by its codes' shape: tiles of 8 features ([N, K/2]) or wide tiles of 16
+// ([N/16, K/8, 64], read by wide_product).
+inline bool wide_layout(const torch::Tensor& codes) { return codes.dim() == 3; }
+
+// Output features of a q4 weight in either layout.
+inline int64_t q4_rows(const torch::Tensor& codes) {
+  return wide_layout(codes) ? codes.size(0) * kWideTile : codes.size(0);
+}
+
+void check_wide_q4(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& minv, int64_t K,
+                   int64_t act) {
+#ifndef KVB_VNNI
+  TORCH_CHECK(false, "q4: wide tiles (codes [N/16, K/8, 64]) are read by the avx512_vnni build only");
+#endif
+  TORCH_CHECK(act == kActInt8 || act == kActInt16, "q4: wide tiles are read with int8 or int16 activations (act 1 "
+              "or 2), got act ", act);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) * 8 == K && codes.size(2) == 64 &&
+                  codes.is_contiguous(),
+              "q4: wide codes must be contiguous uint8 [N/16, K/8, 64]");
+  const int64_t T = codes.size(0);
+  for (const auto* t : {&scale, &minv})
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->is_contiguous() &&
+                    t->dim() == 3 && t->size(0) == T && t->size(1) == K / kGroup && t->size(2) == kWideTile,
+                "q4: a wide weight's scale and min must be contiguous float32 or float16 [N/16, K/32, 16]");
+  TORCH_CHECK(scale.scalar_type() == minv.scalar_type(), "q4: scale and min must have the same dtype");
+}
+
+void check_q4(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& minv, int64_t K,
+              int64_t act) {
   TORCH_CHECK(K % kGroup == 0, "q4: in_features must be a multiple of 32, got ", K);
+  if (wide_layout(codes)) return check_wide_q4(codes, scale, minv, K, act);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) * 2 == K && codes.is_contiguous(),
               "q4: codes must be contiguous uint8 [N, K/2]");
   const int64_t N = codes.size(0);
@@ -594,9 +757,9 @@ void check_rows(const torch::Tensor& x, const char* name) {
 void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                     const torch::Tensor& minv, const c10::optional<torch::Tensor>& bias, torch::Tensor& out,
                     bool accumulate, int64_t act) {
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  check_q4(codes, scale, minv, K);
+  const int64_t M = x.size(0), K = x.size(1), N = q4_rows(codes);
   check_act(act);
+  check_q4(codes, scale, minv, K, act);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1,
               "q4: out must be float32 [M, N] with contiguous rows");
@@ -605,6 +768,11 @@ void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const to
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "q4: bad bias");
     b = bias->data_ptr<float>();
   }
+#ifdef KVB_VNNI
+  if (wide_layout(codes))
+    return wide_product(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), group_vals(scale), group_vals(minv),
+                        b, out.data_ptr<float>(), out.stride(0), accumulate, act);
+#endif
   tiled_product<true>(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), group_vals(scale), group_vals(minv), b,
                       out.data_ptr<float>(), out.stride(0), accumulate, act);
 }
@@ -612,7 +780,7 @@ void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const to
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                         const torch::Tensor& minv, const c10::optional<torch::Tensor>& bias, int64_t act) {
   check_rows(x, "q4_matmul: x");
-  auto out = torch::empty({x.size(0), codes.size(0)}, x.options());
+  auto out = torch::empty({x.size(0), q4_rows(codes)}, x.options());
   q4_matmul_into(x, codes, scale, minv, bias, out, false, act);
   return out;
 }
@@ -683,7 +851,7 @@ torch::Tensor attention_input(const torch::Tensor& x, const torch::Tensor& ln, d
   check_rows(x, "attention_input: x");
   const int64_t M = x.size(0), H = x.size(1), D = head_dim;
   const int64_t nq = heads * D, nk = kv_heads * D;
-  TORCH_CHECK(codes.size(0) == nq + 2 * nk, "attention_input: the q/k/v weight has ", codes.size(0),
+  TORCH_CHECK(q4_rows(codes) == nq + 2 * nk, "attention_input: the q/k/v weight has ", q4_rows(codes),
               " rows, expected ", nq + 2 * nk);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(0) == M && cos.size(1) == D && sin.sizes() == cos.sizes(),
@@ -747,7 +915,7 @@ void mlp_block(torch::Tensor x, const torch::Tensor& attn, const torch::Tensor& 
   q4_matmul_into(a, o_codes, o_scale, o_min, o_bias, x, true, act);
   auto m = torch::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), ln.data_ptr<float>(), float(eps), M, H, m.data_ptr<float>());
-  const int64_t I2 = gu_codes.size(0), I = I2 / 2;
+  const int64_t I2 = q4_rows(gu_codes), I = I2 / 2;
   auto gu = torch::empty({M, I2}, x.options());
   q4_matmul_into(m, gu_codes, gu_scale, gu_min, c10::nullopt, gu, false, act);
   auto h = torch::empty({M, I}, x.options());

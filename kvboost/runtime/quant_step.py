@@ -170,6 +170,9 @@ def _load_quant_extension(isa: str) -> Any:
 
 #: Output features per tile of the kernel's layouts (kvboost/csrc/cpu_quant.cpp: kTile).
 TILE = 8
+#: Output features per wide tile: a 4-bit weight's layout for int8 activations on the avx512_vnni build
+#: (kvboost/csrc/cpu_quant.cpp: kWideTile, wide_product).
+WIDE_TILE = 16
 
 
 def _group_dtype(*values: torch.Tensor) -> torch.dtype:
@@ -184,57 +187,92 @@ def _group_dtype(*values: torch.Tensor) -> torch.dtype:
     return torch.float16
 
 
-def _tiled_groups(t: torch.Tensor) -> torch.Tensor:
-    """A per-group matrix ``[N, K/32]`` in the tiles' order ``[N/8][K/32][8]`` (kept 2-D: ``[N, K/32]``)."""
+def _tiled_groups(t: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """A per-group matrix ``[N, K/32]`` in the tiles' order ``[N/tile][K/32][tile]`` (kept 2-D, ``[N, K/32]``, for
+    tiles of 8; ``[N/16, K/32, 16]`` for wide ones)."""
     rows, groups = t.shape
-    return t.reshape(rows // TILE, TILE, groups).transpose(1, 2).reshape(rows, groups).contiguous()
+    tiled = t.reshape(rows // tile, tile, groups).transpose(1, 2)
+    return (tiled if tile == WIDE_TILE else tiled.reshape(rows, groups)).contiguous()
 
 
-def _untiled_groups(t: torch.Tensor) -> torch.Tensor:
-    rows, groups = t.shape
-    return t.reshape(rows // TILE, groups, TILE).transpose(1, 2).reshape(rows, groups)
+def _untiled_groups(t: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    groups = t.shape[-2] if tile == WIDE_TILE else t.shape[1]
+    rows = t.numel() // groups
+    return t.reshape(rows // tile, groups, tile).transpose(1, 2).reshape(rows, groups)
 
 
-def tile_unfit_reason(rows: int, cols: int) -> str | None:
-    """Why a ``[rows, cols]`` weight does not fit the kernel's tiles, or None."""
-    if rows % TILE or cols % 32:
-        return f"[{rows}, {cols}]: the kernel takes out_features a multiple of {TILE} and in_features a multiple of 32"
+def tile_unfit_reason(rows: int, cols: int, tile: int = TILE) -> str | None:
+    """Why a ``[rows, cols]`` weight does not fit the kernel's tiles of ``tile`` features, or None."""
+    if rows % tile or cols % 32:
+        return f"[{rows}, {cols}]: the kernel takes out_features a multiple of {tile} and in_features a multiple of 32"
     return None
 
 
-def _check_tiles(rows: int, cols: int, what: str) -> None:
-    reason = tile_unfit_reason(rows, cols)
+def _check_tiles(rows: int, cols: int, what: str, tile: int = TILE) -> None:
+    reason = tile_unfit_reason(rows, cols, tile)
     if reason is not None:
         raise ValueError(f"{what}: a weight of {reason}")
 
 
-class Q4Weight:
-    """One 4-bit matrix ``[N, K]`` (``w = q * scale + min`` per 32-weight group) in the kernel's tiled layout: 8
-    output features per tile, so one vector holds a tile's 8 results and each weight read serves every row of a
-    step. ``codes`` uint8 ``[N, K/2]`` holding ``[N/8][K/4][16]``: for each tile and 4 consecutive k, byte ``2j``
-    holds feature j's codes for k (low nibble) and k+2 (high), byte ``2j+1`` those for k+1 and k+3; ``scale`` /
-    ``minv`` fp16 or fp32 (:func:`_group_dtype`) ``[N, K/32]`` holding ``[N/8][K/32][8]``; optional fp32 ``bias``
-    ``[N]``. Built from the codes ``q`` ``[N, K]`` (0..15) and per-group ``scale`` / ``minv`` ``[N, K/32]``."""
+def wide_tiles_for(activations: str, isa: str) -> bool:
+    """Whether the step packs its 4-bit weights in wide tiles: int16 or int8 activations on the avx512_vnni build,
+    whose kernel for them (``wide_product``) unpacks 16 features by 8 k per 512-bit load, with no shuffle. Both
+    layouts give the same bits; the wide one is the faster there (experiments/results/README.md)."""
+    return activations in ("int16", "int8") and isa == "avx512_vnni"
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None):
+
+class Q4Weight:
+    """One 4-bit matrix ``[N, K]`` (``w = q * scale + min`` per 32-weight group) in one of the kernel's tiled
+    layouts, so that one vector holds a tile's results and each weight read serves every row of a step.
+
+    Tiles of 8 (the default; every build and activation): ``codes`` uint8 ``[N, K/2]`` holding ``[N/8][K/4][16]``:
+    for each tile and 4 consecutive k, byte ``2j`` holds feature j's codes for k (low nibble) and k+2 (high), byte
+    ``2j+1`` those for k+1 and k+3; ``scale`` / ``minv`` fp16 or fp32 (:func:`_group_dtype`) ``[N, K/32]`` holding
+    ``[N/8][K/32][8]``.
+
+    Wide tiles of 16 (``wide=True``; int16 / int8 activations on the avx512_vnni build, :func:`wide_tiles_for`):
+    ``codes``
+    ``[N/16, K/8, 64]``: for each tile and 8 consecutive k, byte ``4j+i`` holds feature j's codes for k+i (low
+    nibble) and k+4+i (high); ``scale`` / ``minv`` ``[N/16, K/32, 16]``. The extension tells the layouts apart by
+    the codes' dimensions.
+
+    Optional fp32 ``bias`` ``[N]``. Built from the codes ``q`` ``[N, K]`` (0..15) and per-group ``scale`` /
+    ``minv`` ``[N, K/32]``."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None,
+                 wide: bool = False):  # fmt: skip
         rows, cols = q.shape
-        _check_tiles(rows, cols, "Q4Weight")
+        self.tile = WIDE_TILE if wide else TILE
+        _check_tiles(rows, cols, "Q4Weight", self.tile)
         if tuple(scale.shape) != (rows, cols // 32) or scale.shape != minv.shape:
             raise ValueError(f"Q4Weight: codes {tuple(q.shape)} need scale and min [{rows}, {cols // 32}]")
-        t = q.to(torch.uint8).reshape(rows // TILE, TILE, cols // 4, 4)  # [tile, j, quad, i]
-        pairs = torch.stack([t[..., 0] | (t[..., 2] << 4), t[..., 1] | (t[..., 3] << 4)], dim=-1)
-        self.codes = pairs.permute(0, 2, 1, 3).reshape(rows, cols // 2).contiguous()  # [tile, quad, j, 2]
+        q = q.to(torch.uint8)
+        if wide:
+            t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 2, 4)  # [tile, j, octet, half, i]
+            nibbles = t[..., 0, :] | (t[..., 1, :] << 4)  # [tile, j, octet, i]
+            self.codes = nibbles.permute(0, 2, 1, 3).reshape(rows // WIDE_TILE, cols // 8, 64).contiguous()
+        else:
+            t = q.reshape(rows // TILE, TILE, cols // 4, 4)  # [tile, j, quad, i]
+            pairs = torch.stack([t[..., 0] | (t[..., 2] << 4), t[..., 1] | (t[..., 3] << 4)], dim=-1)
+            self.codes = pairs.permute(0, 2, 1, 3).reshape(rows, cols // 2).contiguous()  # [tile, quad, j, 2]
         dtype = _group_dtype(scale, minv)
-        self.scale = _tiled_groups(scale.to(torch.float32).to(dtype))
-        self.minv = _tiled_groups(minv.to(torch.float32).to(dtype))
+        self.scale = _tiled_groups(scale.to(torch.float32).to(dtype), self.tile)
+        self.minv = _tiled_groups(minv.to(torch.float32).to(dtype), self.tile)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.shape = (rows, cols)
+
+    @property
+    def wide(self) -> bool:
+        return self.tile == WIDE_TILE
 
     @classmethod
     def cat(cls, parts: list[Q4Weight]) -> Q4Weight:
         """The matrices stacked along the output axis (q/k/v, gate/up: one product each); whole tiles, so the
         layouts stack as they are."""
+        if len({p.tile for p in parts}) != 1:
+            raise ValueError("Q4Weight.cat: the parts are in different layouts (tiles of 8 and wide tiles)")
         out = cls.__new__(cls)
+        out.tile = parts[0].tile
         out.codes = torch.cat([p.codes for p in parts]).contiguous()
         dtype = functools.reduce(torch.promote_types, [p.scale.dtype for p in parts])  # fp32 if any part is
         out.scale = torch.cat([p.scale.to(dtype) for p in parts]).contiguous()
@@ -247,14 +285,19 @@ class Q4Weight:
 
     def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, min)`` per 32-weight group, ``[N, K/32]`` in the weight's own row order (not the tiles')."""
-        return _untiled_groups(self.scale), _untiled_groups(self.minv)
+        return _untiled_groups(self.scale, self.tile), _untiled_groups(self.minv, self.tile)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (tests, the build-time check)."""
         rows, cols = self.shape
-        pairs = self.codes.reshape(rows // TILE, cols // 4, TILE, 2).permute(0, 2, 1, 3)  # [tile, j, quad, 2]
-        low, high = pairs & 0x0F, pairs >> 4
-        q = torch.stack([low[..., 0], low[..., 1], high[..., 0], high[..., 1]], dim=-1).reshape(rows, cols // 32, 32)
+        if self.wide:
+            nibbles = self.codes.reshape(rows // WIDE_TILE, cols // 8, WIDE_TILE, 4).permute(0, 2, 1, 3)
+            q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(rows, cols // 32, 32)  # [.., half, i]
+        else:
+            pairs = self.codes.reshape(rows // TILE, cols // 4, TILE, 2).permute(0, 2, 1, 3)  # [tile, j, quad, 2]
+            low, high = pairs & 0x0F, pairs >> 4
+            q = torch.stack([low[..., 0], low[..., 1], high[..., 0], high[..., 1]], dim=-1)
+            q = q.reshape(rows, cols // 32, 32)
         scale, minv = self.group_params()
         return (q.float() * scale[..., None] + minv[..., None]).reshape(rows, cols)
 
@@ -354,7 +397,9 @@ class QuantDecodeStep:
     -> fp32 logits of the batch's logits rows, for a forward without hooks: decode batches, and prompt chunks under
     ``engine.prefill=quantized``."""
 
-    def __init__(self, runner: Any, activations: str = ACTIVATIONS[0]) -> None:
+    def __init__(self, runner: Any, activations: str = ACTIVATIONS[0], wide: bool | None = None) -> None:
+        """``wide``: pack the 4-bit weights in wide tiles (None: where :func:`wide_tiles_for` says so and every
+        projection has whole tiles of 16; False: tiles of 8, the A/B baseline of the same bits)."""
         from kvboost.models.gguf_int4 import unpack_q4_scale_min
         from kvboost.models.gguf_weights import PERMUTED_ARCHITECTURES, _field_str, gguf_reader, llama_row_order
 
@@ -373,13 +418,23 @@ class QuantDecodeStep:
         tensors = {t.name: t for t in reader.tensors}
         arch = _field_str(reader, "general.architecture") or ""
         heads, kv_heads = runner.heads, runner.kv_heads
+        linears = [_layer_linears(model, i) for i in range(runner.num_layers)]
+        # Wide tiles where the kernel for them exists and every projection has whole tiles of 16 (the bundled
+        # model's do); else every weight in tiles of 8.
+        fits = all(tile_unfit_reason(*lin[kind].weight.shape, WIDE_TILE) is None
+                   for lin in linears for kind in _PROJECTIONS)  # fmt: skip
+        possible = wide_tiles_for(activations, str(self.ext.isa)) and fits
+        if wide and not possible:
+            raise ValueError(f"wide tiles need int16 or int8 activations on the avx512_vnni build and projections "
+                             f"of whole tiles of {WIDE_TILE} (activations {activations}, build {self.ext.isa})")  # fmt: skip
+        self.wide = possible if wide is None else wide
 
         def q4(name: str, linear: Any, rows_order: np.ndarray | None) -> Q4Weight:
             t = tensors[name]
             q, scale, minv = unpack_q4_scale_min(t.tensor_type, t.data)
             if rows_order is not None:
                 q, scale, minv = q[rows_order], scale[rows_order], minv[rows_order]
-            w = Q4Weight(q, scale, minv, linear.bias)
+            w = Q4Weight(q, scale, minv, linear.bias, wide=self.wide)
             if tuple(w.shape) != tuple(linear.weight.shape):
                 raise ValueError(
                     f"decode='quantized': {name} is {list(w.shape)}, the model's {list(linear.weight.shape)}"
@@ -388,8 +443,7 @@ class QuantDecodeStep:
             return w
 
         self.layers: list[tuple] = []
-        for i in range(runner.num_layers):
-            lin = _layer_linears(model, i)
+        for i, lin in enumerate(linears):
             w = {}
             for kind in _PROJECTIONS:
                 order = None
@@ -468,4 +522,5 @@ class QuantDecodeStep:
 
     def describe(self) -> dict[str, Any]:
         return {"isa": str(self.ext.isa), "activations": self.activations, "head": self.head_source,
+                "layout": "wide tiles of 16" if self.wide else "tiles of 8",
                 "pack_bytes": self.nbytes, "decode_pool": "own" if self.ext.decode_pool() else "openmp"}  # fmt: skip
