@@ -108,9 +108,8 @@ def _quantized_int16(engine: Any) -> tuple[bool, bool]:
     runner = getattr(engine, "runner", None)
     decode = getattr(runner, "decode", getattr(config, "decode", None))
     int16 = decode == "quantized" and getattr(config, "decode_activations", None) == "int16"
-    quantized = getattr(runner, "quantized_prefill", getattr(config, "quantized_prefill", False))
-    short = getattr(runner, "quantized_prefill_rows", getattr(config, "quantized_prefill_rows", 0))
-    return int16, int16 and bool(quantized or short)
+    rows = getattr(runner, "quantized_prefill_rows", getattr(config, "quantized_prefill_rows", 0))
+    return int16, int16 and rows > 0
 
 
 def decodes_with_int16_activations(engine: Any) -> bool:

@@ -662,6 +662,19 @@ def test_quantized_prefill_needs_the_quantized_decode_and_is_in_the_cache_key(tm
     assert len(prints) == 2
 
 
+def test_one_bound_names_the_prefill_path():
+    """RunnerConfig keeps which prompt forwards run on the quantized step as one bound (forwards of fewer rows than
+    it): none, SHORT_PREFILL_ROWS or every one; the path's name (decode_info, the cache key) follows from it."""
+    from kvboost.runtime.config import ALL_ROWS, SHORT_PREFILL_ROWS, RunnerConfig
+
+    def path(rows: int, graphed: bool = False) -> str:
+        config = RunnerConfig("llama", "quantized", "plain", graph_prefill=graphed, quantized_prefill_rows=rows)
+        return config.prefill_path
+
+    assert (path(0), path(SHORT_PREFILL_ROWS), path(ALL_ROWS)) == ("fused", "quantized_short", "quantized")
+    assert path(0, graphed=True) == "graphed"
+
+
 def test_chunked_prompts_put_a_bf16_models_prompt_rows_on_the_blocks(tmp_path, monkeypatch):
     """kvboost-server feeds prompts in its step budget's chunks (engine.chunked_prompts): then prefill=auto runs a bf16
     model's prompt rows through the quantized step too (a smaller fixed cost per forward), says why, and keys the

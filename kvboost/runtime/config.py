@@ -28,6 +28,7 @@ step replays unfused kernels).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ PREFILL_MODES = ("hf", "fused", "graphed", "quantized", "quantized_short")
 #: prefill="quantized_short": forwards of fewer rows than this on the quantized step, longer ones on the dense weights
 #: (the crossover of a bf16 model on 2 Zen 4 cores with the bundled model; see choose_runner)
 SHORT_PREFILL_ROWS = 128
+#: RunnerConfig.quantized_prefill_rows of prefill="quantized": every forward without hooks on the quantized step
+ALL_ROWS = sys.maxsize
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,9 @@ class RunnerConfig:
     weights: str
     reasons: dict[str, str] = field(default_factory=dict)
     graph_prefill: bool = False
-    quantized_prefill: bool = False
     decode_activations: str = "int16"  # decode="quantized": int16 | int8 | fp32 (kvboost.runtime.quant_step.ACTIVATIONS)
-    #: > 0: forwards of fewer rows than this on the quantized step, the others on the dense weights (``fused``)
+    #: forwards of fewer rows than this on the quantized step, the others on the dense weights: 0 (none, ``fused``),
+    #: :data:`SHORT_PREFILL_ROWS` (``quantized_short``) or :data:`ALL_ROWS` (every one, ``quantized``)
     quantized_prefill_rows: int = 0
 
     @property
@@ -67,7 +70,7 @@ class RunnerConfig:
         cache key)."""
         if self.graph_prefill:
             return "graphed"
-        if self.quantized_prefill:
+        if self.quantized_prefill_rows == ALL_ROWS:
             return "quantized"
         return "quantized_short" if self.quantized_prefill_rows else "fused"
 
@@ -214,7 +217,8 @@ def choose_runner(
     # weights for longer ones (on 2 Zen 4 cores 3-4% faster than the blocks at 256-512 tokens). auto does not take
     # it: a cold prompt (long: dense) and a reuse's suffix (short: blocks) then run different arithmetic, and
     # run.py's reuse gave its cold prefill's greedy tokens on 12 of 16 requests against 14 of 16 on one path.
-    quantized_prefill_rows = SHORT_PREFILL_ROWS if prefill == "quantized_short" else 0
+    short = SHORT_PREFILL_ROWS if prefill == "quantized_short" else 0
+    quantized_prefill_rows = ALL_ROWS if quantized_prefill else short
     if prefill != "auto":
         reasons["prefill"] = "requested"
     elif quantized_prefill and dtype == torch.float32:
@@ -231,7 +235,7 @@ def choose_runner(
         reasons["prefill"] = ("short prefills replay CUDA graphs" if graph_prefill else
                               "the runner's eager forward" + (" on prepacked weights" if weights == "prepacked" else ""))
     return RunnerConfig("llama", decode, weights, reasons, graph_prefill=graph_prefill,
-                        quantized_prefill=quantized_prefill, decode_activations=decode_activations,
+                        decode_activations=decode_activations,
                         quantized_prefill_rows=quantized_prefill_rows)  # fmt: skip
 
 
@@ -284,5 +288,4 @@ def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **
     return LlamaRunner(model, pool, attention, decode=config.decode, weights=config.weights,
                        graph_options=options if config.decode == "graphed" else None,
                        decode_activations=config.decode_activations,
-                       quantized_prefill=config.quantized_prefill,
                        quantized_prefill_rows=config.quantized_prefill_rows)  # fmt: skip

@@ -207,10 +207,10 @@ class LlamaRunner:
             several rows; one-row forwards keep plain weights) or ``"int4"`` (AWQ projections fused).
         graph_options: passed to the graph runner (``max_graph_tokens``, ...).
         decode_activations: ``decode="quantized"``: ``"int16"``, ``"int8"`` or ``"fp32"`` activations.
-        quantized_prefill: ``decode="quantized"`` only: prompt rows (every forward without hooks) through the
-            quantized step too, instead of the eager forward on the dense weights (``engine.prefill=quantized``).
-        quantized_prefill_rows: ``decode="quantized"`` only: forwards of fewer rows than this through the quantized
-            step, longer ones eagerly on the dense weights (``engine.prefill=quantized_short``).
+        quantized_prefill_rows: ``decode="quantized"`` only: forwards without hooks of fewer rows than this
+            through the quantized step too, longer ones eagerly on the dense weights: 0 none (the default),
+            ``SHORT_PREFILL_ROWS`` (``engine.prefill=quantized_short``), ``ALL_ROWS`` every one
+            (``engine.prefill=quantized``; both in :mod:`kvboost.runtime.config`).
     """
 
     def __init__(
@@ -223,7 +223,6 @@ class LlamaRunner:
         weights: str = "plain",
         graph_options: dict[str, Any] | None = None,
         decode_activations: str = "int16",
-        quantized_prefill: bool = False,
         quantized_prefill_rows: int = 0,
     ) -> None:
         reason = unsupported_reason(model, hooks=False)
@@ -278,10 +277,8 @@ class LlamaRunner:
                              "are the model's own (not AWQ int4, not attn=batch_invariant); use decode='eager'")  # fmt: skip
         self.graphs: Any = None
         self.quantized: Any = None
-        if (quantized_prefill or quantized_prefill_rows) and decode != "quantized":
-            which = "quantized_prefill" if quantized_prefill else "quantized_prefill_rows"
-            raise ValueError(f"{which} needs decode='quantized' (its step runs the prompt rows)")
-        self.quantized_prefill = quantized_prefill
+        if quantized_prefill_rows and decode != "quantized":
+            raise ValueError("quantized_prefill_rows needs decode='quantized' (its step runs the prompt rows)")
         self.quantized_prefill_rows = quantized_prefill_rows
         if decode == "quantized":  # decode steps from the GGUF's own 4-bit blocks (kvboost.runtime.quant_step)
             from kvboost.runtime.quant_step import QuantDecodeStep
@@ -319,7 +316,7 @@ class LlamaRunner:
         if batch.num_tokens == 0:
             raise ValueError("an empty forward batch")
         if batch.hook is None and batch.num_layers is None and self.quantized is not None:
-            if batch.is_decode or self.quantized_prefill or batch.num_tokens < self.quantized_prefill_rows:
+            if batch.is_decode or batch.num_tokens < self.quantized_prefill_rows:
                 self.forwards["quantized"] += 1
                 return self.quantized.run(batch)
             decoding = [b for b in range(batch.num_seqs)
