@@ -482,12 +482,13 @@ void tail_row_pairs(const Rows& xr, int64_t r0, int64_t M, const uint8_t* ct, Gr
 // kvboost/runtime/quant_step.py builds for int16 and int8 activations there:
 //   codes uint8 [N/16][K/8][64]: for tile t and 8 consecutive k (an "octet"), byte 4j+i holds w[16t+j, k+i] (low
 //   nibble) and w[16t+j, k+4+i] (high); scale and min [N/16][K/32][16] (fp32 or fp16, GroupVals).
-// Why: the tiles of 8 unpack each quad of 32 weights with five shuffles. Here one 512-bit load holds an octet of 16
-// features and a mask and a shift unpack it, with no shuffle: for int8 rows into two vpdpbusd operands of 64
-// products each; for int16 rows, widened by halves, into four vpdpwssd operands of 32 (dword lanes 2j and 2j+1 hold
-// feature j's pairs (k, k+1) and (k+2, k+3), as tile_row_pairs' quads). A tile's codes are one contiguous stream,
-// prefetched kPrefetchBytes ahead. The integer group sums are exact and the fp32 operations per output and group are
-// tile_rows<RB, Act>'s, in its order, so both layouts give the same bits (tests/test_quant_step.py).
+// Why: the tiles of 8 spend three shuffles and three logic operations on each quad of 32 weights (int16 rows one
+// widening more). Here one 512-bit load holds an octet of 16 features and a mask and a shift unpack it: for int8 rows
+// into two vpdpbusd operands of 64 products each, with no shuffle; for int16 rows, widened by 256-bit halves (six
+// shuffles per 128 weights), into four vpdpwssd operands of 32 (dword lanes 2j and 2j+1 hold feature j's pairs (k, k+1)
+// and (k+2, k+3), as tile_row_pairs' quads). A tile's codes are one contiguous stream, prefetched kPrefetchBytes ahead.
+// The integer group sums are exact and the fp32 operations per output and group are tile_rows<RB, Act>'s, in its order,
+// so both layouts give the same bits (tests/test_quant_step.py).
 constexpr int64_t kWideRows = 8;          // rows sharing each unpacked octet (int32 and fp32 accumulators: 24-32)
 constexpr int64_t kPrefetchBytes = 2048;  // ~8 groups ahead; from memory, 2-4 KB were best on a Zen 4
 

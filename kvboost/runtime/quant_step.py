@@ -216,7 +216,7 @@ def _check_tiles(rows: int, cols: int, what: str, tile: int = TILE) -> None:
 
 def wide_tiles_for(activations: str, isa: str) -> bool:
     """Whether the step packs its 4-bit weights in wide tiles: int16 or int8 activations on the avx512_vnni build,
-    whose kernel for them (``wide_product``) unpacks 16 features by 8 k per 512-bit load, with no shuffle. Both
+    whose kernel for them (``wide_product``) unpacks 16 features by 8 k per 512-bit load with a mask and a shift. Both
     layouts give the same bits; the wide one is the faster there (experiments/results/README.md)."""
     return activations in ("int16", "int8") and isa == "avx512_vnni"
 
@@ -426,7 +426,8 @@ class QuantDecodeStep:
         possible = wide_tiles_for(activations, str(self.ext.isa)) and fits
         if wide and not possible:
             raise ValueError(f"wide tiles need int16 or int8 activations on the avx512_vnni build and projections "
-                             f"of whole tiles of {WIDE_TILE} (activations {activations}, build {self.ext.isa})")  # fmt: skip
+                             f"of whole tiles of {WIDE_TILE} (activations {activations}, build "
+                             f"{self.ext.isa})")  # fmt: skip
         self.wide = possible if wide is None else wide
 
         def q4(name: str, linear: Any, rows_order: np.ndarray | None) -> Q4Weight:
