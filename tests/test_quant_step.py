@@ -31,12 +31,12 @@ def ext():
     return load_quant_extension()
 
 
-def _q4(n: int, k: int, seed: int = 0, bias: bool = False) -> Q4Weight:
+def _q4(n: int, k: int, seed: int = 0, bias: bool = False, wide: bool = False) -> Q4Weight:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     minv = -torch.rand(n, k // 32, generator=g) * 0.1
-    return Q4Weight(q, scale, minv, torch.randn(n, generator=g) if bias else None)
+    return Q4Weight(q, scale, minv, torch.randn(n, generator=g) if bias else None, wide=wide)
 
 
 def _rounded_rows(x: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -200,13 +200,16 @@ def test_wide_tiles_are_read_where_their_kernel_is_and_refused_elsewhere(ext):
         load_quant_extension("avx2").q4_matmul(x, wide.codes, wide.scale, wide.minv, None, ACT["int16"])
 
 
-def test_products_do_not_depend_on_threads_or_callers(ext):
+@pytest.mark.parametrize("wide", [False, True])
+def test_products_do_not_depend_on_threads_or_callers(ext, wide):
     """The products run on kvb::WorkPool (kvboost/csrc/work_pool.h: the caller and helpers claim chunks of tiles):
     the same bits with 1, 2 or 5 threads (more than this machine's cores) and from 4 Python threads at once (one job
-    at a time; the others run alone)."""
+    at a time; the others run alone); in tiles of 8 and in wide tiles (VNNI build)."""
     import threading
 
-    w = _q4(256, 192, seed=6, bias=True)
+    if wide and ext.isa != "avx512_vnni":
+        pytest.skip("wide tiles are read by the avx512_vnni build only")
+    w = _q4(256, 192, seed=6, bias=True, wide=wide)
     g = torch.Generator().manual_seed(11)
     xs = [torch.randn(m, 192, generator=g) for m in (1, 2, 7, 8, 33)]
     before = torch.get_num_threads()
