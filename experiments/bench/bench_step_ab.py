@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 from experiments.bench.bench_decode import time_decode
 from experiments.bench.bench_quant_products import build_baseline
 from kvboost.lab.environment import describe_environment
-from kvboost.runtime.quant_step import ACTIVATIONS, quant_isa
+from kvboost.runtime.quant_step import ACTIVATIONS, QuantDecodeStep, quant_isa
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -119,8 +119,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"prompts prefill on the {info.get('prefill')} path with {args.activations} activations, not on the "
               "step: not timed", file=sys.stderr)  # fmt: skip
         args.prompts = []
-    from kvboost.runtime.quant_step import QuantDecodeStep
-
     step = engine.runner.quantized
 
     def tiles8() -> Any:

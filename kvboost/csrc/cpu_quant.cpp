@@ -9,7 +9,7 @@
 // int16 codes per 32 values (the default) it is that function up to ~1e-5; int8 codes are llama.cpp's arithmetic.
 //
 // Layouts (built by kvboost/runtime/quant_step.py): tiles of 8 output features (tile_rows below; every build and
-// activation), and for int16 / int8 rows on the VNNI build wide tiles of 16 (wide_product; the same bits, faster).
+// activation), and for int16 / int8 rows on the VNNI build wide tiles of 16 (wide_tile_rows; the same bits, faster).
 // Every product reads each weight once for all M rows of the step (the rows are broadcast against a tile's
 // features), which is what makes a batched decode step cheaper than M single steps.
 
@@ -97,7 +97,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;      // output features per tile: one AVX2 vector of fp32 / int32 results
-constexpr int64_t kWideTile = 16;  // output features per wide tile (VNNI builds: wide_product)
+constexpr int64_t kWideTile = 16;  // output features per wide tile (VNNI builds: wide_tile_rows)
 // Rows of the step sharing each unpacked tile of weights: 4 in AVX2's 16 vector registers (2 accumulators a row),
 // 8 in AVX-512's 32.
 #ifdef KVB_VNNI
@@ -479,7 +479,7 @@ void tail_row_pairs(const Rows& xr, int64_t r0, int64_t M, const uint8_t* ct, Gr
 }
 
 // Rows against 4-bit weights in tiles of 16 output features ("wide" tiles; VNNI builds), the layout
-// kvboost/runtime/quant_step.py builds for int16 and int8 activations there:
+// kvboost/runtime/quant_step.py builds for int16 and int8 activations there (tiled_product reads them):
 //   codes uint8 [N/16][K/8][64]: for tile t and 8 consecutive k (an "octet"), byte 4j+i holds w[16t+j, k+i] (low
 //   nibble) and w[16t+j, k+4+i] (high); scale and min [N/16][K/32][16] (fp32 or fp16, GroupVals).
 // Why: the tiles of 8 spend three shuffles and three logic operations on each quad of 32 weights (int16 rows one
@@ -577,6 +577,8 @@ void wide_tail_rows(const Rows& xr, int64_t r0, int64_t rem, const uint8_t* ct, 
   }
 }
 
+// A tile's row blocks run one after the other while its codes sit in L1; only the first streams (and prefetches)
+// them from memory.
 template <int64_t Act>
 void wide_tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
                         int64_t ldo, const float* bias, bool accumulate) {
@@ -584,25 +586,6 @@ void wide_tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals 
   for (; r0 + kWideRows <= M; r0 += kWideRows)
     wide_tile_rows<kWideRows, Act>(xr, r0, ct, st, mt, out, ldo, bias, accumulate, r0 == 0);
   if (M > r0) wide_tail_rows<kWideRows - 1, Act>(xr, r0, M - r0, ct, st, mt, out, ldo, bias, accumulate, r0 == 0);
-}
-
-// out [M, N] (+)= x [M, K] @ w^T (+ bias) for a q4 weight in wide tiles, int8 or int16 rows. A tile's row blocks
-// run one after the other while its codes sit in L1; only the first streams (and prefetches) them from memory.
-void wide_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, GroupVals scale,
-                  GroupVals minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
-  const Rows xr = prepare_rows(x, M, K, act);
-  const int64_t G = K / kGroup, T = N / kWideTile, tile_bytes = K / 2 * kWideTile;
-  const int64_t threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-  kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* ct = codes + t * tile_bytes;
-      const GroupVals st = scale.at(t * G * kWideTile), mt = minv.at(t * G * kWideTile);
-      const float* bt = bias ? bias + t * kWideTile : nullptr;
-      float* ot = out + t * kWideTile;
-      if (act == kActInt16) wide_tile_all_rows<kActInt16>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
-      else wide_tile_all_rows<kActInt8>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
-    }
-  });
 }
 #endif
 
@@ -676,22 +659,34 @@ void tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals st, G
 #endif
 }
 
-// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null). Tiles run in parallel
-// (kvb::parallel_chunks: OpenMP, or kvb::WorkPool for a decode step in kvboost-server).
+// out [M, N] (+)= x [M, K] @ w^T (+ bias), w tiled (q4: `minv` given; q8: `minv` null) in tiles of 8, or for q4 in
+// wide tiles of 16 (`wide`, VNNI builds: checked by the caller). Tiles run in parallel (kvb::parallel_chunks: OpenMP,
+// or kvb::WorkPool for a decode step in kvboost-server).
 template <bool Q4>
 void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, GroupVals scale,
-                   GroupVals minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act) {
+                   GroupVals minv, const float* bias, float* out, int64_t ldo, bool accumulate, int64_t act,
+                   bool wide = false) {
   const Rows xr = prepare_rows(x, M, K, act);
-  const int64_t G = K / kGroup, T = N / kTile;
-  const int64_t tile_bytes = Q4 ? K / 2 * kTile : K * kTile;
+  const int64_t tile = wide ? kWideTile : kTile;
+  const int64_t G = K / kGroup, T = N / tile;
+  const int64_t tile_bytes = Q4 ? K / 2 * tile : K * tile;
   const int64_t threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
   kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* ct = codes + t * tile_bytes;
-      const GroupVals st = scale.at(t * G * kTile);
-      const GroupVals mt = Q4 ? minv.at(t * G * kTile) : GroupVals{};
-      const float* bt = bias ? bias + t * kTile : nullptr;
-      float* ot = out + t * kTile;
+      const GroupVals st = scale.at(t * G * tile);
+      const GroupVals mt = Q4 ? minv.at(t * G * tile) : GroupVals{};
+      const float* bt = bias ? bias + t * tile : nullptr;
+      float* ot = out + t * tile;
+#ifdef KVB_VNNI
+      if constexpr (Q4) {
+        if (wide) {
+          if (act == kActInt16) wide_tile_all_rows<kActInt16>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+          else wide_tile_all_rows<kActInt8>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
+          continue;
+        }
+      }
+#endif
       if (act == kActInt16) tile_all_rows<kActInt16, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
       else if (act == kActInt8) tile_all_rows<kActInt8, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
       else tile_all_rows<kActFp32, Q4>(xr, M, ct, st, mt, ot, ldo, bt, accumulate);
@@ -705,7 +700,7 @@ void check_act(int64_t act) {
 }
 
 // A q4 weight's layout, told by its codes' shape: tiles of 8 features ([N, K/2]) or wide tiles of 16
-// ([N/16, K/8, 64], read by wide_product).
+// ([N/16, K/8, 64], read by wide_tile_rows).
 inline bool wide_layout(const torch::Tensor& codes) { return codes.dim() == 3; }
 
 // Output features of a q4 weight in either layout.
@@ -769,13 +764,8 @@ void q4_matmul_into(const torch::Tensor& x, const torch::Tensor& codes, const to
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "q4: bad bias");
     b = bias->data_ptr<float>();
   }
-#ifdef KVB_VNNI
-  if (wide_layout(codes))
-    return wide_product(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), group_vals(scale), group_vals(minv),
-                        b, out.data_ptr<float>(), out.stride(0), accumulate, act);
-#endif
   tiled_product<true>(x.data_ptr<float>(), M, K, N, codes.data_ptr<uint8_t>(), group_vals(scale), group_vals(minv), b,
-                      out.data_ptr<float>(), out.stride(0), accumulate, act);
+                      out.data_ptr<float>(), out.stride(0), accumulate, act, wide_layout(codes));
 }
 
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,

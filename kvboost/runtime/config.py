@@ -41,6 +41,8 @@ DECODE_MODES = ("hf", "eager", "compiled", "graphed", "quantized")
 #: (``decode="quantized"``: every forward without hooks multiplies the GGUF blocks; see kvboost.runtime.quant_step),
 #: ``quantized_short`` = forwards of fewer than :data:`SHORT_PREFILL_ROWS` rows there, longer ones on the dense weights.
 PREFILL_MODES = ("hf", "fused", "graphed", "quantized", "quantized_short")
+#: the prefill modes that run prompt rows on the quantized step (they need decode="quantized", int16 / fp32 rows)
+QUANTIZED_PREFILLS = ("quantized", "quantized_short")
 #: prefill="quantized_short": forwards of fewer rows than this on the quantized step, longer ones on the dense weights
 #: (the crossover of a bf16 model on 2 Zen 4 cores with the bundled model; see choose_runner)
 SHORT_PREFILL_ROWS = 128
@@ -193,11 +195,11 @@ def choose_runner(
     graph_prefill = decode == "graphed" and prefill in ("auto", "graphed")
     if prefill == "graphed" and decode != "graphed":
         raise ValueError("prefill='graphed' needs decode='graphed' (CUDA graphs); use prefill='fused' or 'auto'")
-    if prefill in ("quantized", "quantized_short") and decode != "quantized":
+    if prefill in QUANTIZED_PREFILLS and decode != "quantized":
         raise ValueError(f"prefill={prefill!r} multiplies the GGUF blocks of decode='quantized', which is not the "
                          f"decode path here ({decode}: {reasons.get('decode', '')}); use prefill='fused' or 'auto'")  # fmt: skip
     dtype = _dtype(model)
-    if prefill in ("quantized", "quantized_short") and decode_activations == "int8":
+    if prefill in QUANTIZED_PREFILLS and decode_activations == "int8":
         raise ValueError(f"prefill={prefill!r} with decode_activations='int8': int8 rows are never stored (they are "
                          "not a prefill's), so prompt rows need int16 or fp32 activations; use prefill='fused'")  # fmt: skip
     # auto: prompt rows from the blocks where the dense prefill is fp32 (a CPU without native bf16: on 2 AVX2 cores

@@ -170,8 +170,8 @@ def _load_quant_extension(isa: str) -> Any:
 
 #: Output features per tile of the kernel's layouts (kvboost/csrc/cpu_quant.cpp: kTile).
 TILE = 8
-#: Output features per wide tile: a 4-bit weight's layout for int8 activations on the avx512_vnni build
-#: (kvboost/csrc/cpu_quant.cpp: kWideTile, wide_product).
+#: Output features per wide tile: a 4-bit weight's layout for int16 / int8 activations on the avx512_vnni build
+#: (kvboost/csrc/cpu_quant.cpp: kWideTile, wide_tile_rows).
 WIDE_TILE = 16
 
 
@@ -216,7 +216,7 @@ def _check_tiles(rows: int, cols: int, what: str, tile: int = TILE) -> None:
 
 def wide_tiles_for(activations: str, isa: str) -> bool:
     """Whether the step packs its 4-bit weights in wide tiles: int16 or int8 activations on the avx512_vnni build,
-    whose kernel for them (``wide_product``) unpacks 16 features by 8 k per 512-bit load with a mask and a shift. Both
+    whose kernel for them (``wide_tile_rows``) unpacks 16 features by 8 k per 512-bit load with a mask and a shift. Both
     layouts give the same bits; the wide one is the faster there (experiments/results/README.md)."""
     return activations in ("int16", "int8") and isa == "avx512_vnni"
 
@@ -231,10 +231,9 @@ class Q4Weight:
     ``[N/8][K/32][8]``.
 
     Wide tiles of 16 (``wide=True``; int16 / int8 activations on the avx512_vnni build, :func:`wide_tiles_for`):
-    ``codes``
-    ``[N/16, K/8, 64]``: for each tile and 8 consecutive k, byte ``4j+i`` holds feature j's codes for k+i (low
-    nibble) and k+4+i (high); ``scale`` / ``minv`` ``[N/16, K/32, 16]``. The extension tells the layouts apart by
-    the codes' dimensions.
+    ``codes`` ``[N/16, K/8, 64]``: for each tile and 8 consecutive k, byte ``4j+i`` holds feature j's codes for k+i
+    (low nibble) and k+4+i (high); ``scale`` / ``minv`` ``[N/16, K/32, 16]``. The extension tells the layouts apart
+    by the codes' dimensions.
 
     Optional fp32 ``bias`` ``[N]``. Built from the codes ``q`` ``[N, K]`` (0..15) and per-group ``scale`` /
     ``minv`` ``[N, K/32]``."""
