@@ -106,3 +106,18 @@ def test_a_baseline_with_other_logits_is_refused():
     finally:
         bench_step_ab.use(engine, (step, ext))
         engine.close()
+
+
+def test_words_repack_as_the_quads_of_the_same_codes():
+    """bench_step_ab --baseline-layout quads: an int16 rows' wide weight (words) repacked is the int8 rows' packing
+    of the same codes (quads), which revisions 74accc5-75455f5 read for int16 rows too."""
+    import torch
+
+    from kvboost.runtime.quant_step import Q4Weight
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (32, 96), generator=g, dtype=torch.uint8)
+    scale, minv = torch.rand(32, 3, generator=g), torch.randn(32, 3, generator=g)
+    words, quads = Q4Weight(q, scale, minv, wide_for="int16"), Q4Weight(q, scale, minv, wide_for="int8")
+    assert not torch.equal(words.codes.reshape(quads.codes.shape), quads.codes)  # the two byte orders differ
+    assert torch.equal(bench_step_ab.words_as_quads(words.codes), quads.codes)

@@ -31,12 +31,12 @@ def ext():
     return load_quant_extension()
 
 
-def _q4(n: int, k: int, seed: int = 0, bias: bool = False, wide: bool = False) -> Q4Weight:
+def _q4(n: int, k: int, seed: int = 0, bias: bool = False, wide_for: str | None = None) -> Q4Weight:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     minv = -torch.rand(n, k // 32, generator=g) * 0.1
-    return Q4Weight(q, scale, minv, torch.randn(n, generator=g) if bias else None, wide=wide)
+    return Q4Weight(q, scale, minv, torch.randn(n, generator=g) if bias else None, wide_for=wide_for)
 
 
 def _rounded_rows(x: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -142,10 +142,10 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(act):
 
 @pytest.mark.parametrize("act", ["int8", "int16"])
 def test_wide_tiles_give_the_tiles_of_8_bits(act):
-    """The VNNI build's wide tiles (16 features, 8 k per 512-bit load: the step's layout for int16 / int8 rows there)
-    sum the same integers exactly and scale them with the same fp32 operations as the tiles of 8: the same bits for
-    every row count (8-row passes, their tails, a prompt's many passes), fp32 and fp16 group values, with a bias;
-    and each row's result is its result alone."""
+    """The VNNI build's wide tiles (16 features, 8 k per 512-bit load: the step's layouts for int16 rows (words) and
+    int8 rows (quads) there) sum the same integers exactly and scale them with the same fp32 operations as the tiles
+    of 8: the same bits for every row count (8-row passes, their tails, a prompt's many passes), fp32 and fp16 group
+    values, with a bias; and each row's result is its result alone."""
     from kvboost.runtime.quant_step import load_quant_extension, vnni_unavailable_reason
 
     if vnni_unavailable_reason() is not None:
@@ -157,8 +157,9 @@ def test_wide_tiles_give_the_tiles_of_8_bits(act):
     full = (torch.rand(48, 5, generator=g) * 0.02, -torch.rand(48, 5, generator=g) * 0.1)
     half = tuple(v.half() for v in full)
     for scale, minv in (full, half):
-        narrow, wide = Q4Weight(q, scale, minv, bias), Q4Weight(q, scale, minv, bias, wide=True)
-        assert wide.codes.shape == (3, 20, 64) and wide.scale.shape == (3, 5, 16) and wide.scale.dtype == scale.dtype
+        narrow, wide = Q4Weight(q, scale, minv, bias), Q4Weight(q, scale, minv, bias, wide_for=act)
+        assert wide.codes.shape == {"int8": (3, 20, 64), "int16": (3, 20, 32, 2)}[act]
+        assert wide.scale.shape == (3, 5, 16) and wide.scale.dtype == scale.dtype
         assert wide.nbytes == narrow.nbytes
         assert torch.equal(wide.dequantized(), narrow.dequantized())
         for rows in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 70):
@@ -172,22 +173,32 @@ def test_wide_tiles_give_the_tiles_of_8_bits(act):
 
 
 def test_wide_tiles_are_read_where_their_kernel_is_and_refused_elsewhere(ext):
-    """A wide weight rebuilt from its tiles is the one it was built from; out_features not a multiple of 16, a
-    stack of both layouts, fp32 activations and the AVX2 build are refused, each naming why."""
+    """A wide weight rebuilt from its tiles is the one it was built from (words and quads); out_features not a
+    multiple of 16, a stack of two layouts, an unknown row kind, fp32 activations, rows of the other kind than the
+    weight was packed for and the AVX2 build are refused, each naming why."""
     from kvboost.runtime.quant_step import load_quant_extension, wide_tiles_for
 
     g = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (32, 64), generator=g, dtype=torch.uint8)
     scale, minv = torch.rand(32, 2, generator=g), torch.randn(32, 2, generator=g)
     dense = (q.float().reshape(32, 2, 32) * scale[..., None] + minv[..., None]).reshape(32, 64)
-    wide = Q4Weight(q, scale, minv, wide=True)
-    assert torch.equal(wide.dequantized(), dense)
-    assert all(torch.equal(a, b) for a, b in zip(wide.group_params(), (scale, minv), strict=True))
+    words, quads = Q4Weight(q, scale, minv, wide_for="int16"), Q4Weight(q, scale, minv, wide_for="int8")
+    for wide in (words, quads):
+        assert torch.equal(wide.dequantized(), dense)
+        assert all(torch.equal(a, b) for a, b in zip(wide.group_params(), (scale, minv), strict=True))
+        assert torch.equal(Q4Weight.cat([wide, wide]).dequantized(), torch.cat([dense, dense]))
+    # word 2j+i of an octet holds feature j's codes for k+2n+i in its nibble n: w[0, 0..7] in words 0 and 1
+    word0 = int(words.codes[0, 0, 0, 0]) | int(words.codes[0, 0, 0, 1]) << 8
+    assert [(word0 >> (4 * n)) & 15 for n in range(4)] == [int(q[0, k]) for k in (0, 2, 4, 6)]
     with pytest.raises(ValueError, match="multiple of 16"):
-        Q4Weight(q[:24], scale[:24], minv[:24], wide=True)
+        Q4Weight(q[:24], scale[:24], minv[:24], wide_for="int16")
     with pytest.raises(ValueError, match="different layouts"):
-        Q4Weight.cat([wide, Q4Weight(q, scale, minv)])
-    assert torch.equal(Q4Weight.cat([wide, wide]).dequantized(), torch.cat([dense, dense]))
+        Q4Weight.cat([words, Q4Weight(q, scale, minv)])
+    with pytest.raises(ValueError, match="different layouts"):
+        Q4Weight.cat([words, quads])
+    with pytest.raises(ValueError, match="packed for one of"):
+        Q4Weight(q, scale, minv, wide_for="fp32")
+    wide = words
     assert (wide_tiles_for("int16", "avx512_vnni"), wide_tiles_for("int8", "avx512_vnni")) == (True, True)
     assert not wide_tiles_for("fp32", "avx512_vnni") and not wide_tiles_for("int16", "avx2")
     x = torch.randn(2, 64, generator=g)
@@ -196,6 +207,10 @@ def test_wide_tiles_are_read_where_their_kernel_is_and_refused_elsewhere(ext):
             ext.q4_matmul(x, wide.codes, wide.scale, wide.minv, None, ACT["fp32"])
         with pytest.raises(RuntimeError, match=r"\[N/16, K/32, 16\]"):
             ext.q4_matmul(x, wide.codes, wide.scale.reshape(32, 2), wide.minv.reshape(32, 2), None, ACT["int16"])
+        with pytest.raises(RuntimeError, match=r"int8 rows are quads"):
+            ext.q4_matmul(x, words.codes, words.scale, words.minv, None, ACT["int8"])
+        with pytest.raises(RuntimeError, match=r"int16 rows are words"):
+            ext.q4_matmul(x, quads.codes, quads.scale, quads.minv, None, ACT["int16"])
     with pytest.raises(RuntimeError, match="avx512_vnni build only"):
         load_quant_extension("avx2").q4_matmul(x, wide.codes, wide.scale, wide.minv, None, ACT["int16"])
 
@@ -209,7 +224,7 @@ def test_products_do_not_depend_on_threads_or_callers(ext, wide):
 
     if wide and ext.isa != "avx512_vnni":
         pytest.skip("wide tiles are read by the avx512_vnni build only")
-    w = _q4(256, 192, seed=6, bias=True, wide=wide)
+    w, w8 = (_q4(256, 192, seed=6, bias=True, wide_for=act if wide else None) for act in ("int16", "int8"))
     g = torch.Generator().manual_seed(11)
     xs = [torch.randn(m, 192, generator=g) for m in (1, 2, 7, 8, 33)]
     before = torch.get_num_threads()
@@ -218,13 +233,13 @@ def test_products_do_not_depend_on_threads_or_callers(ext, wide):
     try:
         torch.set_num_threads(1)
         ref = [ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]) for x in xs]
-        ref8 = [ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int8"]) for x in xs]
+        ref8 = [ext.q4_matmul(x, w8.codes, w8.scale, w8.minv, w8.bias, ACT["int8"]) for x in xs]
         for threads in (2, 5):  # 33 rows: prepared on every thread too
             torch.set_num_threads(threads)
             for _ in range(20):
                 for x, r, r8 in zip(xs, ref, ref8):
                     assert torch.equal(ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int16"]), r)
-                    assert torch.equal(ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT["int8"]), r8)
+                    assert torch.equal(ext.q4_matmul(x, w8.codes, w8.scale, w8.minv, w8.bias, ACT["int8"]), r8)
     finally:
         torch.set_num_threads(before)
     bad: list[int] = []
@@ -542,7 +557,7 @@ def test_the_step_in_wide_tiles_gives_the_tiles_of_8_logits(tmp_path, act):
             QuantDecodeStep(engine.runner, act, wide=True)
         engine.close()
         return
-    assert engine.decode_info()["quantized"]["layout"] == "wide tiles of 16"
+    assert engine.decode_info()["quantized"]["layout"] == f"wide tiles of 16 ({'words' if act == 'int16' else 'quads'})"
     narrow = QuantDecodeStep(engine.runner, act, wide=False)
     assert narrow.describe()["layout"] == "tiles of 8"
     prompts = [random_ids(n, seed=n) for n in (3, 21, 40)]

@@ -9,8 +9,10 @@ hidden 576, MLP 1536, q/k/v 960 rows): one layer's four products (q/k/v, o, gate
 the 49,152-row head on 8-bit blocks, activations rounded to int16 (the default; ``--act``). The same layer's
 weights are read again and again, so they stay in the caches: this is the kernels' compute, not the decode step's
 stream of every layer from memory (that is ``bench_decode``'s). ``--layout`` packs the 4-bit weights in tiles of 8
-(the default), in wide tiles of 16 (the step's layout for int16 / int8 rows on the avx512_vnni build), or times this
-tree's kernels on both (``tiles8-vs-wide``: the baseline is tiles of 8).
+(the default), in wide tiles of 16 (the step's layouts for int16 / int8 rows on the avx512_vnni build, each packed
+for ``--act``), or times this tree's kernels on both (``tiles8-vs-wide``: the baseline is tiles of 8);
+``quads-vs-words`` times the int16 rows' two wide layouts: ``--baseline-rev``'s kernels (74accc5-75455f5) on quads,
+this tree's on words.
 
 Each round times both builds on the same inputs, one after the other, in alternating order (``--repeats`` calls
 each, the best kept, so a descheduled call does not count); ``--rounds`` rounds. Reported per build and row count:
@@ -25,6 +27,7 @@ Writes ``<out>/products.json`` and ``<out>/products.md`` (the command at the top
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shlex
 import statistics
@@ -44,6 +47,7 @@ from kvboost.lab.environment import describe_environment
 from kvboost.runtime.quant_step import (
     ACTIVATION_CODES,
     ACTIVATIONS,
+    WIDE_ACTIVATIONS,
     Q4Weight,
     Q8Weight,
     load_quant_extension,
@@ -73,11 +77,20 @@ def build_baseline(rev: str, isa: str) -> Any:
     return ext, sha
 
 
-def random_q4(rows: int, cols: int, gen: torch.Generator) -> tuple[Q4Weight, Q4Weight]:
-    """One random 4-bit weight in tiles of 8 and in wide tiles of 16 (the same values)."""
+def random_q4(rows: int, cols: int, gen: torch.Generator, act: str) -> tuple[Q4Weight, Q4Weight | None]:
+    """One random 4-bit weight in tiles of 8 and in wide tiles of 16 for ``act`` rows (None for fp32 rows, which
+    read tiles of 8 only); the same values."""
     q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
     scale, minv = torch.rand(rows, cols // 32, generator=gen) * 0.02, -torch.rand(rows, cols // 32, generator=gen) * 0.1
-    return Q4Weight(q, scale, minv), Q4Weight(q, scale, minv, wide=True)
+    wide = Q4Weight(q, scale, minv, wide_for=act) if act in WIDE_ACTIVATIONS else None
+    return Q4Weight(q, scale, minv), wide
+
+
+def _with_codes(w: Q4Weight, codes: torch.Tensor) -> Q4Weight:
+    """``w`` with other codes (the same group values): a repacked copy."""
+    out = copy.copy(w)
+    out.codes = codes
+    return out
 
 
 def random_q8(rows: int, cols: int, gen: torch.Generator) -> Q8Weight:
@@ -102,9 +115,11 @@ def best_ms(fn: Any, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", default="HEAD", help="git revision whose kernel is the baseline")
-    parser.add_argument("--layout", choices=("tiles8", "wide", "tiles8-vs-wide"), default="tiles8",
+    parser.add_argument("--layout", choices=("tiles8", "wide", "tiles8-vs-wide", "quads-vs-words"), default="tiles8",
                         help="the 4-bit weights' layout: tiles of 8 or wide tiles of 16 for both builds (the baseline "
-                        "must read it), or tiles8-vs-wide: this tree's kernels on both (--baseline-rev not used)")  # fmt: skip
+                        "must read it), or tiles8-vs-wide: this tree's kernels on both (--baseline-rev not used), or "
+                        "quads-vs-words (int16): --baseline-rev's kernels (74accc5-75455f5) on the quads int16 rows "
+                        "read there, this tree's on words")  # fmt: skip
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--act", choices=ACTIVATIONS, default="int16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -112,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/decode/products")
     args = parser.parse_args(argv)
+    if args.layout != "tiles8" and args.act not in WIDE_ACTIVATIONS:
+        parser.error(f"wide tiles are read by {' or '.join(WIDE_ACTIVATIONS)} rows, not {args.act}")
+    if args.layout == "quads-vs-words" and args.act != "int16":
+        parser.error("quads-vs-words compares the int16 rows' wide kernels: --act int16")
     if args.threads:
         torch.set_num_threads(args.threads)
     isa, act = quant_isa(), ACTIVATION_CODES[args.act]
@@ -120,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline_rev, isa)  # fmt: skip
     builds = {"baseline": base, "this tree": ours}
     gen = torch.Generator().manual_seed(0)
-    both = [(k, random_q4(n, k, gen)) for _, k, n in LAYER]
+    both = [(k, random_q4(n, k, gen, args.act)) for _, k, n in LAYER]
     narrow, wide = [(k, w[0]) for k, w in both], [(k, w[1]) for k, w in both]
     layers = {"baseline": wide if args.layout == "wide" else narrow,
               "this tree": narrow if args.layout == "tiles8" else wide}  # fmt: skip
+    if args.layout == "quads-vs-words":
+        from experiments.bench.bench_step_ab import words_as_quads
+
+        layers["baseline"] = [(k, _with_codes(w, words_as_quads(w.codes))) for k, w in wide]
     head = random_q8(VOCAB, HIDDEN, gen)
     layer_macs = sum(k * n for _, k, n in LAYER)
     head_macs = HIDDEN * VOCAB

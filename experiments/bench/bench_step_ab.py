@@ -10,11 +10,15 @@ swapped into the engine between calls (``runner.quantized``, ``QuantDecodeStep.e
 and the same Python around the kernels:
 - ``--baseline-rev REV``: the baseline is ``REV``'s ``kvboost/csrc/cpu_quant.cpp`` (built as another extension,
   as ``bench_quant_products`` does) on this tree's packing; where that revision cannot read the tree's wide tiles
-  (``Q4Weight(wide=True)``, from the first revision that has them), both arms run a step packed in tiles of 8, and
-  the report says so. The baseline's packing must be this tree's (the tensors are shared): a first prompt's logits
-  under both arms are compared and a baseline whose logits are off by 5% of their span or more is refused.
+  for the step's rows (``Q4Weight(wide_for=...)``; int8 rows' from 74accc5, int16 rows' words from the revision
+  after 75455f5), both arms run a step packed in tiles of 8, and the report says so. The baseline's packing must
+  be this tree's (the tensors are shared): a first prompt's logits under both arms are compared and a baseline
+  whose logits are off by 5% of their span or more is refused.
 - ``--baseline-layout tiles8``: the baseline is this tree's extension on a step packed in tiles of 8, the tree arm
   the default packing (wide tiles on the avx512_vnni build): the layouts' A/B (the same bits).
+- ``--baseline-layout quads`` (int16 rows on the avx512_vnni build): the baseline is ``--baseline-rev``'s extension
+  on the same weights repacked in the quads that int16 rows read from 74accc5 to 75455f5 (the int8 rows' layout;
+  a revision in that range must be named), the tree arm this tree's words: the two int16 wide kernels' A/B.
 
 Timed, in rounds that alternate which arm goes first:
 - decode steps (``bench_decode.time_decode``: ``--tokens`` greedy steps of R rows, each row a random prompt of
@@ -29,6 +33,7 @@ Reported: medians per arm, and the per-round speed-up (baseline / this tree: med
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import shlex
@@ -69,6 +74,26 @@ def prefill_logits(engine: Any, prompt: list[int]) -> torch.Tensor:
 Arm = tuple[Any, Any]
 
 
+def words_as_quads(codes: torch.Tensor) -> torch.Tensor:
+    """An int16 rows' wide weight (words ``[T, K/8, 32, 2]``) repacked in quads ``[T, K/8, 64]`` (see
+    :class:`~kvboost.runtime.quant_step.Q4Weight`): the same codes."""
+    tiles, octets = codes.shape[:2]
+    words = codes.reshape(tiles, octets, 16, 2, 2)  # [tile, octet, j, i, byte]
+    low, high = words[..., 0], words[..., 1]
+    q = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=-2).reshape(tiles, octets, 16, 8)  # k = 2n+i
+    return (q[..., :4] | (q[..., 4:] << 4)).reshape(tiles, octets, 64).contiguous()
+
+
+def quads_step(step: Any) -> Any:
+    """A shallow copy of a words-packed int16 ``step`` whose 4-bit weights are in quads (its other tensors shared)."""
+    if not (step.wide and step.activations == "int16"):
+        raise SystemExit("--baseline-layout quads compares the int16 rows' wide kernels: the step must be int16 "
+                         f"rows in wide tiles (here {step.activations}, {step.describe()['layout']})")  # fmt: skip
+    quads = copy.copy(step)
+    quads.flat = [words_as_quads(t) if t.dim() == 4 else t for t in step.flat]
+    return quads
+
+
 def use(engine: Any, arm: Arm) -> None:
     """Put ``arm``'s step and extension into the engine."""
     step, ext = arm
@@ -76,13 +101,14 @@ def use(engine: Any, arm: Arm) -> None:
     engine.runner.quantized = step
 
 
-def reads_wide_tiles(ext: Any) -> bool:
-    """Whether ``ext`` multiplies a weight in wide tiles (revisions before them refuse its codes' shape)."""
+def reads_wide_tiles(ext: Any, activations: str) -> bool:
+    """Whether ``ext`` multiplies a weight in this tree's wide tiles for ``activations`` rows (revisions before them
+    refuse its codes' shape)."""
     from kvboost.runtime.quant_step import ACTIVATION_CODES, Q4Weight
 
-    w = Q4Weight(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), wide=True)
+    w = Q4Weight(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), wide_for=activations)
     try:
-        ext.q4_matmul(torch.ones(1, 32), w.codes, w.scale, w.minv, None, ACTIVATION_CODES["int16"])
+        ext.q4_matmul(torch.ones(1, 32), w.codes, w.scale, w.minv, None, ACTIVATION_CODES[activations])
     except RuntimeError:
         return False
     return True
@@ -127,9 +153,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.baseline_layout == "tiles8":
         sha, packing = "this tree", "baseline: tiles of 8; tree: " + step.describe()["layout"]
         arms = {"baseline": (tiles8(), step.ext), "tree": (step, step.ext)}
+    elif args.baseline_layout == "quads":
+        baseline, sha = build_baseline(args.baseline_rev, quant_isa())
+        packing = "baseline: wide tiles of 16 (quads, int16 rows); tree: " + step.describe()["layout"]
+        arms = {"baseline": (quads_step(step), baseline), "tree": (step, step.ext)}
     else:
         baseline, sha = build_baseline(args.baseline_rev, quant_isa())
-        shared = step if not step.wide or reads_wide_tiles(baseline) else tiles8()
+        shared = step if not step.wide or reads_wide_tiles(baseline, step.activations) else tiles8()
         packing = "both: " + shared.describe()["layout"]
         arms = {"baseline": (shared, baseline), "tree": (shared, step.ext)}
     rng = random.Random(args.seed)
@@ -216,9 +246,10 @@ def to_markdown(res: dict[str, Any], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", default="HEAD", help="git revision whose kernels are the baseline")
-    parser.add_argument("--baseline-layout", choices=("same", "tiles8"), default="same",
+    parser.add_argument("--baseline-layout", choices=("same", "tiles8", "quads"), default="same",
                         help="tiles8: the baseline is this tree's kernels on a step packed in tiles of 8 (the layouts' "
-                        "A/B; --baseline-rev is not used)")  # fmt: skip
+                        "A/B; --baseline-rev is not used); quads: --baseline-rev's kernels (74accc5-75455f5) on the "
+                        "int16 rows' former wide layout")  # fmt: skip
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--activations", choices=ACTIVATIONS, default="int16",
                         help="the step's activations (int8: decode only; its prompts prefill dense)")  # fmt: skip

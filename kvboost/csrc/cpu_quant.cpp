@@ -406,6 +406,12 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
 // and one vpdpwssd adds all 32 products of the quad. After a group's 8 quads, lanes 2j and 2j+1 add up (in int32, so
 // exactly) to feature j's group sum; two rows share one fp32 vector from there on: lane 2j row r, lane 2j+1 row r+1.
 // RB rows (even) starting at r0; rows at or past `valid` (the pad row) are computed and not stored.
+inline __m512i bcast32_512(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 inline __m512i bcast64(const void* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
@@ -478,17 +484,21 @@ void tail_row_pairs(const Rows& xr, int64_t r0, int64_t M, const uint8_t* ct, Gr
   }
 }
 
-// Rows against 4-bit weights in tiles of 16 output features ("wide" tiles; VNNI builds), the layout
-// kvboost/runtime/quant_step.py builds for int16 and int8 activations there (tiled_product reads them):
-//   codes uint8 [N/16][K/8][64]: for tile t and 8 consecutive k (an "octet"), byte 4j+i holds w[16t+j, k+i] (low
-//   nibble) and w[16t+j, k+4+i] (high); scale and min [N/16][K/32][16] (fp32 or fp16, GroupVals).
-// Why: the tiles of 8 spend three shuffles and three logic operations on each quad of 32 weights (int16 rows one
-// widening more). Here one 512-bit load holds an octet of 16 features and a mask and a shift unpack it: for int8 rows
-// into two vpdpbusd operands of 64 products each, with no shuffle; for int16 rows, widened by 256-bit halves (six
-// shuffles per 128 weights), into four vpdpwssd operands of 32 (dword lanes 2j and 2j+1 hold feature j's pairs (k, k+1)
-// and (k+2, k+3), as tile_row_pairs' quads). A tile's codes are one contiguous stream, prefetched kPrefetchBytes ahead.
-// The integer group sums are exact and the fp32 operations per output and group are tile_rows<RB, Act>'s, in its order,
-// so both layouts give the same bits (tests/test_quant_step.py).
+// Rows against 4-bit weights in tiles of 16 output features ("wide" tiles; VNNI builds), the layouts
+// kvboost/runtime/quant_step.py builds for int8 and int16 activations there (tiled_product reads them). For tile t and
+// 8 consecutive k (an "octet"), 64 bytes:
+//   int8 rows, "quads": codes uint8 [N/16][K/8][64]: byte 4j+i holds w[16t+j, k+i] (low nibble) and w[16t+j, k+4+i]
+//     (high). A mask and a shift give two vpdpbusd operands, dword lane j feature j's 4 consecutive k.
+//   int16 rows, "words": codes uint8 [N/16][K/8][32][2], 32 little-endian 16-bit words: word 2j+i holds w[16t+j,
+//     k+2n+i] in its nibble n (bits 4n..4n+3). Masks and shifts of 16-bit lanes give four vpdpwssd operands, dword
+//     lane j feature j's pair (k+2n, k+2n+1), each against a row's pair of codes broadcast: no widening shuffle and
+//     no gather of lanes after the group (the quads' int16 kernel spent six shuffles per octet and two permutes per
+//     row and group; the words' were 1.09x its products at 8-32 rows, in cache, on a Zen 4).
+//   scale and min [N/16][K/32][16] (fp32 or fp16, GroupVals), both layouts.
+// Why wide: the tiles of 8 spend three shuffles and three logic operations on each quad of 32 weights (int16 rows one
+// widening more); here one 512-bit load holds 128 weights. A tile's codes are one contiguous stream, prefetched
+// kPrefetchBytes ahead. The integer group sums are exact and the fp32 operations per output and group are
+// tile_rows<RB, Act>'s, in its order, so every layout gives the same bits (tests/test_quant_step.py).
 constexpr int64_t kWideRows = 8;          // rows sharing each unpacked octet (int32 and fp32 accumulators: 24-32)
 constexpr int64_t kPrefetchBytes = 2048;  // ~8 groups ahead; from memory, 2-4 KB were best on a Zen 4
 
@@ -496,14 +506,11 @@ template <int RB, int64_t Act>
 void wide_tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, GroupVals mt, float* out,
                     int64_t ldo, const float* bias, bool accumulate, bool prefetch) {
   static_assert(Act == kActInt8 || Act == kActInt16, "wide tiles take int8 or int16 rows");
-  // int8: two accumulators a row where few rows cannot hide vpdpbusd's latency, one where 5 or more rows do.
-  // int16: features 0-7 and 8-15 (lane pairs), each its own chain.
-  constexpr int NA = Act == kActInt16 ? 2 : (RB <= 4 ? 2 : 1);
+  // Two accumulators a row where few rows cannot hide the dot products' latency, one where 5 or more rows do.
+  constexpr int NA = RB <= 4 ? 2 : 1;
   const int64_t K = xr.K, G = xr.G;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // int16: lane pairs (2j, 2j+1) of the two accumulators gathered as features 0..15
-  [[maybe_unused]] const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  [[maybe_unused]] const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  [[maybe_unused]] const __m512i word_low4 = _mm512_set1_epi16(0x000F);
   __m512 fa[RB];
   for (int r = 0; r < RB; ++r) fa[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, ct += 4 * 64) {
@@ -516,9 +523,9 @@ void wide_tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st,
 #pragma GCC unroll 4
     for (int64_t o = 0; o < 4; ++o) {
       const __m512i v = _mm512_loadu_si512(ct + 64 * o);
-      const __m512i lo = _mm512_and_si512(v, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       if constexpr (Act == kActInt8) {
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int r = 0; r < RB; ++r) {
           const int8_t* xk = xr.q8.data() + (r0 + r) * K + g * kGroup + 8 * o;
           int32_t a, b;
@@ -528,31 +535,25 @@ void wide_tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st,
           ia[r][NA - 1] = _mm512_dpbusd_epi32(ia[r][NA - 1], hi, _mm512_set1_epi32(b));
         }
       } else {
-        const __m512i lo0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));      // features 0-7, k .. k+3
-        const __m512i lo1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));  // features 8-15
-        const __m512i hi0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));      // features 0-7, k+4 .. k+7
-        const __m512i hi1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        const __m512i n0 = _mm512_and_si512(v, word_low4);  // lane j: feature j's codes for k, k+1
+        const __m512i n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), word_low4);  // k+2, k+3
+        const __m512i n2 = _mm512_and_si512(_mm512_srli_epi16(v, 8), word_low4);  // k+4, k+5
+        const __m512i n3 = _mm512_srli_epi16(v, 12);                               // k+6, k+7
         for (int r = 0; r < RB; ++r) {
           const int16_t* xk = xr.q16.data() + (r0 + r) * K + g * kGroup + 8 * o;
-          const __m512i xa = bcast64(xk), xb = bcast64(xk + 4);
-          ia[r][0] = _mm512_dpwssd_epi32(ia[r][0], lo0, xa);
-          ia[r][1] = _mm512_dpwssd_epi32(ia[r][1], lo1, xa);
-          ia[r][0] = _mm512_dpwssd_epi32(ia[r][0], hi0, xb);
-          ia[r][1] = _mm512_dpwssd_epi32(ia[r][1], hi1, xb);
+          // the row's codes for (k, k+1), (k+2, k+3), ..., each pair broadcast straight from memory (one 16-byte
+          // read split into general registers first made the kernel ~25% slower)
+          ia[r][0] = _mm512_dpwssd_epi32(ia[r][0], n0, bcast32_512(xk));
+          ia[r][NA - 1] = _mm512_dpwssd_epi32(ia[r][NA - 1], n1, bcast32_512(xk + 2));
+          ia[r][0] = _mm512_dpwssd_epi32(ia[r][0], n2, bcast32_512(xk + 4));
+          ia[r][NA - 1] = _mm512_dpwssd_epi32(ia[r][NA - 1], n3, bcast32_512(xk + 6));
         }
       }
     }
     const __m512 sc = st.load16(g * kWideTile);
     const __m512 mn = mt.load16(g * kWideTile);
     for (int r = 0; r < RB; ++r) {
-      __m512i sums;
-      if constexpr (Act == kActInt16)
-        sums = _mm512_add_epi32(_mm512_permutex2var_epi32(ia[r][0], evens, ia[r][1]),
-                                _mm512_permutex2var_epi32(ia[r][0], odds, ia[r][1]));
-      else if constexpr (NA == 2)
-        sums = _mm512_add_epi32(ia[r][0], ia[r][1]);
-      else
-        sums = ia[r][0];
+      const __m512i sums = NA == 2 ? _mm512_add_epi32(ia[r][0], ia[r][1]) : ia[r][0];
       const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xr.d[g * xr.Mp + r0 + r]));
       fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, fa[r]);
       fa[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.sum[g * xr.Mp + r0 + r]), fa[r]);
@@ -699,9 +700,9 @@ void check_act(int64_t act) {
               "or 2 (int16), got ", act);
 }
 
-// A q4 weight's layout, told by its codes' shape: tiles of 8 features ([N, K/2]) or wide tiles of 16
-// ([N/16, K/8, 64], read by wide_tile_rows).
-inline bool wide_layout(const torch::Tensor& codes) { return codes.dim() == 3; }
+// A q4 weight's layout, told by its codes' shape: tiles of 8 features ([N, K/2]) or wide tiles of 16 (read by
+// wide_tile_rows): quads for int8 rows ([N/16, K/8, 64]), words for int16 rows ([N/16, K/8, 32, 2]).
+inline bool wide_layout(const torch::Tensor& codes) { return codes.dim() >= 3; }
 
 // Output features of a q4 weight in either layout.
 inline int64_t q4_rows(const torch::Tensor& codes) {
@@ -711,13 +712,17 @@ inline int64_t q4_rows(const torch::Tensor& codes) {
 void check_wide_q4(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& minv, int64_t K,
                    int64_t act) {
 #ifndef KVB_VNNI
-  TORCH_CHECK(false, "q4: wide tiles (codes [N/16, K/8, 64]) are read by the avx512_vnni build only");
+  TORCH_CHECK(false, "q4: wide tiles (codes [N/16, K/8, ...]) are read by the avx512_vnni build only");
 #endif
   TORCH_CHECK(act == kActInt8 || act == kActInt16, "q4: wide tiles are read with int8 or int16 activations (act 1 "
               "or 2), got act ", act);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) * 8 == K && codes.size(2) == 64 &&
-                  codes.is_contiguous(),
-              "q4: wide codes must be contiguous uint8 [N/16, K/8, 64]");
+  const bool words = codes.dim() == 4;
+  TORCH_CHECK(words == (act == kActInt16), "q4: wide tiles for ", act == kActInt16 ? "int16" : "int8",
+              " rows are ", act == kActInt16 ? "words (codes [N/16, K/8, 32, 2])" : "quads (codes [N/16, K/8, 64])",
+              ", got codes ", codes.sizes());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(1) * 8 == K &&
+                  (words ? codes.size(2) == 32 && codes.size(3) == 2 : codes.dim() == 3 && codes.size(2) == 64),
+              "q4: wide codes must be contiguous uint8 [N/16, K/8, 64] (quads) or [N/16, K/8, 32, 2] (words)");
   const int64_t T = codes.size(0);
   for (const auto* t : {&scale, &minv})
     TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) && t->is_contiguous() &&

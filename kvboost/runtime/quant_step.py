@@ -214,11 +214,16 @@ def _check_tiles(rows: int, cols: int, what: str, tile: int = TILE) -> None:
         raise ValueError(f"{what}: a weight of {reason}")
 
 
+#: activations whose rows read wide tiles, each in its own byte order (:class:`Q4Weight`): its name
+WIDE_PACKING = {"int16": "words", "int8": "quads"}
+WIDE_ACTIVATIONS = tuple(WIDE_PACKING)
+
+
 def wide_tiles_for(activations: str, isa: str) -> bool:
     """Whether the step packs its 4-bit weights in wide tiles: int16 or int8 activations on the avx512_vnni build,
-    whose kernel for them (``wide_tile_rows``) unpacks 16 features by 8 k per 512-bit load with a mask and a shift. Both
-    layouts give the same bits; the wide one is the faster there (experiments/results/README.md)."""
-    return activations in ("int16", "int8") and isa == "avx512_vnni"
+    whose kernel for them (``wide_tile_rows``) unpacks 16 features by 8 k per 512-bit load with masks and shifts. Every
+    layout gives the same bits; the wide ones are the faster there (experiments/results/README.md)."""
+    return activations in WIDE_ACTIVATIONS and isa == "avx512_vnni"
 
 
 class Q4Weight:
@@ -230,26 +235,38 @@ class Q4Weight:
     ``2j+1`` those for k+1 and k+3; ``scale`` / ``minv`` fp16 or fp32 (:func:`_group_dtype`) ``[N, K/32]`` holding
     ``[N/8][K/32][8]``.
 
-    Wide tiles of 16 (``wide=True``; int16 / int8 activations on the avx512_vnni build, :func:`wide_tiles_for`):
-    ``codes`` ``[N/16, K/8, 64]``: for each tile and 8 consecutive k, byte ``4j+i`` holds feature j's codes for k+i
-    (low nibble) and k+4+i (high); ``scale`` / ``minv`` ``[N/16, K/32, 16]``. The extension tells the layouts apart
-    by the codes' dimensions.
+    Wide tiles of 16 (``wide_for="int16"`` or ``"int8"``: read by those activations' rows on the avx512_vnni build,
+    :func:`wide_tiles_for`), 64 bytes for each tile and 8 consecutive k; ``scale`` / ``minv`` ``[N/16, K/32, 16]``:
+    - int8 rows, quads: ``codes`` ``[N/16, K/8, 64]``, byte ``4j+i`` holds feature j's codes for k+i (low nibble)
+      and k+4+i (high);
+    - int16 rows, words: ``codes`` ``[N/16, K/8, 32, 2]``, 32 little-endian 16-bit words; word ``2j+i`` holds
+      feature j's code for k+2n+i in its nibble n (bits 4n to 4n+3).
+    The extension tells the layouts apart by the codes' dimensions, and refuses a weight packed for other rows.
 
     Optional fp32 ``bias`` ``[N]``. Built from the codes ``q`` ``[N, K]`` (0..15) and per-group ``scale`` /
     ``minv`` ``[N, K/32]``."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None,
-                 wide: bool = False):  # fmt: skip
+                 wide_for: str | None = None):  # fmt: skip
+        if wide_for not in (None, *WIDE_ACTIVATIONS):
+            raise ValueError(f"Q4Weight: wide tiles are packed for one of {WIDE_ACTIVATIONS} rows, got {wide_for!r}")
         rows, cols = q.shape
-        self.tile = WIDE_TILE if wide else TILE
+        self.wide_for = wide_for
+        self.tile = WIDE_TILE if wide_for else TILE
         _check_tiles(rows, cols, "Q4Weight", self.tile)
         if tuple(scale.shape) != (rows, cols // 32) or scale.shape != minv.shape:
             raise ValueError(f"Q4Weight: codes {tuple(q.shape)} need scale and min [{rows}, {cols // 32}]")
         q = q.to(torch.uint8)
-        if wide:
+        if wide_for == "int8":
             t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 2, 4)  # [tile, j, octet, half, i]
             nibbles = t[..., 0, :] | (t[..., 1, :] << 4)  # [tile, j, octet, i]
             self.codes = nibbles.permute(0, 2, 1, 3).reshape(rows // WIDE_TILE, cols // 8, 64).contiguous()
+        elif wide_for == "int16":
+            t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 4, 2)  # [tile, j, octet, n, i]
+            low = t[..., 0, :] | (t[..., 1, :] << 4)  # nibbles 0 and 1 of word 2j+i: its low byte
+            high = t[..., 2, :] | (t[..., 3, :] << 4)
+            words = torch.stack([low, high], dim=-1)  # [tile, j, octet, i, byte]
+            self.codes = words.permute(0, 2, 1, 3, 4).reshape(rows // WIDE_TILE, cols // 8, 32, 2).contiguous()
         else:
             t = q.reshape(rows // TILE, TILE, cols // 4, 4)  # [tile, j, quad, i]
             pairs = torch.stack([t[..., 0] | (t[..., 2] << 4), t[..., 1] | (t[..., 3] << 4)], dim=-1)
@@ -262,16 +279,17 @@ class Q4Weight:
 
     @property
     def wide(self) -> bool:
-        return self.tile == WIDE_TILE
+        return self.wide_for is not None
 
     @classmethod
     def cat(cls, parts: list[Q4Weight]) -> Q4Weight:
         """The matrices stacked along the output axis (q/k/v, gate/up: one product each); whole tiles, so the
         layouts stack as they are."""
-        if len({p.tile for p in parts}) != 1:
-            raise ValueError("Q4Weight.cat: the parts are in different layouts (tiles of 8 and wide tiles)")
+        if len({p.wide_for for p in parts}) != 1:
+            raise ValueError("Q4Weight.cat: the parts are in different layouts (tiles of 8, or wide tiles for "
+                             f"different rows: {sorted({str(p.wide_for) for p in parts})})")  # fmt: skip
         out = cls.__new__(cls)
-        out.tile = parts[0].tile
+        out.tile, out.wide_for = parts[0].tile, parts[0].wide_for
         out.codes = torch.cat([p.codes for p in parts]).contiguous()
         dtype = functools.reduce(torch.promote_types, [p.scale.dtype for p in parts])  # fp32 if any part is
         out.scale = torch.cat([p.scale.to(dtype) for p in parts]).contiguous()
@@ -289,9 +307,14 @@ class Q4Weight:
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (tests, the build-time check)."""
         rows, cols = self.shape
-        if self.wide:
+        if self.wide_for == "int8":
             nibbles = self.codes.reshape(rows // WIDE_TILE, cols // 8, WIDE_TILE, 4).permute(0, 2, 1, 3)
             q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(rows, cols // 32, 32)  # [.., half, i]
+        elif self.wide_for == "int16":
+            words = self.codes.reshape(rows // WIDE_TILE, cols // 8, WIDE_TILE, 2, 2).permute(0, 2, 1, 3, 4)
+            low, high = words[..., 0], words[..., 1]  # [tile, j, octet, i]
+            q = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=-2)  # [tile, j, octet, n, i]
+            q = q.reshape(rows, cols // 32, 32)
         else:
             pairs = self.codes.reshape(rows // TILE, cols // 4, TILE, 2).permute(0, 2, 1, 3)  # [tile, j, quad, 2]
             low, high = pairs & 0x0F, pairs >> 4
@@ -434,7 +457,7 @@ class QuantDecodeStep:
             q, scale, minv = unpack_q4_scale_min(t.tensor_type, t.data)
             if rows_order is not None:
                 q, scale, minv = q[rows_order], scale[rows_order], minv[rows_order]
-            w = Q4Weight(q, scale, minv, linear.bias, wide=self.wide)
+            w = Q4Weight(q, scale, minv, linear.bias, wide_for=activations if self.wide else None)
             if tuple(w.shape) != tuple(linear.weight.shape):
                 raise ValueError(
                     f"decode='quantized': {name} is {list(w.shape)}, the model's {list(linear.weight.shape)}"
@@ -522,5 +545,5 @@ class QuantDecodeStep:
 
     def describe(self) -> dict[str, Any]:
         return {"isa": str(self.ext.isa), "activations": self.activations, "head": self.head_source,
-                "layout": "wide tiles of 16" if self.wide else "tiles of 8",
+                "layout": f"wide tiles of 16 ({WIDE_PACKING[self.activations]})" if self.wide else "tiles of 8",
                 "pack_bytes": self.nbytes, "decode_pool": "own" if self.ext.decode_pool() else "openmp"}  # fmt: skip
