@@ -214,7 +214,7 @@ def _check_tiles(rows: int, cols: int, what: str, tile: int = TILE) -> None:
         raise ValueError(f"{what}: a weight of {reason}")
 
 
-#: activations whose rows read wide tiles, each in its own byte order (:class:`Q4Weight`): its name
+#: the activations whose rows read wide tiles, and the name of each one's byte order (:class:`Q4Weight`)
 WIDE_PACKING = {"int16": "words", "int8": "quads"}
 WIDE_ACTIVATIONS = tuple(WIDE_PACKING)
 
