@@ -27,7 +27,6 @@ Writes ``<out>/products.json`` and ``<out>/products.md`` (the command at the top
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shlex
 import statistics
@@ -77,20 +76,10 @@ def build_baseline(rev: str, isa: str) -> Any:
     return ext, sha
 
 
-def random_q4(rows: int, cols: int, gen: torch.Generator, act: str) -> tuple[Q4Weight, Q4Weight | None]:
-    """One random 4-bit weight in tiles of 8 and in wide tiles of 16 for ``act`` rows (None for fp32 rows, which
-    read tiles of 8 only); the same values."""
+def random_q4(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One random 4-bit weight's codes ``[rows, cols]``, scales and mins (for :class:`Q4Weight`, in any layout)."""
     q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
-    scale, minv = torch.rand(rows, cols // 32, generator=gen) * 0.02, -torch.rand(rows, cols // 32, generator=gen) * 0.1
-    wide = Q4Weight(q, scale, minv, wide_for=act) if act in WIDE_ACTIVATIONS else None
-    return Q4Weight(q, scale, minv), wide
-
-
-def _with_codes(w: Q4Weight, codes: torch.Tensor) -> Q4Weight:
-    """``w`` with other codes (the same group values): a repacked copy."""
-    out = copy.copy(w)
-    out.codes = codes
-    return out
+    return q, torch.rand(rows, cols // 32, generator=gen) * 0.02, -torch.rand(rows, cols // 32, generator=gen) * 0.1
 
 
 def random_q8(rows: int, cols: int, gen: torch.Generator) -> Q8Weight:
@@ -139,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline_rev, isa)  # fmt: skip
     builds = {"baseline": base, "this tree": ours}
     gen = torch.Generator().manual_seed(0)
-    both = [(k, random_q4(n, k, gen, args.act)) for _, k, n in LAYER]
-    narrow, wide = [(k, w[0]) for k, w in both], [(k, w[1]) for k, w in both]
-    layers = {"baseline": wide if args.layout == "wide" else narrow,
-              "this tree": narrow if args.layout == "tiles8" else wide}  # fmt: skip
-    if args.layout == "quads-vs-words":
-        from experiments.bench.bench_step_ab import words_as_quads
+    weights = [(k, random_q4(n, k, gen)) for _, k, n in LAYER]
 
-        layers["baseline"] = [(k, _with_codes(w, words_as_quads(w.codes))) for k, w in wide]
+    def packed(wide_for: str | None) -> list[tuple[int, Q4Weight]]:  # the same weights in one layout
+        return [(k, Q4Weight(*w, wide_for=wide_for)) for k, w in weights]
+
+    narrow = packed(None)
+    wide = narrow if args.layout == "tiles8" else packed(args.act)  # --act is int16 or int8 here
+    layers = {"baseline": narrow, "this tree": wide}
+    if args.layout == "wide":
+        layers["baseline"] = wide
+    elif args.layout == "quads-vs-words":  # the quads that int16 rows read at 74accc5-75455f5
+        layers["baseline"] = packed("int8")
     head = random_q8(VOCAB, HIDDEN, gen)
     layer_macs = sum(k * n for _, k, n in LAYER)
     head_macs = HIDDEN * VOCAB

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 from experiments.bench.bench_decode import time_decode
 from experiments.bench.bench_quant_products import build_baseline
 from kvboost.lab.environment import describe_environment
-from kvboost.runtime.quant_step import ACTIVATIONS, QuantDecodeStep, quant_isa
+from kvboost.runtime.quant_step import ACTIVATIONS, QuantDecodeStep, pack_q4_codes, quant_isa, unpack_q4_codes
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -77,11 +77,7 @@ Arm = tuple[Any, Any]
 def words_as_quads(codes: torch.Tensor) -> torch.Tensor:
     """An int16 rows' wide weight (words ``[T, K/8, 32, 2]``) repacked in quads ``[T, K/8, 64]`` (see
     :class:`~kvboost.runtime.quant_step.Q4Weight`): the same codes."""
-    tiles, octets = codes.shape[:2]
-    words = codes.reshape(tiles, octets, 16, 2, 2)  # [tile, octet, j, i, byte]
-    low, high = words[..., 0], words[..., 1]
-    q = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=-2).reshape(tiles, octets, 16, 8)  # k = 2n+i
-    return (q[..., :4] | (q[..., 4:] << 4)).reshape(tiles, octets, 64).contiguous()
+    return pack_q4_codes(unpack_q4_codes(codes, "int16"), "int8")
 
 
 def quads_step(step: Any) -> Any:
@@ -208,7 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": speedups(prefill[(n, "baseline")], prefill[(n, "tree")]),
     } for n in args.prompts]  # fmt: skip
     return {
-        "baseline_rev": sha, "packing": packing, "activations": args.activations, "isa": quant_isa(), "threads": torch.get_num_threads(), "rounds": args.rounds,
+        "baseline_rev": sha, "packing": packing, "activations": args.activations, "isa": quant_isa(),
+        "threads": torch.get_num_threads(), "rounds": args.rounds,
         "context": args.context, "tokens": args.tokens, "logits_max_diff_between_builds": diff,
         "decode": decode_rows, "prefill": prefill_rows,
         "raw": {"decode": {f"{k[0]}:{k[1]}": v for k, v in decode.items()},

@@ -226,6 +226,45 @@ def wide_tiles_for(activations: str, isa: str) -> bool:
     return activations in WIDE_ACTIVATIONS and isa == "avx512_vnni"
 
 
+def pack_q4_codes(q: torch.Tensor, wide_for: str | None = None) -> torch.Tensor:
+    """4-bit codes ``q`` ``[N, K]`` (0..15) in :class:`Q4Weight`'s tiled layout for ``wide_for`` rows (None: tiles of
+    8; ``"int8"``: quads; ``"int16"``: words)."""
+    rows, cols = q.shape
+    q = q.to(torch.uint8)
+    if wide_for == "int8":
+        t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 2, 4)  # [tile, j, octet, half, i]
+        nibbles = t[..., 0, :] | (t[..., 1, :] << 4)  # [tile, j, octet, i]
+        return nibbles.permute(0, 2, 1, 3).reshape(rows // WIDE_TILE, cols // 8, 64).contiguous()
+    if wide_for == "int16":
+        t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 4, 2)  # [tile, j, octet, n, i]
+        low = t[..., 0, :] | (t[..., 1, :] << 4)  # nibbles 0 and 1 of word 2j+i: its low byte
+        high = t[..., 2, :] | (t[..., 3, :] << 4)
+        words = torch.stack([low, high], dim=-1)  # [tile, j, octet, i, byte]
+        return words.permute(0, 2, 1, 3, 4).reshape(rows // WIDE_TILE, cols // 8, 32, 2).contiguous()
+    t = q.reshape(rows // TILE, TILE, cols // 4, 4)  # [tile, j, quad, i]
+    pairs = torch.stack([t[..., 0] | (t[..., 2] << 4), t[..., 1] | (t[..., 3] << 4)], dim=-1)
+    return pairs.permute(0, 2, 1, 3).reshape(rows, cols // 2).contiguous()  # [tile, quad, j, 2]
+
+
+def unpack_q4_codes(codes: torch.Tensor, wide_for: str | None = None) -> torch.Tensor:
+    """The codes ``[N, K]`` (uint8, 0..15, the weight's own order) back from :func:`pack_q4_codes`'s layout."""
+    if wide_for == "int8":
+        tiles, octets = codes.shape[:2]
+        nibbles = codes.reshape(tiles, octets, WIDE_TILE, 4).permute(0, 2, 1, 3)  # [tile, j, octet, i]
+        q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2)  # [tile, j, octet, half, i]
+    elif wide_for == "int16":
+        tiles, octets = codes.shape[:2]
+        words = codes.reshape(tiles, octets, WIDE_TILE, 2, 2).permute(0, 2, 1, 3, 4)  # [tile, j, octet, i, byte]
+        low, high = words[..., 0], words[..., 1]
+        q = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=-2)  # [tile, j, octet, n, i]
+    else:
+        rows, half = codes.shape
+        pairs = codes.reshape(rows // TILE, half // 2, TILE, 2).permute(0, 2, 1, 3)  # [tile, j, quad, 2]
+        low, high = pairs & 0x0F, pairs >> 4
+        return torch.stack([low[..., 0], low[..., 1], high[..., 0], high[..., 1]], dim=-1).reshape(rows, half * 2)
+    return q.reshape(tiles * WIDE_TILE, octets * 8)
+
+
 class Q4Weight:
     """One 4-bit matrix ``[N, K]`` (``w = q * scale + min`` per 32-weight group) in one of the kernel's tiled
     layouts, so that one vector holds a tile's results and each weight read serves every row of a step.
@@ -252,25 +291,10 @@ class Q4Weight:
             raise ValueError(f"Q4Weight: wide tiles are packed for one of {WIDE_ACTIVATIONS} rows, got {wide_for!r}")
         rows, cols = q.shape
         self.wide_for = wide_for
-        self.tile = WIDE_TILE if wide_for else TILE
         _check_tiles(rows, cols, "Q4Weight", self.tile)
         if tuple(scale.shape) != (rows, cols // 32) or scale.shape != minv.shape:
             raise ValueError(f"Q4Weight: codes {tuple(q.shape)} need scale and min [{rows}, {cols // 32}]")
-        q = q.to(torch.uint8)
-        if wide_for == "int8":
-            t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 2, 4)  # [tile, j, octet, half, i]
-            nibbles = t[..., 0, :] | (t[..., 1, :] << 4)  # [tile, j, octet, i]
-            self.codes = nibbles.permute(0, 2, 1, 3).reshape(rows // WIDE_TILE, cols // 8, 64).contiguous()
-        elif wide_for == "int16":
-            t = q.reshape(rows // WIDE_TILE, WIDE_TILE, cols // 8, 4, 2)  # [tile, j, octet, n, i]
-            low = t[..., 0, :] | (t[..., 1, :] << 4)  # nibbles 0 and 1 of word 2j+i: its low byte
-            high = t[..., 2, :] | (t[..., 3, :] << 4)
-            words = torch.stack([low, high], dim=-1)  # [tile, j, octet, i, byte]
-            self.codes = words.permute(0, 2, 1, 3, 4).reshape(rows // WIDE_TILE, cols // 8, 32, 2).contiguous()
-        else:
-            t = q.reshape(rows // TILE, TILE, cols // 4, 4)  # [tile, j, quad, i]
-            pairs = torch.stack([t[..., 0] | (t[..., 2] << 4), t[..., 1] | (t[..., 3] << 4)], dim=-1)
-            self.codes = pairs.permute(0, 2, 1, 3).reshape(rows, cols // 2).contiguous()  # [tile, quad, j, 2]
+        self.codes = pack_q4_codes(q, wide_for)
         dtype = _group_dtype(scale, minv)
         self.scale = _tiled_groups(scale.to(torch.float32).to(dtype), self.tile)
         self.minv = _tiled_groups(minv.to(torch.float32).to(dtype), self.tile)
@@ -281,6 +305,11 @@ class Q4Weight:
     def wide(self) -> bool:
         return self.wide_for is not None
 
+    @property
+    def tile(self) -> int:
+        """Output features per tile of this weight's layout."""
+        return WIDE_TILE if self.wide else TILE
+
     @classmethod
     def cat(cls, parts: list[Q4Weight]) -> Q4Weight:
         """The matrices stacked along the output axis (q/k/v, gate/up: one product each); whole tiles, so the
@@ -289,7 +318,7 @@ class Q4Weight:
             raise ValueError("Q4Weight.cat: the parts are in different layouts (tiles of 8, or wide tiles for "
                              f"different rows: {sorted({str(p.wide_for) for p in parts})})")  # fmt: skip
         out = cls.__new__(cls)
-        out.tile, out.wide_for = parts[0].tile, parts[0].wide_for
+        out.wide_for = parts[0].wide_for
         out.codes = torch.cat([p.codes for p in parts]).contiguous()
         dtype = functools.reduce(torch.promote_types, [p.scale.dtype for p in parts])  # fp32 if any part is
         out.scale = torch.cat([p.scale.to(dtype) for p in parts]).contiguous()
@@ -307,19 +336,7 @@ class Q4Weight:
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (tests, the build-time check)."""
         rows, cols = self.shape
-        if self.wide_for == "int8":
-            nibbles = self.codes.reshape(rows // WIDE_TILE, cols // 8, WIDE_TILE, 4).permute(0, 2, 1, 3)
-            q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-2).reshape(rows, cols // 32, 32)  # [.., half, i]
-        elif self.wide_for == "int16":
-            words = self.codes.reshape(rows // WIDE_TILE, cols // 8, WIDE_TILE, 2, 2).permute(0, 2, 1, 3, 4)
-            low, high = words[..., 0], words[..., 1]  # [tile, j, octet, i]
-            q = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=-2)  # [tile, j, octet, n, i]
-            q = q.reshape(rows, cols // 32, 32)
-        else:
-            pairs = self.codes.reshape(rows // TILE, cols // 4, TILE, 2).permute(0, 2, 1, 3)  # [tile, j, quad, 2]
-            low, high = pairs & 0x0F, pairs >> 4
-            q = torch.stack([low[..., 0], low[..., 1], high[..., 0], high[..., 1]], dim=-1)
-            q = q.reshape(rows, cols // 32, 32)
+        q = unpack_q4_codes(self.codes, self.wide_for).reshape(rows, cols // 32, 32)
         scale, minv = self.group_params()
         return (q.float() * scale[..., None] + minv[..., None]).reshape(rows, cols)
 
