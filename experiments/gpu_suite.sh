@@ -54,9 +54,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.log, keep going
 } >"$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 
-default_tests="tests/test_model_runner.py tests/kernels/test_paged_attention_triton.py tests/kernels/test_cuda_kernel.py
-  tests/kernels/test_backend_gpu_model.py tests/kernels/test_flash_attn_triton.py tests/kernels/test_attention_backends.py
-  tests/kernels/test_awq_gemm.py"
+default_tests="tests/test_model_runner.py tests/kernel_tests/test_paged_attention_triton.py tests/kernel_tests/test_cuda_kernel.py
+  tests/kernel_tests/test_backend_gpu_model.py tests/kernel_tests/test_flash_attn_triton.py tests/kernel_tests/test_attention_backends.py
+  tests/kernel_tests/test_awq_gemm.py"
 model_args=() bench_model=()
 if [[ -n "${MODEL_DIR:-}" ]]; then
   model_args=("model.name_or_path=$MODEL_DIR") bench_model=(--model "$MODEL_DIR")
@@ -68,8 +68,8 @@ if wants tests; then
   for file in ${GPU_TESTS:-$default_tests}; do
     # shellcheck disable=SC2086  # GPU_PYTEST_ARGS is a list of options
     step "gpu_tests_$(basename "$file" .py)" 150 python3 -m pytest -v --tb=short -rfE -p no:cacheprovider \
-      --timeout 120 --deselect tests/kernels/test_cuda_kernel.py::test_kernel_cpu_emulation \
-      --deselect tests/kernels/test_cuda_kernel.py::test_compile_check_script ${GPU_PYTEST_ARGS:-} "$file"
+      --timeout 120 --deselect tests/kernel_tests/test_cuda_kernel.py::test_kernel_cpu_emulation \
+      --deselect tests/kernel_tests/test_cuda_kernel.py::test_compile_check_script ${GPU_PYTEST_ARGS:-} "$file"
   done
 fi
 if wants attention; then

@@ -1,6 +1,6 @@
 """A private ``redis-server`` on a free loopback port, for the tests and the experiment checks.
 
-One place starts, waits for and stops such a server (``tests/redis_server.py``,
+One place starts, waits for and stops such a server (``tests/kvboost_testkit/redis_server.py``,
 ``experiments/checks/plugin_matrix.py`` and ``experiments/checks/redis_tier_check.py`` use it)::
 
     reason = redis_unavailable_reason()  # None when the binary and the redis package are both here

@@ -137,7 +137,7 @@ CONDITIONAL: tuple[Conditional, ...] = (
         "run against a real server", "skip", _tool("redis-server"),
     ),
     Conditional(
-        "tests/kernels/test_cuda_kernel.py (CPU emulation of the CUDA kernel)", "g++ with C++20 and nvcc/CUDA headers",
+        "tests/kernel_tests/test_cuda_kernel.py (CPU emulation of the CUDA kernel)", "g++ with C++20 and nvcc/CUDA headers",
         "compiled and run on the CPU", "skip", lambda: all(shutil.which(tool) for tool in ("g++", "nvcc")),
     ),
 )

@@ -7,16 +7,27 @@ triton when there is no GPU (the kernels then run on CPU tensors).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
-import torch
+
+from kvboost_testkit.shadowing import checkout_entries, find_shadowing, shadowing_message
+
+# Before anything imports a library: a checkout folder on sys.path named like an installed package (tests/kernels
+# once hid Hugging Face's `kernels` from transformers) would otherwise fail hundreds of tests far from the cause.
+_CLASHES = find_shadowing(checkout_entries(sys.path, Path(__file__).resolve().parents[1]))
+if _CLASHES:
+    raise pytest.UsageError(shadowing_message(_CLASHES))
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-from tiny import ToyTokenizer  # noqa: E402
+from kvboost_testkit.tiny import ToyTokenizer  # noqa: E402
 
 
 @pytest.fixture(params=["llama", "qwen2", "mistral"])

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 
 from kvboost.lab.accuracy_table import (
     accuracy_by_reuse,

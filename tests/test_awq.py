@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import VOCAB, tiny_model
+from kvboost_testkit.tiny import VOCAB, tiny_model
 
 from kvboost.models.awq import (
     AWQ_ORDER,

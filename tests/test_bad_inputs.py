@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost, UnknownPluginError
 from kvboost.models.compat import UnsupportedArchitectureError

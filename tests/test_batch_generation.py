@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
 

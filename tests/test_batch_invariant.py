@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import ToyTokenizer, hf_greedy_reference, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, hf_greedy_reference, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.attention import batch_invariant as bi

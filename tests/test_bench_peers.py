@@ -88,7 +88,7 @@ def test_floor_formula_matches_a_brute_force_sum():
 
 
 def test_arch_reads_a_tiny_model():
-    from tiny import tiny_model
+    from kvboost_testkit.tiny import tiny_model
 
     model = tiny_model("llama")
     arch = bp.Arch.from_model(model)
@@ -99,7 +99,7 @@ def test_arch_reads_a_tiny_model():
 
 def test_arch_counts_awq_int4_weights_like_float_ones():
     """An AWQ model does the same multiply-adds as its float original: its floor must not shrink."""
-    from tiny import tiny_model
+    from kvboost_testkit.tiny import tiny_model
 
     from kvboost.models.awq import AWQConfig, quantize_model_rtn
 
@@ -139,7 +139,7 @@ def test_parse_assignments_and_parser():
 
 
 def test_torch_system_on_a_tiny_engine_ignores_eos():
-    from tiny import ToyTokenizer, tiny_model
+    from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
     from kvboost.engine import InferenceEngine
     from kvboost.lab.modes import MODES

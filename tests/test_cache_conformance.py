@@ -17,7 +17,7 @@ import torch
 from kvboost.cache import CacheTier, EvictionPolicy, KVEntry, KVStore, segment_only_key
 from kvboost.quant.none import RawKV
 from kvboost.registry import CACHE_TIERS, EVICTION
-from redis_server import new_namespace, redis_server  # noqa: F401  (a fixture: the redis tier needs a server)
+from kvboost_testkit.redis_server import new_namespace, redis_server  # noqa: F401  (a fixture: the redis tier needs a server)
 
 TIERS = CACHE_TIERS.names()
 POLICIES = EVICTION.names()

@@ -18,7 +18,7 @@ import inspect
 
 import pytest
 import torch
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.engine import CORE_OPTIONS, KV_OPTIONS

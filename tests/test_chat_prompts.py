@@ -9,7 +9,7 @@ at once): the integration test below is why auto is the default.
 from __future__ import annotations
 
 import pytest
-from tiny import ToyTokenizer, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
 from kvboost.prompts import (
     PromptError,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from tiny import ToyTokenizer
+from kvboost_testkit.tiny import ToyTokenizer
 
 from kvboost.chunking.boundary_window import BoundaryWindowChunker
 from kvboost.chunking.fixed import FixedChunker

@@ -7,7 +7,7 @@ or whose fields the plugin does not take fails here, not half-way through somebo
 from __future__ import annotations
 
 import pytest
-from compose import CONFIG_DIR, compose
+from kvboost_testkit.compose import CONFIG_DIR, compose
 from omegaconf import OmegaConf
 
 from kvboost.build import ENGINE_OPTIONS, engine_signature_options

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_chunking_hashing import PairTokenizer
-from tiny import ToyTokenizer, make_engine, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, tiny_model
 
 from kvboost import KVBoost
 from kvboost.plan import ComputeSchedule, ScheduleError

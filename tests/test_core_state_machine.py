@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tiny import ToyTokenizer, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.serving import SamplingParams

@@ -2,13 +2,13 @@
 engine on it (reuse within 1e-4 of a cold prefill in fp32, HF's greedy tokens, one kernel call per layer).
 
 The backend's conformance with the other backends (prefill, cached prefix + decode, left-padded batches) is in
-tests/kernels/test_attention_backends.py; the runner calling the kernel against HF's forward in
+tests/kernel_tests/test_attention_backends.py; the runner calling the kernel against HF's forward in
 tests/test_model_runner.py.
 """
 
 import pytest
 import torch
-from tiny import hf_greedy_reference, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import hf_greedy_reference, make_engine, random_ids, tiny_model
 
 from kernels_triton.flash_attn_reference import flash_attn_reference
 from kvboost.attention import cpu_ext

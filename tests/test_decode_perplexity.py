@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 
 def test_decode_path_nll_is_teacher_forced_hf_nll():

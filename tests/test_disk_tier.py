@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.cache import DiskTier, KVEntry, KVStore, MemoryTier

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tiny import make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import make_engine, random_ids, tiny_model
 
 from kvboost.quant.base import KVQuantizer
 from kvboost.quant.none import RawKV
@@ -192,7 +192,7 @@ def test_full_recompute_keeps_exact_hits():
 def test_cache_keys_carry_the_model_fingerprint():
     a = make_engine("llama")
     from kvboost import KVBoost
-    from tiny import ToyTokenizer
+    from kvboost_testkit.tiny import ToyTokenizer
 
     b = KVBoost(tiny_model("llama", seed=1), ToyTokenizer(), model_identity="tiny-llama", chunker={"name": "fixed", "chunk_size": 16})
     assert a.fingerprint != b.fingerprint  # same config and name, other weights
@@ -302,7 +302,7 @@ def test_the_pool_backed_cache_gives_hf_numbers():
 def test_bf16_and_an_eos_token():
     """bf16 weights (what fast hardware runs) and a tokenizer whose EOS stops generation."""
     from kvboost import KVBoost
-    from tiny import ToyTokenizer
+    from kvboost_testkit.tiny import ToyTokenizer
 
     class EosTokenizer(ToyTokenizer):
         eos_token_id = 5

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.cache.events import (
     AllBlocksCleared,

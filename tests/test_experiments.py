@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from compose import CONFIG_DIR, compose
+from kvboost_testkit.compose import CONFIG_DIR, compose
 from omegaconf import OmegaConf
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 
 from kvboost.lab.config_check import check_config
 from kvboost.lab.objective import BROKEN_CONSTRAINT, ObjectiveError, sweep_objective

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 from transformers import AutoModelForCausalLM
 
 import kvboost.models.fingerprint as fpmod

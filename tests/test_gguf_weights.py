@@ -15,7 +15,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T
-from tiny import ToyTokenizer, random_ids, tiny_model, write_gguf
+from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model, write_gguf
 
 from kvboost.models.gguf_int4 import GGUFInt4Linear
 from kvboost.models.gguf_weights import (

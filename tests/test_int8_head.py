@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import ToyTokenizer, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
 
 from kvboost.models.int8_head import Int8Linear, quantize_lm_head
 

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kernels_triton import kivi_reference as ref
 from kvboost.cache import KVEntry

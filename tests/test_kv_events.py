@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.cache import DiskTier, KVEntry, KVStore, MemoryTier, segment_only_key
 from kvboost.cache.events import (
@@ -168,7 +168,7 @@ def test_kv_events_are_off_by_default_and_options_are_checked():
 
 def test_the_engine_config_group_turns_events_on():
     """``engine.kv_events.*`` overrides (as run.py and kvboost-server compose them) reach the engine."""
-    from compose import compose
+    from kvboost_testkit.compose import compose
     from omegaconf import OmegaConf
 
     from kvboost.build import build_engine

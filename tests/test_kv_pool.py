@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.cache.block_run import BlockRun
 from kvboost.kv import BlockTable, KVPool, PoolExhausted

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from compose import compose
+from kvboost_testkit.compose import compose
 from omegaconf import OmegaConf
 
 from kvboost.lab.config_check import check_config

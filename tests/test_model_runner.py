@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from tiny import VOCAB, ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import VOCAB, ToyTokenizer, make_engine, random_ids, tiny_model
 from transformers import DynamicCache
 
 from kvboost.attention.cpu_ext import cpu_extension_unavailable_reason

@@ -11,9 +11,9 @@ import re
 from statistics import mean
 
 import pytest
-from compose import compose
+from kvboost_testkit.compose import compose
 from omegaconf import OmegaConf
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 
 from kvboost.lab.config_check import check_config
 from kvboost.lab.runner import run_experiment

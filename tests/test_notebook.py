@@ -42,7 +42,7 @@ SHARED = ["logger=none", "warmup=false"]
 def sweep(tmp_path_factory) -> Path:
     """A multirun-like folder with two tiny runs, each with the .hydra/overrides.yaml Hydra would write."""
     from hydra import compose, initialize_config_dir
-    from tiny import tiny_model
+    from kvboost_testkit.tiny import tiny_model
     from transformers import AutoTokenizer
 
     from kvboost.lab.runner import run_experiment

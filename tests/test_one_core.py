@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from tiny import ToyTokenizer, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.serving import EngineLoop, SamplingParams

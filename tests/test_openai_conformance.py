@@ -33,7 +33,7 @@ from openai.types import CompletionChoice
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from test_server import MODEL, sample, served
-from tiny import ToyTokenizer, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
 from kvboost.serving import protocol as P
 from kvboost.serving.requests import sample_seed

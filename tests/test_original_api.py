@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 import kvboost.models.options as loading_options
 from kvboost import KVBoost

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 
 from kernels_triton.paged_attention_reference import paged_attention_reference
 from kvboost.kv.block_table import BlockTable

@@ -3,7 +3,7 @@
 The parametrization reads the registries at collection time, so a new plugin (a module in
 ``kvboost/<family>/`` or a third-party ``kvboost.plugins`` entry point) runs these tests unchanged.
 Plugins are built with their default arguments. Cache tiers and eviction policies: tests/test_cache_conformance.py;
-attention backends: tests/kernels/test_attention_backends.py.
+attention backends: tests/kernel_tests/test_attention_backends.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from tiny import ToyTokenizer, make_engine, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.lookup import lookup

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ToyTokenizer, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
 from experiments import redis_process
 from experiments.checks import plugin_matrix as pm

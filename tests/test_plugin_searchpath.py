@@ -3,7 +3,7 @@
 A strategy package is built in tmp_path as a user would write it (README "Writing a strategy as your own package"):
 ``last_n_strategies/__init__.py``, ``last_n_strategies/last_n.py`` registering ``RECOMPUTE['last_n']`` and
 ``last_n_strategies/configs/recompute/last_n.yaml``, declared by a ``kvboost.plugins`` entry point. The run.py
-config is composed with Hydra's compose API (tests/compose.py) and ``recompute=last_n``, with no
+config is composed with Hydra's compose API (tests/kvboost_testkit/compose.py) and ``recompute=last_n``, with no
 ``hydra.searchpath`` override: before the search-path plugin, Hydra failed with "Could not find 'recompute/last_n'".
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from compose import compose
+from kvboost_testkit.compose import compose
 from omegaconf import OmegaConf
 
 from kvboost.lab.config_check import check_config

@@ -4,7 +4,7 @@ fp32 and bf16 under a batch-invariant backend: KL <= 1e-4; bf16 with the default
 from __future__ import annotations
 
 import torch
-from tiny import ToyTokenizer, random_ids, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.quality import (

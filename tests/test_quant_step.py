@@ -16,7 +16,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
-from tiny import ToyTokenizer, hf_greedy_reference, random_ids, tiny_model, write_gguf
+from kvboost_testkit.tiny import ToyTokenizer, hf_greedy_reference, random_ids, tiny_model, write_gguf
 
 from kvboost.models.gguf_int4 import unpack_q4_scale_min
 from kvboost.runtime.quant_step import Q4Weight, Q8Weight, extension_unavailable_reason, q8_0_blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_content_reuse import DOCS, blend_engine, rag_prompt
-from tiny import random_ids, tiny_model
+from kvboost_testkit.tiny import random_ids, tiny_model
 
 from kvboost.kv.block_table import BlockTable
 from kvboost.plan import Placement, ReusePlan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 
 from experiments.bench.random_weights import copy_description, main, write_random_model
 

@@ -101,7 +101,7 @@ def test_bridge_answers_500_in_openai_shape_when_the_app_fails_before_answering(
 
 def test_bridge_over_the_real_server_app_and_engine_loop():
     """What a replica does with a request, without Ray: the server's create_app over an EngineLoop."""
-    from tiny import make_engine
+    from kvboost_testkit.tiny import make_engine
 
     from kvboost.serving.loop import EngineLoop
     from kvboost.serving.server import create_app

@@ -426,8 +426,8 @@ def test_the_agreement_prefill_is_kept_out_of_ttft(monkeypatch):
 def test_agreement_reaches_the_runners_records(tmp_path, smollm_tokenizer):
     import json
 
-    from compose import compose
-    from tiny import tiny_model
+    from kvboost_testkit.compose import compose
+    from kvboost_testkit.tiny import tiny_model
 
     from kvboost.lab.runner import run_experiment
 

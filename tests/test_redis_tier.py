@@ -13,8 +13,8 @@ import time
 import pytest
 import test_disk_tier as disk_tests
 import torch
-from redis_server import RedisServer, new_namespace, redis_server, skip_reason  # noqa: F401
-from tiny import ToyTokenizer, make_engine, tiny_model
+from kvboost_testkit.redis_server import RedisServer, new_namespace, redis_server, skip_reason  # noqa: F401
+from kvboost_testkit.tiny import ToyTokenizer, make_engine, tiny_model
 
 from kvboost import KVBoost
 from kvboost.cache import KVEntry, KVStore, MemoryTier, RedisTier

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ToyTokenizer, tiny_model
+from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
 from kvboost import KVBoost
 from kvboost.prompts import answered_turn_text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import VOCAB, random_ids, tiny_model
+from kvboost_testkit.tiny import VOCAB, random_ids, tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvboost.models.compat import UnsupportedArchitectureError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from compose import compose
-from tiny import tiny_model
+from kvboost_testkit.compose import compose
+from kvboost_testkit.tiny import tiny_model
 
 from kvboost.lab.runner import run_experiment
 

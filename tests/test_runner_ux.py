@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from compose import compose
-from tiny import tiny_model
+from kvboost_testkit.compose import compose
+from kvboost_testkit.tiny import tiny_model
 
 from kvboost.cache_stack import CacheOverrideError, cache_stack, split_cache_overrides
 from kvboost.lab import run_control

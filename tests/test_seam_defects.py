@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.serving import SamplingParams
 

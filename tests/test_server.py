@@ -19,7 +19,7 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import ToyTokenizer, make_engine
+from kvboost_testkit.tiny import ToyTokenizer, make_engine
 
 from kvboost.serving.loop import EngineLoop
 from kvboost.serving.server import create_app

@@ -1,9 +1,9 @@
 """kvboost-server under chaos: 32 concurrent chat clients (the official ``openai`` client), exceptions injected into
 a seeded fraction of the engine's forwards, and a SIGKILL + restart of the server on the same disk folder midway.
 
-The server runs through ``tests/chaos_server.py`` (``kvboost.serving.cli.main`` with the runners' ``run`` wrapped to
-raise ``RuntimeError`` in a seeded fraction of the forwards, before or after the forward, and a ``/chaos/state``
-route that reads the KV pool's books on the loop thread). Each client holds a multi-turn conversation (groups of
+The server runs through ``tests/kvboost_testkit/chaos_server.py`` (``kvboost.serving.cli.main`` with the runners'
+``run`` wrapped to raise ``RuntimeError`` in a seeded fraction of the forwards, before or after the forward, and a
+``/chaos/state`` route that reads the KV pool's books on the loop thread). Each client holds a multi-turn conversation (groups of
 clients share a system prompt, so the prefix cache serves across clients); a 500 ``engine_error`` (an injected fault
 hit its request) and a connection error (the SIGKILL) are retried, bounded. After about half of the conversations'
 first turns completed, the server is SIGKILLed with requests in flight and a new one starts on the same disk folder
@@ -45,12 +45,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import LaunchedServer
+from kvboost_testkit.server_process import LaunchedServer
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAOS_SERVER = Path(__file__).with_name("chaos_server.py")
 MARKER = "chaos: injected fault"  # chaos_server.MARKER
 KEY = "chaos-key"
 OVERRIDES = [
@@ -136,12 +135,14 @@ def conversation_plan(i: int) -> tuple[list[dict[str, str]], list[str]]:
 
 # ---------------------------------------------------------------------- the server processes
 class ChaosServer(LaunchedServer):
-    """``tests/chaos_server.py`` (kvboost-server with injected faults) in a subprocess."""
+    """``tests/kvboost_testkit/chaos_server.py`` (kvboost-server with injected faults) in a subprocess."""
 
     def __init__(self, disk: Path, env: dict[str, str], seed: int) -> None:
-        args = [sys.executable, str(CHAOS_SERVER), *OVERRIDES, "--port", "0", "--disk-cache-dir", str(disk),
+        args = [sys.executable, "-m", "kvboost_testkit.chaos_server", *OVERRIDES, "--port", "0",
+                "--disk-cache-dir", str(disk),
                 "--api-key", KEY, "--log-level", "warning", *SERVER_FLAGS]  # fmt: skip
-        env = {**env, "KVBOOST_CHAOS_P": str(FAULT_P), "KVBOOST_CHAOS_SEED": str(seed)}
+        env = {**env, "KVBOOST_CHAOS_P": str(FAULT_P), "KVBOOST_CHAOS_SEED": str(seed),
+               "PYTHONPATH": str(ROOT / "tests")}  # the module runs from the checkout (cwd) and tests/
         super().__init__(args, env, cwd=ROOT, ready_timeout=240)
 
     def http(self) -> httpx.Client:

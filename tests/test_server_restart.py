@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import LaunchedServer
+from kvboost_testkit.server_process import LaunchedServer
 
 from kvboost.cache import payload as fmt
 

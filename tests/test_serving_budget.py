@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.serving import EngineLoop, SamplingParams
 from kvboost.serving import budget as budget_rule

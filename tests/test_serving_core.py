@@ -9,7 +9,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from tiny import make_engine, random_ids
+from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.serving import EngineLoop, LoopStopped, QueueFull, SamplingParams
 from kvboost.serving.scheduler import Scheduler

@@ -302,7 +302,7 @@ def test_token_level_systems_agree_without_eviction(small_trace):
 
 @pytest.mark.parametrize("capacity_tokens", [1_000_000, 1500])
 def test_kvboost_simulation_equals_the_engine(small_trace, capacity_tokens):
-    from tiny import tiny_model
+    from kvboost_testkit.tiny import tiny_model
 
     tokenizer, trace = small_trace
     model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
@@ -345,7 +345,7 @@ def test_kvboost_simulation_equals_the_engine(small_trace, capacity_tokens):
 def test_pool_model_equals_the_engine_with_stored_answers(small_trace):
     """The shared pool model (``experiments/sims/pool_model.py``, what ``cache_sim`` runs) with decode rows and
     ``store_generated``: each request's answer tokens (all but the last have a row) stored after its prompt."""
-    from tiny import tiny_model
+    from kvboost_testkit.tiny import tiny_model
 
     from experiments.sims.pool_model import PoolModel
 

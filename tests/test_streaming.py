@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from tiny import VOCAB, ToyTokenizer, random_ids, tiny_model
+from kvboost_testkit.tiny import VOCAB, ToyTokenizer, random_ids, tiny_model
 
 from kvboost import KVBoost
 from kvboost.models.fingerprint import ModelFingerprint

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import tiny_model
+from kvboost_testkit.tiny import tiny_model
 
 from kvboost.lab.runner import run_experiment
 from kvboost.paths import CONFIG_DIR

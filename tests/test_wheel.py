@@ -19,7 +19,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
-from server_process import LaunchedServer
+from kvboost_testkit.server_process import LaunchedServer
 
 from kvboost.paths import CONFIG_DIR, CSRC_DIR
 

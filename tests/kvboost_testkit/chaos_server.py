@@ -1,6 +1,8 @@
 """``kvboost-server`` with faults injected into the model runner's forwards, for ``tests/test_server_chaos.py``.
 
-    python tests/chaos_server.py model=tiny_random ... --port 0      # the arguments of ``kvboost-server``
+    PYTHONPATH=tests python -m kvboost_testkit.chaos_server model=tiny_random ... --port 0   # kvboost-server's arguments
+
+(from the checkout's root, so that its ``kvboost`` is the one served)
 
 Nothing of kvboost is edited: before ``kvboost.serving.cli.main()`` runs, the runners' ``run`` (the one forward of
 an engine step, class level) is wrapped so that a seeded fraction of the forwards raise ``RuntimeError``: half of
@@ -21,12 +23,7 @@ import os
 import random
 import sys
 import threading
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python tests/chaos_server.py` puts tests/ first, not the checkout
-    sys.path.insert(0, str(ROOT))
 
 #: the message of every injected fault (the test tells injected faults from real engine errors by it)
 MARKER = "chaos: injected fault"

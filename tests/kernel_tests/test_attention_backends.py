@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from tiny import make_engine, random_ids  # noqa: E402  (tests/ is on pytest's pythonpath)
+from kvboost_testkit.tiny import make_engine, random_ids  # noqa: E402  (tests/ is on pytest's pythonpath)
 from transformers import (  # noqa: E402
     DynamicCache,
     LlamaConfig,
