@@ -16,8 +16,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from kvboost.cache.sequence_store import common_prefix_length
 from kvboost.hashing.base import token_bytes
-from kvboost.lookup import common_prefix_length
 
 
 def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int) -> int:

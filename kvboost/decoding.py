@@ -65,7 +65,7 @@ def stop_reason(tokens: list[int], *, max_new_tokens: int, eos_ids: set[int], pr
     """The one stop rule of every decode (the engine core, speculative verification, the HF baselines): after the
     generated ``tokens``, ``"stop"`` at an end-of-sequence token, ``"length"`` at ``max_new_tokens`` or at the model's
     context (``prompt_len + len(tokens) >= max_positions``), else None (go on). Stop strings are the frontend's
-    (``kvboost.serving.frontend``): they need text."""
+    (``kvboost.engine.frontend``): they need text."""
     if tokens and tokens[-1] in eos_ids:
         return "stop"
     if len(tokens) >= max_new_tokens or (max_positions is not None and prompt_len + len(tokens) >= max_positions):

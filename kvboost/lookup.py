@@ -20,20 +20,13 @@ from collections.abc import Sequence
 
 from kvboost.cache.block_run import is_pooled
 from kvboost.cache.entry import approximate_segment_key
+from kvboost.cache.sequence_store import common_prefix_length
 from kvboost.cache.store import KVStore
 from kvboost.chunking.base import Chunker
 from kvboost.hashing.base import Hasher
 from kvboost.plan import Placement, ReusePlan
 from kvboost.quant.base import KVQuantizer
 from kvboost.types import ChunkKey, ChunkSpan
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def chunk_prompt(

@@ -123,7 +123,7 @@ class OriginalAPIError(TypeError):
 def engine_mode(mode: Any) -> str:
     """The engine's mode (``reuse`` | ``prefix`` | ``cold``) of a :class:`GenerationMode`, its value, or an engine
     mode."""
-    from kvboost.runtime.pipeline import MODES
+    from kvboost.engine.pipeline import MODES
 
     if isinstance(mode, GenerationMode):
         return mode.engine_mode
@@ -194,7 +194,7 @@ def translate_options(
     every keyword and value checked (the plugins the translation selects are built once, then dropped). Nothing is
     loaded here. ``after_load(model)`` returns the engine options completed with what needs the model's shape
     (``max_chunks``'s byte budget)."""
-    from kvboost.cache.memory import parse_bytes
+    from kvboost.kv.sizing import parse_bytes
     from kvboost.registry import CACHE_TIERS, CHUNKERS, KV_QUANT, RECOMPUTE
 
     check_keywords(engine_cls, options)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvboost.lookup import common_prefix_length
+from kvboost.cache.sequence_store import common_prefix_length
 from kvboost.types import CorrectnessReport, GenerationResult, PromptCheck
 
 

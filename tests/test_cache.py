@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost.cache import KVEntry, KVStore, LRUEviction, MemoryTier, parse_bytes, segment_only_key
+from kvboost.cache import KVEntry, KVStore, LRUEviction, MemoryTier, segment_only_key
+from kvboost.kv.sizing import parse_bytes
 from kvboost.quant.none import RawKV
 
 ROOT = "root"

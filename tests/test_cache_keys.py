@@ -21,7 +21,7 @@ import torch
 from kvboost_testkit.tiny import ToyTokenizer, make_engine, random_ids, tiny_model
 
 from kvboost import KVBoost
-from kvboost.engine import CORE_OPTIONS, KV_OPTIONS
+from kvboost.engine.inference import CORE_OPTIONS, KV_OPTIONS
 from kvboost.models.options import LOADING_OPTIONS
 
 #: field -> the variation a test builds (an engine option) and why it is keyed.

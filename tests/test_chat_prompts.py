@@ -102,7 +102,7 @@ def test_engine_default_is_auto(chat_engine):
 
 def test_engine_chat_false_and_per_request_raw(chat_engine):
     from kvboost import KVBoost
-    from kvboost.serving import SamplingParams
+    from kvboost.engine import SamplingParams
 
     tok = chat_engine.tokenizer
     raw = tok("Tell me a joke.")["input_ids"]

@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
 
 from kvboost import KVBoost
-from kvboost.serving import SamplingParams
+from kvboost.engine import SamplingParams
 
 BLOCK = 8
 NUM_BLOCKS = 40

@@ -131,7 +131,7 @@ def test_timers_charge_each_phase_where_it_happens(monkeypatch):
     assert slow_tok.ttft_ms >= slow_tok.extra["tokenize_ms"]
     monkeypatch.setattr(engine.chunker, "split", real_split)
 
-    from kvboost.runtime import pipeline
+    from kvboost.engine import pipeline
 
     real_store = pipeline.store_rows
 

@@ -140,7 +140,7 @@ def test_index_from_two_engines_events_equals_their_stores_and_walks_their_keys(
 def test_request_tokens_through_the_server_find_what_the_replica_stored():
     """The ingress's view of a chat request (the template, the chunker, the API key's salt) walks onto the blocks
     the server's engine stored for it."""
-    from kvboost.serving.loop import EngineLoop
+    from kvboost.engine.loop import EngineLoop
     from kvboost.serving.server import create_app
     from kvboost.serving.tenancy import Tenancy
 
@@ -455,7 +455,7 @@ def test_merge_metrics_labels_every_replica_and_keeps_every_sample():
 
 
 def test_merged_metrics_of_two_real_servers():
-    from kvboost.serving.loop import EngineLoop
+    from kvboost.engine.loop import EngineLoop
     from kvboost.serving.server import create_app
 
     apps, loops, engines = {}, [], []

@@ -13,8 +13,8 @@ import threading
 from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
 
 from kvboost import KVBoost
-from kvboost.serving import EngineLoop, SamplingParams
-from kvboost.serving import core as core_module
+from kvboost.engine import EngineLoop, SamplingParams
+from kvboost.engine import core as core_module
 
 
 class ChatToyTokenizer(ToyTokenizer):

@@ -4,7 +4,7 @@
 - limits: prompt + ``max_tokens`` beyond the context is a 400 naming the limit (vLLM's message), and the server goes
   on serving; a request that fits exactly is served;
 - ``n``: the n samples of a seed-fixed request equal n separate requests seeded ``seed + i``
-  (:func:`kvboost.serving.requests.sample_seed`), whole or streamed, completions or chat, and the prompt was
+  (:func:`kvboost.engine.requests.sample_seed`), whole or streamed, completions or chat, and the prompt was
   prefilled once: the core's counters (``prompt_tokens``, ``prefill_tokens``, ``forked_samples``) and the pool's
   copy-on-write count say so;
 - ``logprobs`` / ``top_logprobs``: equal to the log-softmax of the logits of the same model run by HF (teacher forced
@@ -35,8 +35,8 @@ from openai.types.shared import ErrorObject
 from test_server import MODEL, sample, served
 from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
+from kvboost.engine.requests import sample_seed
 from kvboost.serving import protocol as P
-from kvboost.serving.requests import sample_seed
 
 CONTEXT = 96  # the server's max_model_len: small, so a request that fills it exactly stays quick
 TOL = 1e-4

@@ -321,8 +321,8 @@ def test_work_pool_state_machine(ext):
 def test_the_decode_pool_is_off_in_process_and_on_in_the_engine_loop(tmp_path):
     """OpenMP by default (faster in a process alone); kvboost-server's engine loop turns the step's own pool on for a
     quantized decode while it runs (two loops: until both have stopped), and decode_info says which runs."""
+    from kvboost.engine.loop import EngineLoop
     from kvboost.runtime.quant_step import load_quant_extension, use_decode_pool
-    from kvboost.serving.loop import EngineLoop
 
     if os.environ.get("KVBOOST_QUANT_POOL"):
         pytest.skip("KVBOOST_QUANT_POOL forces the choice")

@@ -103,7 +103,7 @@ def test_bridge_over_the_real_server_app_and_engine_loop():
     """What a replica does with a request, without Ray: the server's create_app over an EngineLoop."""
     from kvboost_testkit.tiny import make_engine
 
-    from kvboost.serving.loop import EngineLoop
+    from kvboost.engine.loop import EngineLoop
     from kvboost.serving.server import create_app
 
     engine = make_engine("llama", decode="eager")  # eager: no compile of the decode step on the test's clock

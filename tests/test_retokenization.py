@@ -16,9 +16,9 @@ import torch
 from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 
 from kvboost import KVBoost
+from kvboost.engine import SamplingParams
 from kvboost.prompts import answered_turn_text
 from kvboost.quality import reuse_logit_bound
-from kvboost.serving import SamplingParams
 
 CHUNK = 16
 QUESTION = [{"role": "user", "content": "Name three fruits, please, as a list."}]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from kvboost_testkit.tiny import make_engine, random_ids
 
-from kvboost.serving import SamplingParams
+from kvboost.engine import SamplingParams
 
 BLOCK = 16  # tokens per block (the pool's default)
 TOL = 1e-4  # fp32: reuse equals a cold prefill within this (max abs logit difference)

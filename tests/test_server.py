@@ -21,7 +21,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from kvboost_testkit.tiny import ToyTokenizer, make_engine
 
-from kvboost.serving.loop import EngineLoop
+from kvboost.engine.loop import EngineLoop
 from kvboost.serving.server import create_app
 from kvboost.serving.tenancy import Tenancy
 
@@ -597,7 +597,7 @@ def test_metrics_names(keyed):
     assert sample(text, "vllm:prefix_cache_queries_total", model_name=MODEL) > 0
     assert sample(text, "kvboost:tier_bytes", tier="memory") > 0
     assert sample(text, "vllm:request_success_total", finished_reason="length") > 0
-    # the step budget in force (kvboost.serving.budget), as the core describes it
+    # the step budget in force (kvboost.engine.budget), as the core describes it
     budget = keyed.loop.core.budget_info()
     assert sample(text, "kvboost:step_budget_max_batch_tokens", model_name=MODEL) > 0
     for rows in ("1", "8", "32"):

@@ -1,4 +1,4 @@
-"""The CPU step budget (kvboost.serving.budget): a deterministic choice from the machine's figures, explicit settings
+"""The CPU step budget (kvboost.engine.budget): a deterministic choice from the machine's figures, explicit settings
 winning everywhere, GPUs keeping 2,048, and no step with decode rows carrying more prompt tokens than the budget's
 chunk (issue 44: 2,048-token chunks stalled every decoding row on CPU)."""
 
@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvboost_testkit.tiny import make_engine, random_ids
 
-from kvboost.serving import EngineLoop, SamplingParams
-from kvboost.serving import budget as budget_rule
-from kvboost.serving.budget import GPU_MAX_BATCH_TOKENS, MAX_CHUNK, MIN_CHUNK, Rates, StepBudget, choose, chunk_tokens
-from kvboost.serving.scheduler import DEFAULT_IDLE_PREFILL_TOKENS, Scheduler
+from kvboost.engine import EngineLoop, SamplingParams
+from kvboost.engine import budget as budget_rule
+from kvboost.engine.budget import GPU_MAX_BATCH_TOKENS, MAX_CHUNK, MIN_CHUNK, Rates, StepBudget, choose, chunk_tokens
+from kvboost.engine.scheduler import DEFAULT_IDLE_PREFILL_TOKENS, Scheduler
 
 #: 1 ms per prompt token, decode steps of 20 ms + 2 ms per row: chunk(R) = 1.5 * (20 + 2R) ms / 1 ms
 RATES = Rates(prefill_token_s=0.001, decode_base_s=0.020, decode_row_s=0.002, source="test")
@@ -82,7 +82,7 @@ def test_explicit_settings_and_gpus_keep_a_fixed_budget():
 
 
 def test_a_gpu_engine_core_keeps_2048():
-    from kvboost.serving.core import EngineCore
+    from kvboost.engine.core import EngineCore
 
     core = EngineCore(SimpleNamespace(adapter=SimpleNamespace(device=torch.device("cuda"))))
     assert core.scheduler.step_budget is None and core.scheduler.max_batch_tokens == 2048

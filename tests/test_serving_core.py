@@ -1,4 +1,4 @@
-"""The scheduler and engine loop (kvboost.serving.core / loop / scheduler): every request gives the tokens it gives
+"""The scheduler and engine loop (kvboost.engine.core / loop / scheduler): every request gives the tokens it gives
 alone, whatever it was batched, chunked or preempted with; cancellation, timeouts, a full queue, stop strings, seeds
 and tenants' salts behave as documented; blocks always come back."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from kvboost_testkit.tiny import make_engine, random_ids
 
-from kvboost.serving import EngineLoop, LoopStopped, QueueFull, SamplingParams
-from kvboost.serving.scheduler import Scheduler
+from kvboost.engine import EngineLoop, LoopStopped, QueueFull, SamplingParams
+from kvboost.engine.scheduler import Scheduler
 
 PROMPT_LENGTHS = (20, 45, 70, 33, 90, 300)
 
@@ -141,7 +141,7 @@ def test_n_samples_fork_one_prefill_and_equal_separately_seeded_requests():
     logits the token was picked from (the first token: the engine's own first_token_logits)."""
     import torch
 
-    from kvboost.serving.requests import sample_seed
+    from kvboost.engine.requests import sample_seed
 
     engine = make_engine("llama", decode="eager")
     engine.eos_ids = set()
@@ -324,7 +324,7 @@ def test_a_request_that_waited_long_enough_goes_first():
 def test_a_failing_request_ends_alone_and_the_loop_keeps_serving(monkeypatch):
     """An exception while one request samples (here a planted one) ends that request with finish_reason "error";
     the requests batched with it finish normally and the loop goes on serving."""
-    import kvboost.serving.core as core_module
+    import kvboost.engine.core as core_module
 
     real = core_module.pick_token
 

@@ -438,7 +438,7 @@ class LlamaPrefixSystem:
         self.llm.reset()
 
     def generate(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-        from kvboost.lookup import common_prefix_length
+        from kvboost.cache.sequence_store import common_prefix_length
 
         reused = min(common_prefix_length(list(self.llm._input_ids), ids), len(ids) - 1)
         room = self.llm.n_ctx() - len(ids)
@@ -504,7 +504,7 @@ class LlamaRamCacheSystem:
 
     def _reused(self, ids: list[int]) -> int:
         """The prefix create_completion will not recompute (its own rule, evaluated before timing)."""
-        from kvboost.lookup import common_prefix_length
+        from kvboost.cache.sequence_store import common_prefix_length
 
         evaluated = common_prefix_length(list(self.llm._input_ids), ids)
         cache = self.llm.cache

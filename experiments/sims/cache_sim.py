@@ -66,8 +66,8 @@ from tqdm.auto import tqdm
 
 from experiments.sims import pool_model
 from experiments.sims.pool_model import PoolModel, blocks_to_hold
-from kvboost.cache import parse_bytes
 from kvboost.kv.pool import DEFAULT_BLOCK_SIZE
+from kvboost.kv.sizing import parse_bytes
 from kvboost.kv.sizing import MIN_WORKING_ROWS
 from kvboost.registry import CHUNKERS, EVICTION, HASHERS, KV_QUANT
 

@@ -11,7 +11,7 @@ a block shared by a chunk and its successor is counted once.
 byte counts are real, no memory is used, ``write`` / ``read`` / ``copy_rows`` only check shapes), a real
 ``PoolTier`` with the capacity in blocks and the eviction policy under test, a real ``KVStore`` over it, and per
 request (:meth:`PoolModel.serve`) exactly the engine core's sequence of book operations
-(``kvboost.serving.core.EngineCore._start_planned`` then ``_finish`` / ``_complete``):
+(``kvboost.engine.core.EngineCore._start_planned`` then ``_finish`` / ``_complete``):
 
 1. ``lookup`` (``max_reuse = n - 1``: the last prompt token is always computed; its exact pool hits are
    referenced at once, the plan holds them);
@@ -46,13 +46,13 @@ from kvboost.cache.block_run import BlockRun
 from kvboost.cache.pool_tier import PoolTier
 from kvboost.cache.sequence_store import store_sequence
 from kvboost.cache.store import KVStore
+from kvboost.engine.scheduler import DEFAULT_IDLE_PREFILL_TOKENS
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.pool import DEFAULT_BLOCK_SIZE, KVPool, PoolExhausted
 from kvboost.kv.sizing import MIN_WORKING_ROWS
 from kvboost.lookup import lookup
 from kvboost.registry import CHUNKERS, EVICTION, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.reuse.assemble import assemble_exact
-from kvboost.serving.scheduler import DEFAULT_IDLE_PREFILL_TOKENS
 
 
 @dataclass(frozen=True)

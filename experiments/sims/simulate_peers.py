@@ -82,7 +82,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from experiments.sims.pool_model import PoolModel
-from kvboost.lookup import common_prefix_length
+from kvboost.cache.sequence_store import common_prefix_length
 
 SYSTEMS: tuple[str, ...] = ("vllm", "sglang", "lmcache", "llamacpp", "kvboost")
 ORDERS: tuple[str, ...] = ("sequential", "interleaved")

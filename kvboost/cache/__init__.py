@@ -5,7 +5,7 @@ from kvboost.cache.entry import SEGMENT_ONLY_PREFIX, KVEntry, segment_only_key
 from kvboost.cache.eviction_base import EvictionPolicy
 from kvboost.cache.lfu import LFUEviction
 from kvboost.cache.lru import LRUEviction
-from kvboost.cache.memory import MemoryTier, parse_bytes
+from kvboost.cache.memory import MemoryTier
 from kvboost.cache.redis_tier import RedisTier
 from kvboost.cache.s3fifo import S3FIFOEviction
 from kvboost.cache.store import KVStore, StoreStats
@@ -26,6 +26,5 @@ __all__ = [
     "ResidentChildren",
     "S3FIFOEviction",
     "StoreStats",
-    "parse_bytes",
     "segment_only_key",
 ]  # fmt: skip

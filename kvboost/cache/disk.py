@@ -55,8 +55,8 @@ import xxhash
 
 from kvboost.cache import payload as fmt
 from kvboost.cache.entry import KVEntry
-from kvboost.cache.memory import parse_bytes
 from kvboost.cache.record_tier import Loaded, RecordStats, RecordTier, _Job, _Rec, _Writer, decode_record
+from kvboost.kv.sizing import parse_bytes
 from kvboost.registry import CACHE_TIERS
 
 log = logging.getLogger(__name__)

@@ -17,32 +17,8 @@ import torch
 from kvboost.cache.entry import KVEntry
 from kvboost.cache.payload import payload_to_device
 from kvboost.cache.tier_base import DictTier, choose_victims
+from kvboost.kv.sizing import parse_bytes
 from kvboost.registry import CACHE_TIERS, EVICTION
-
-
-def parse_bytes(value: float | str, *, allow_zero: bool = False) -> int:
-    """``1024``, ``"512MB"``, ``"2GiB"``, ``"1.5G"`` -> bytes (positive, or ``>= 0`` with ``allow_zero``)."""
-    if isinstance(value, (int, float)):
-        out = int(value)
-    else:
-        text = str(value).strip().upper().replace(" ", "")
-        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-                 "TB": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "B": 1}  # fmt: skip
-        for suffix, mult in units.items():
-            if text.endswith(suffix):
-                try:
-                    out = int(float(text[: -len(suffix)]) * mult)
-                except ValueError:
-                    raise ValueError(f"cannot read a byte size from {value!r}") from None
-                break
-        else:
-            try:
-                out = int(float(text))
-            except ValueError:
-                raise ValueError(f"cannot read a byte size from {value!r} (try '512MB' or '2GiB')") from None
-    if out < 0 or (out == 0 and not allow_zero):
-        raise ValueError(f"a byte budget must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
-    return out
 
 
 @CACHE_TIERS.register("memory")

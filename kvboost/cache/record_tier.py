@@ -48,8 +48,8 @@ import torch
 
 from kvboost.cache import payload as fmt
 from kvboost.cache.entry import KVEntry
-from kvboost.cache.memory import parse_bytes
 from kvboost.cache.tier_base import CacheTier, choose_victims
+from kvboost.kv.sizing import parse_bytes
 from kvboost.registry import EVICTION
 
 

@@ -21,8 +21,15 @@ from typing import Any
 from kvboost.cache.block_run import is_pooled
 from kvboost.cache.entry import KVEntry, approximate_segment_key, segment_only_key
 from kvboost.cache.store import KVStore
-from kvboost.lookup import common_prefix_length
 from kvboost.types import ChunkSpan
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def store_sequence(

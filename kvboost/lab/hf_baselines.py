@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from kvboost.cache.sequence_store import common_prefix_length
 from kvboost.decoding import Sampling, decode_loop, eos_token_ids, pick_token
 from kvboost.generation import PhaseClock, ReuseCounts, build_result
-from kvboost.lookup import common_prefix_length
 from kvboost.models.adapter import ModelAdapter
 from kvboost.prompts import Prompt
 from kvboost.quality import continuation_logprob

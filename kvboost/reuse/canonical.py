@@ -8,7 +8,7 @@ first such difference and recomputes the rest of the history (two-turn chat on S
 
 :func:`canonical_turn` predicts the next turn's ids of the history: the request's chat messages plus the answer
 text rendered by the template up to and including its end-of-turn markup (:func:`kvboost.prompts.answered_turn_text`),
-tokenized by the chunker. The frontend (``kvboost.serving.frontend.canonical_store_request``) then submits a
+tokenized by the chunker. The frontend (``kvboost.engine.frontend.canonical_store_request``) then submits a
 ``store`` request of those ids to the engine core: its lookup finds the request's own rows (stored when it finished)
 up to the longest common prefix, the differing suffix is prefilled on top of them, exactly as a cold prefill of the
 next prompt computes it (causal attention: a row depends on the rows before it only), and the chunks are stored
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvboost.lookup import common_prefix_length
+from kvboost.cache.sequence_store import common_prefix_length
 from kvboost.prompts import answered_turn_text
 from kvboost.types import ChunkSpan
 

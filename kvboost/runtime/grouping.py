@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvboost.lookup import common_prefix_length
+from kvboost.cache.sequence_store import common_prefix_length
 
 
 def group_by_prefix(prompts: Sequence[Sequence[int]], split: Callable[[Sequence[int]], list]) -> list[tuple[list[int], int]]:

@@ -1,14 +1,6 @@
-"""Serving: the engine core (the one request loop of an engine), its thread (one engine thread, many clients) and
-the OpenAI-compatible server.
+"""Serving: the OpenAI-compatible HTTP server over the engine (``kvboost-server``, ``kvboost.serving.cli``), its
+protocol, API keys and tenancy, Prometheus metrics, and the Ray Serve app with its KV-event router.
 
-``engine.core`` (``EngineCore``) steps requests on whichever thread drives it (``generate``, ``engine.step``);
-``EngineLoop`` drives it from a thread of its own for servers; ``kvboost-server`` (``kvboost.serving.cli``) serves
-it over HTTP. ``kvboost.serving.frontend`` keeps text on the callers' side.
+The engine it serves lives in :mod:`kvboost.engine` (``EngineLoop`` drives the engine core from a thread of its own;
+``kvboost.engine.frontend`` keeps text on the callers' side); this package depends on it, never the reverse.
 """
-
-from kvboost.serving.core import EngineCore
-from kvboost.serving.loop import EngineLoop
-from kvboost.serving.requests import Completion, LoopStopped, QueueFull, RequestHandle, SamplingParams, TokenEvent
-
-__all__ = ["Completion", "EngineCore", "EngineLoop", "LoopStopped", "QueueFull", "RequestHandle", "SamplingParams",
-           "TokenEvent"]

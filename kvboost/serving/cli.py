@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvboost.engine.loop import DEFAULT_REQUEST_TIMEOUT_S
 from kvboost.original_api import KV_CACHE_BITS as KV_BITS  # one table of stored KV bits: 16 / 8 / 4 / 2
 from kvboost.paths import CONFIG_DIR
-from kvboost.serving.loop import DEFAULT_REQUEST_TIMEOUT_S
 
 log = logging.getLogger("kvboost.server")
 
@@ -105,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=_positive_int, default=None,
                    help="tokens per engine step while requests decode (prefill chunks + decode rows). Default: 2048 "
                         "on GPUs; on CPU the decode rows + a prompt chunk of ~1.5 decode steps, measured at start "
-                        "(kvboost.serving.budget); engine.core.max_batch_tokens=N also sets it")  # fmt: skip
+                        "(kvboost.engine.budget); engine.core.max_batch_tokens=N also sets it")  # fmt: skip
     p.add_argument("--prefill-drain-steps", type=_non_negative_int, default=None,
                    help="CPU step budget: a step's prompt chunk is at least the admitted prompts' pending tokens / N, "
                         "so prefill keeps pace with arriving prompts under load (default "
-                        "kvboost.serving.budget.DRAIN_STEPS, 6; 0 = off: the chunk follows the decode rows alone)")  # fmt: skip
+                        "kvboost.engine.budget.DRAIN_STEPS, 6; 0 = off: the chunk follows the decode rows alone)")  # fmt: skip
     p.add_argument("--max-waiting", type=_non_negative_int, default=256,
                    help="queued requests before 429 (default 256; 0 = unbounded)")  # fmt: skip
     p.add_argument("--request-timeout", type=_non_negative_float, default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -291,7 +291,7 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
     import torch
 
     from kvboost.build import build_engine
-    from kvboost.serving.loop import EngineLoop
+    from kvboost.engine.loop import EngineLoop
     from kvboost.serving.server import create_app
 
     if cfg.get("threads"):

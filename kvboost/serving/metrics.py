@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvboost.serving.requests import Completion
+from kvboost.engine.requests import Completion
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class _LoopCollector:
                         ev["pending"])  # fmt: skip
         budget = m.loop.core.budget_info()  # the step budget object is replaced whole, never mutated: no lock needed
         yield gauge("kvboost:step_budget_max_batch_tokens", "Tokens a step may carry when no request is decoding "
-                    "(the step budget, kvboost.serving.budget).", budget["max_batch_tokens"])  # fmt: skip
+                    "(the step budget, kvboost.engine.budget).", budget["max_batch_tokens"])  # fmt: skip
         chunk = GaugeMetricFamily(
             "kvboost:step_budget_prompt_tokens", "Prompt tokens a step may carry beside R decode rows with no prompt "
             "backlog (the CPU budget sizes this chunk to the measured decode step, and raises it to 1/drain_steps of "

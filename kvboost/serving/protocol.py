@@ -6,7 +6,7 @@ non-default value of a feature kvboost does not implement is refused with a 400 
 
 OpenAI's defaults: ``temperature`` 1.0 and ``top_p`` 1.0 when omitted (send ``temperature: 0`` for greedy decoding);
 ``n`` samples of one prompt (one prefill, the samples share its blocks; sample ``i`` is seeded ``seed + i``, see
-:func:`kvboost.serving.requests.sample_seed`); ``logprobs`` (completions: an int 0-5, the legacy
+:func:`kvboost.engine.requests.sample_seed`); ``logprobs`` (completions: an int 0-5, the legacy
 ``{tokens, token_logprobs, top_logprobs, text_offset}``; chat: ``logprobs: true`` and ``top_logprobs`` 0-20,
 ``{content: [{token, logprob, bytes, top_logprobs}], refusal: null}``). Log-probabilities are the model's raw
 ``log_softmax`` of its logits, before temperature / top-k / top-p (vLLM's default), whatever the sampling settings.
@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvboost.serving.requests import Completion, SamplingParams, TokenLogprob
+from kvboost.engine.requests import Completion, SamplingParams, TokenLogprob
 
 #: OpenAI's legacy default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: a thin FastAPI layer over :class:`~kvboost.serving.loop.EngineLoop`.
+"""The OpenAI-compatible HTTP server: a thin FastAPI layer over :class:`~kvboost.engine.loop.EngineLoop`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
 ``POST /tokenize``, ``POST /v1/cache/warm``, ``GET /health``, ``GET /metrics``. Every error is OpenAI's envelope
@@ -45,11 +45,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvboost.engine.frontend import TokenizedPrompt
+from kvboost.engine.requests import Completion, LoopStopped, QueueFull, RequestHandle
 from kvboost.prompts import PromptError
 from kvboost.serving import protocol as P
-from kvboost.serving.frontend import TokenizedPrompt
 from kvboost.serving.metrics import ServerMetrics
-from kvboost.serving.requests import Completion, LoopStopped, QueueFull, RequestHandle
 from kvboost.serving.tenancy import AuthError, Tenancy, Tenant
 
 log = logging.getLogger(__name__)
@@ -477,7 +477,7 @@ def create_app(
     loop: Any, *, model_name: str, api_keys: list[str] | None = None, server_secret: str | bytes | None = None,
     max_model_len: int | None = None,
 ) -> FastAPI:  # fmt: skip
-    """The FastAPI app serving ``loop`` (an :class:`~kvboost.serving.loop.EngineLoop`, started by the caller).
+    """The FastAPI app serving ``loop`` (an :class:`~kvboost.engine.loop.EngineLoop`, started by the caller).
 
     ``model_name``: the name clients send as ``model``. ``api_keys``: if given, every route except ``/health``,
     ``/metrics`` and ``/openapi.json`` needs ``Authorization: Bearer <key>``, and each key is a tenant with its own

@@ -6,7 +6,7 @@ for strategies that sample from a distribution of their own, that distribution `
 rejection sampling). Deterministic strategies (``prompt_lookup``, and every strategy under greedy decoding) leave
 ``q`` as ``None``: a one-hot distribution on the drafted token.
 
-The engine core (``kvboost.serving.core``, with ``kvboost.speculative.verify``) owns everything else: the target's
+The engine core (``kvboost.engine.core``, with ``kvboost.speculative.verify``) owns everything else: the target's
 cache, the verification rows (in the step's one forward), the rollback past the first rejected token, the stats, and
 the draft length, which adapts per request (:class:`DraftLength`). Each request gets its own shallow copy of the
 strategy (``copy.copy``: per-request state such as a draft model's block table is its own; the draft model and its

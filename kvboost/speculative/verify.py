@@ -16,7 +16,7 @@ request served from reused chunks verifies over them), which writes rows ``L..L+
 
 Then the cache is cut to the accepted context (``table.truncate(L + 1 + a)``: blocks past it go back to the pool),
 so what the engine stores after decoding holds exactly the accepted tokens' K/V. The engine core does this per step
-for each decoding request with a draft (``kvboost.serving.core``: the draft's rows are that request's rows of the
+for each decoding request with a draft (``kvboost.engine.core``: the draft's rows are that request's rows of the
 step's one forward, beside the other requests'); with nothing drafted the row is a plain one-token decode row.
 """
 
@@ -105,7 +105,7 @@ class SpeculativeStats:
 
 
 # ---------------------------------------------------------------------------------------------- per request
-# What the engine core does for a decoding request with a draft strategy (``kvboost.serving.core``): each step, a
+# What the engine core does for a decoding request with a draft strategy (``kvboost.engine.core``): each step, a
 # proposal; the request's row of the step's forward is ``[last, d1..dk]``; then the verification below.
 
 

@@ -84,7 +84,7 @@ class StreamingConfig:
         return cfg
 
     def _check(self) -> None:
-        from kvboost.cache.memory import parse_bytes
+        from kvboost.kv.sizing import parse_bytes
 
         for name in ("resident_layers", "resident_first", "resident_last"):
             value = getattr(self, name)

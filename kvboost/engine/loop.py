@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvboost.engine.frontend import TokenizedPrompt, tokenize_prompt
+from kvboost.engine.requests import LoopStopped, RequestHandle, SamplingParams
 from kvboost.prompts import Prompt
-from kvboost.serving.frontend import TokenizedPrompt, tokenize_prompt
-from kvboost.serving.requests import LoopStopped, RequestHandle, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class EngineLoop:
     :data:`DEFAULT_REQUEST_TIMEOUT_S`; 0: none). ``refresh_shared_s``: how often the store looks for entries other
     processes wrote to its shared tiers (Redis: a tier indexes what it holds at start; without a refresh, replicas
     sharing one Redis would see only that). ``max_batch_tokens``: a fixed step budget; None (default) keeps the
-    engine's (``core={"max_batch_tokens": N}``, else the device's default: :mod:`kvboost.serving.budget`)."""
+    engine's (``core={"max_batch_tokens": N}``, else the device's default: :mod:`kvboost.engine.budget`)."""
 
     def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int | None = None,
                  max_waiting: int | None = 256, request_timeout_s: float | None = None,
@@ -49,7 +49,7 @@ class EngineLoop:
         self.core.configure(max_waiting=max_waiting, request_timeout_s=timeout or None)
         self.core.scheduler.max_running = max_running
         if max_batch_tokens is not None:  # explicit: a fixed budget; None keeps the engine's (its core option, or
-            self.core.scheduler.max_batch_tokens = max_batch_tokens  # the device's default, kvboost.serving.budget)
+            self.core.scheduler.max_batch_tokens = max_batch_tokens  # the device's default, kvboost.engine.budget)
         self.max_waiting = max_waiting
         shared = any(hasattr(tier, "refresh") for tier in getattr(engine.store, "tiers", ()))
         self.refresh_shared_s = refresh_shared_s if shared and refresh_shared_s else None
@@ -187,7 +187,7 @@ class EngineLoop:
     def _store_turns(self) -> None:
         """The frontend worker: the canonical store of each finished chat turn (tokenizes here, computes on the
         loop thread as a store request)."""
-        from kvboost.serving.frontend import canonical_store_request
+        from kvboost.engine.frontend import canonical_store_request
 
         while True:
             request = self._turns.get()

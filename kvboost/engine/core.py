@@ -1,9 +1,9 @@
 """The engine core: the one request loop of an engine (``engine.core``), one :meth:`EngineCore.step` at a time.
 
 ``generate``, ``generate_batch``, ``generate_many``, ``warm``, ``add_request`` and the HTTP server's loop all submit
-:class:`~kvboost.runtime.sequences.Request` objects to it (thread-safe: an inbox), and every forward of the engine's
+:class:`~kvboost.engine.sequences.Request` objects to it (thread-safe: an inbox), and every forward of the engine's
 runner happens inside a step: prompt chunks, decode rows, draft verification, content repair, warm, the canonical
-store, the teacher-forced rows of ``score_ids``. Text stays outside (``kvboost.serving.frontend``).
+store, the teacher-forced rows of ``score_ids``. Text stays outside (``kvboost.engine.frontend``).
 
 One step: take the inbox -> end cancelled and timed-out requests -> start waiting requests (lookup, which takes its
 references first, then assembly; a request with content hits is repaired here, its tokens counted in the step's
@@ -41,18 +41,18 @@ from typing import Any
 import torch
 
 from kvboost.decoding import pick_token
+from kvboost.engine import pipeline
+from kvboost.engine import budget as budget_rule
+from kvboost.engine import frontend
+from kvboost.engine.requests import Completion, QueueFull, RequestHandle, SamplingParams, TokenEvent, TokenLogprob
+from kvboost.engine.scheduler import DEFAULT_AGING_STEPS, Scheduler
+from kvboost.engine.sequences import Request
 from kvboost.generation import ReuseCounts
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.pool import PoolExhausted
 from kvboost.prompts import Prompt
 from kvboost.reuse.assemble import assemble_exact
-from kvboost.runtime import pipeline
 from kvboost.runtime.batch import ForwardBatch, SeqInput
-from kvboost.runtime.sequences import Request
-from kvboost.serving import budget as budget_rule
-from kvboost.serving import frontend
-from kvboost.serving.requests import Completion, QueueFull, RequestHandle, SamplingParams, TokenEvent, TokenLogprob
-from kvboost.serving.scheduler import DEFAULT_AGING_STEPS, Scheduler
 from kvboost.speculative import verify as speculation
 from kvboost.types import WarmResult
 
@@ -67,11 +67,11 @@ class EngineCore:
         max_running: sequences computed together (a request with n samples counts n once it forks).
         max_batch_tokens: a step's token budget while requests decode (prompt chunks fill what decode rows leave).
             None (the default): 2,048 on GPUs; on CPU a budget sized to the decode step
-            (:mod:`kvboost.serving.budget`: decode rows + a chunk of ~1.5 decode steps' prefill), from the CPU's ISA
+            (:mod:`kvboost.engine.budget`: decode rows + a chunk of ~1.5 decode steps' prefill), from the CPU's ISA
             and cores until :meth:`calibrate_budget` measures the runner.
         max_waiting: queued requests before ``submit`` raises :class:`QueueFull` (None: unbounded).
         request_timeout_s: the default deadline of a request (None: none).
-        cache_aware_limit, aging_steps: the waiting order (``kvboost.serving.scheduler``).
+        cache_aware_limit, aging_steps: the waiting order (``kvboost.engine.scheduler``).
     """
 
     def __init__(self, engine: Any, *, max_running: int = 64, max_batch_tokens: int | None = None,
@@ -115,7 +115,7 @@ class EngineCore:
 
     def budget_info(self) -> dict[str, Any]:
         """The step budget in force: ``mode`` (``cpu-auto`` | ``fixed``), ``max_batch_tokens``, why, and for the CPU
-        rule its rates, their source and the chunk at 1 / 8 / 32 decode rows (``kvboost.serving.budget``)."""
+        rule its rates, their source and the chunk at 1 / 8 / 32 decode rows (``kvboost.engine.budget``)."""
         step_budget = self.scheduler.step_budget
         if step_budget is None:
             reason = self.budget_choice.reason if not self.budget_choice.auto else "set explicitly"
@@ -140,7 +140,7 @@ class EngineCore:
         return self.budget_info()
 
     def set_drain_steps(self, steps: int) -> None:
-        """The CPU step budget's backlog bound (``kvboost.serving.budget``): a step carries at least the admitted
+        """The CPU step budget's backlog bound (``kvboost.engine.budget``): a step carries at least the admitted
         prompts' pending tokens / ``steps`` (0: off, the chunk follows the decode rows alone). No effect on a fixed
         budget."""
         budget_rule.check_drain_steps(steps)
@@ -150,11 +150,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests in (any thread)
     def prepare(self, prompt: Prompt, params: SamplingParams, **options: Any) -> Request:
-        """A generate request, tokenized and validated on the caller's thread (``kvboost.serving.frontend``)."""
+        """A generate request, tokenized and validated on the caller's thread (``kvboost.engine.frontend``)."""
         return frontend.generate_request(self, prompt, params, **options)
 
     def prepare_store(self, ids: list[int], spans: list, **options: Any) -> Request:
-        """A prefill-only request (``warm``, the canonical store): ``kvboost.serving.frontend.store_request``."""
+        """A prefill-only request (``warm``, the canonical store): ``kvboost.engine.frontend.store_request``."""
         return frontend.store_request(self, ids, spans, **options)
 
     def deadline(self, timeout_s: float | None) -> float | None:

@@ -51,7 +51,7 @@ class SamplingParams:
     """Per-request settings. ``temperature`` 0 is greedy; ``top_p`` / ``top_k`` filter before sampling; ``seed``
     gives the request its own generator (same seed, same tokens, whatever else is batched with it).
 
-    ``n``: samples of the prompt (one prefill; the samples fork its blocks, see ``kvboost.serving.core``), sample
+    ``n``: samples of the prompt (one prefill; the samples fork its blocks, see ``kvboost.engine.core``), sample
     ``i`` seeded with :func:`sample_seed` ``(seed, i)``. ``logprobs``: None (off), or how many of the likeliest
     alternatives to report with each generated token's own log-probability (0: the token's only). Log-probabilities
     are the model's raw ``log_softmax`` of the logits, before temperature / top-k / top-p (vLLM's default)."""
@@ -146,7 +146,7 @@ class Completion:
 
 class RequestHandle:
     """The client's side of one request: the engine core pushes token ids and the completion; the handle makes the
-    text on the reading thread (``kvboost.serving.frontend.Detokenizer``: incremental, stop strings; a stop string
+    text on the reading thread (``kvboost.engine.frontend.Detokenizer``: incremental, stop strings; a stop string
     ends the request through ``cancel(reason="stop")``)."""
 
     def __init__(self, request_id: str, prompt_tokens: int, canceller, *, detokenizer: Any = None) -> None:

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from kvboost.decoding import Sampling
+from kvboost.engine import pipeline
+from kvboost.engine.requests import RequestHandle, SamplingParams, sample_seed
+from kvboost.engine.sequences import Request
 from kvboost.generation import PhaseClock
 from kvboost.kv.block_table import BlockTable
 from kvboost.prompts import Prompt, chat_messages
-from kvboost.runtime import pipeline
-from kvboost.runtime.sequences import Request
-from kvboost.serving.requests import RequestHandle, SamplingParams, sample_seed
 
 _ids = itertools.count()
 

@@ -1,7 +1,7 @@
 """The iteration-level scheduler's policy: which waiting requests start, in which order, and what each running one
 computes this step, under a token budget and the KV pool's free blocks.
 
-Pure bookkeeping over request objects (no model, no engine): :mod:`kvboost.serving.core` executes what it decides.
+Pure bookkeeping over request objects (no model, no engine): :mod:`kvboost.engine.core` executes what it decides.
 The rules, after SGLang's cache-aware scheduling and vLLM's v1 scheduler:
 
 - Waiting order: a request that has waited ``aging_steps`` steps or more goes first, oldest first (nothing
@@ -12,7 +12,7 @@ The rules, after SGLang's cache-aware scheduling and vLLM's v1 scheduler:
   blocks the ones behind it (no request overtakes an aged one).
 - Per step: every decoding request gets its row(s) (one token, or a draft to verify), then prefilling requests
   get chunks of their prompts in admission order until ``max_batch_tokens``, or, with a CPU step budget
-  (``step_budget``, :mod:`kvboost.serving.budget`: the CPU default when ``max_batch_tokens`` was not set), until the
+  (``step_budget``, :mod:`kvboost.engine.budget`: the CPU default when ``max_batch_tokens`` was not set), until the
   decode rows' tokens + ``step_budget.chunk(R)`` for R decode rows (capped by ``max_batch_tokens``). While no
   request decodes, nothing waits on a prefill: the budget is then ``max(max_batch_tokens, idle_prefill_tokens)`` (a
   ``generate_batch`` of many prompts prefills them in one forward). Assigning ``max_batch_tokens`` is an explicit
@@ -63,7 +63,7 @@ class Scheduler:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.max_running, self.max_batch_tokens = max_running, max_batch_tokens
-        #: a :class:`kvboost.serving.budget.StepBudget` with rates (the CPU default) or None (fixed budget)
+        #: a :class:`kvboost.engine.budget.StepBudget` with rates (the CPU default) or None (fixed budget)
         self.step_budget: Any = None
         if step_budget is not None:  # its max_batch_tokens replaces the argument's
             self.set_step_budget(step_budget)
@@ -83,7 +83,7 @@ class Scheduler:
         self.step_budget = None
 
     def set_step_budget(self, step_budget: Any) -> None:
-        """Use ``step_budget`` (:class:`kvboost.serving.budget.StepBudget`): its ``max_batch_tokens`` caps a step,
+        """Use ``step_budget`` (:class:`kvboost.engine.budget.StepBudget`): its ``max_batch_tokens`` caps a step,
         and, when it has rates, decode rows + ``chunk(R)`` is the budget while R requests decode."""
         self._max_batch_tokens = step_budget.max_batch_tokens
         self.step_budget = step_budget if step_budget.auto else None

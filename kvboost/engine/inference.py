@@ -8,7 +8,7 @@
     print(r2.ttft_ms, r2.kv_reuse_ratio)
 
 One request, as data flows: prompt -> chunker (ids and spans) -> hasher (prefix and segment keys) -> the engine
-core (``kvboost.serving.core``, the one request loop of the engine) -> lookup (exact hits, frontier, content hits:
+core (``kvboost.engine.core``, the one request loop of the engine) -> lookup (exact hits, frontier, content hits:
 ``ReusePlan``) -> assembly into the request's block table (exact hits by reference, content hits copied and
 re-rotated: ``kvboost.reuse``) -> the recompute strategy's schedule -> the runner's forward of what the schedule
 computes -> first token (TTFT stops here) -> decode (one batched forward per step) -> store the new chunks
@@ -27,21 +27,21 @@ from typing import Any
 import torch
 
 from kvboost.cache.build import build_tiers
-from kvboost.cache.memory import MemoryTier, parse_bytes
+from kvboost.cache.memory import MemoryTier
 from kvboost.cache.pool_tier import PoolTier
 from kvboost.decoding import Sampling, eos_token_ids, per_row
+from kvboost.engine import pipeline
+from kvboost.engine.scheduler import DEFAULT_IDLE_PREFILL_TOKENS
 from kvboost.generation import PhaseClock
-from kvboost.kv.sizing import activation_bytes, make_pool, row_block_bytes
+from kvboost.kv.sizing import activation_bytes, make_pool, parse_bytes, row_block_bytes
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
-from kvboost.original_api import GenerationMode, RecomputeStrategy, engine_mode, translate_options  # noqa: F401
+from kvboost.original_api import GenerationMode, engine_mode, translate_options
 from kvboost.prompts import Prompt, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.reuse.prefill import ReferenceMemo
-from kvboost.runtime import pipeline
 from kvboost.runtime.config import build_runner, choose_runner
-from kvboost.serving.scheduler import DEFAULT_IDLE_PREFILL_TOKENS
 from kvboost.types import ChunkSpan, CorrectnessReport, GenerationResult, WarmResult
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ OWNER_ATTR = "_kvboost_engine"
 #: ``kv=`` settings: tokens per block, the pool's size (``"auto"`` or bytes), the share of free memory ``auto`` may take.
 KV_OPTIONS = ("block_size", "pool_bytes", "memory_fraction", "host_bytes")
 
-#: ``core=`` settings of the engine's one request loop (``kvboost.serving.core.EngineCore``).
+#: ``core=`` settings of the engine's one request loop (``kvboost.engine.core.EngineCore``).
 CORE_OPTIONS = ("max_running", "max_batch_tokens", "aging_steps", "cache_aware_limit")
 
 
@@ -102,7 +102,7 @@ class InferenceEngine:
             host-memory tier right below it (entries the pool evicts are copied to the CPU; a hit is copied back).
         core: the request loop (``{"max_running": 64, "max_batch_tokens": None, "aging_steps": 32}``);
             ``max_batch_tokens`` unset: 2048 on GPUs, on CPU a budget sized to the decode step
-            (``kvboost.serving.budget``).
+            (``kvboost.engine.budget``).
         kv_events: publish the KV store's movements in vLLM's KV-event schema (msgpack over ZMQ) for routers outside
             kvboost; off by default. ``{"enabled": True, "endpoint": "tcp://*:5557", "replay_endpoint": None,
             "topic": "", "buffer_steps": 10000, ...}``: ``kvboost.cache.events.KVEventsConfig``.
@@ -180,7 +180,7 @@ class InferenceEngine:
         # Whether a decode step writes the K/V a prefill of the same tokens would (up to the rounding of the call's
         # shape). decode="quantized" with int8 activations does not (its activations are rounded to 8 bits): the
         # rows it generates are never stored, so every cached entry stays a prefill's; a chat turn's answer is then
-        # stored by the canonical store's prefill instead (kvboost.serving.frontend.canonical_store_request).
+        # stored by the canonical store's prefill instead (kvboost.engine.frontend.canonical_store_request).
         self.generated_rows_exact = not (config.decode == "quantized" and config.decode_activations == "int8")
         # oracle_agreement's reference prefills, once per prompt and cached rows (kvboost.reuse.prefill)
         self.reference_memo = ReferenceMemo()
@@ -202,8 +202,8 @@ class InferenceEngine:
         late = self.adapter.device.type == "cuda" and kv.get("pool_bytes") in (None, "auto")
         pool = make_pool(self.adapter, cache_bytes, {**kv, "pool_bytes": 2 * row_block_bytes(self.adapter, kv)}
                          if late else kv)  # fmt: skip
-        self.tokenizer_lock = threading.RLock()  # HF's fast tokenizers are not thread-safe (kvboost.serving.frontend)
-        from kvboost.serving.core import EngineCore
+        self.tokenizer_lock = threading.RLock()  # HF's fast tokenizers are not thread-safe (kvboost.engine.frontend)
+        from kvboost.engine.core import EngineCore
 
         self.core = EngineCore(self, max_waiting=None, **core)  # checks its options
         self.core.on_finished = self._store_turn
@@ -417,7 +417,7 @@ class InferenceEngine:
         """``generate`` / ``generate_batch``: the requests go to the engine's core and this thread steps it (or, when
         an EngineLoop drives it, waits) until they and their canonical stores are done. Each row's TTFT counts from
         this call. A request that failed raises its exception here."""
-        from kvboost.serving.requests import SamplingParams
+        from kvboost.engine.requests import SamplingParams
 
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -467,7 +467,7 @@ class InferenceEngine:
             self.core.submit(job, internal=True)
 
     def _canonical_job(self, request: Any) -> Any:
-        from kvboost.serving.frontend import canonical_store_request
+        from kvboost.engine.frontend import canonical_store_request
 
         return canonical_store_request(self, request)
 
@@ -490,9 +490,9 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ the request loop
     def add_request(self, prompt: Prompt, params: Any = None, **options: Any) -> Any:
-        """Queue a request (``params``: :class:`kvboost.serving.SamplingParams`; options: ``cache_salt``, ``chat``,
-        ``request_id``, ``timeout_s``) and return its :class:`~kvboost.serving.RequestHandle`; :meth:`step` runs
-        it. ``kvboost.serving.EngineLoop`` runs the steps on a thread of their own."""
+        """Queue a request (``params``: :class:`kvboost.engine.SamplingParams`; options: ``cache_salt``, ``chat``,
+        ``request_id``, ``timeout_s``) and return its :class:`~kvboost.engine.RequestHandle`; :meth:`step` runs
+        it. ``kvboost.engine.EngineLoop`` runs the steps on a thread of their own."""
         return self.core.add(prompt, params, **options)
 
     def step(self) -> list[Any]:

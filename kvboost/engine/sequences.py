@@ -1,7 +1,7 @@
 """The one request type of the engine core (:class:`Request`): a prompt, its block table, what is left to compute and
 what it produced.
 
-Every forward of the engine belongs to a request that the core schedules (``kvboost.serving.core``):
+Every forward of the engine belongs to a request that the core schedules (``kvboost.engine.core``):
 
 - ``generate``: prefill (exact hits by reference, content hits repaired), then decode (one row per step, or
   ``k + 1`` rows when a draft strategy proposes ``k`` tokens), then, with ``score_ids``, the teacher-forced rows of a

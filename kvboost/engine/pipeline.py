@@ -1,5 +1,5 @@
 """A request's steps through the engine that are not the scheduler's: memory check, lookup, the prefill of a plan
-with content hits, the first token, storing, the result. The engine core (:mod:`kvboost.serving.core`) calls
+with content hits, the first token, storing, the result. The engine core (:mod:`kvboost.engine.core`) calls
 them inside its steps; nothing here runs on its own.
 """
 
@@ -12,13 +12,13 @@ import torch
 from kvboost.cache.block_run import BlockRun
 from kvboost.cache.sequence_store import store_sequence
 from kvboost.decoding import DecodeOutput
+from kvboost.engine.sequences import Request
 from kvboost.generation import build_result
 from kvboost.kv.block_table import BlockTable
 from kvboost.lookup import lookup
 from kvboost.plan import ReusePlan
 from kvboost.prompts import PromptError
 from kvboost.reuse.prefill import ReuseContext, run_prefill
-from kvboost.runtime.sequences import Request
 from kvboost.types import ChunkSpan, GenerationResult
 
 #: ``generate(mode=...)``: ``reuse`` reads (exact and content hits) and writes the cache; ``prefix`` reads exact
