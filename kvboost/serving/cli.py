@@ -30,7 +30,8 @@ from kvboost.paths import CONFIG_DIR
 
 log = logging.getLogger("kvboost.server")
 
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
+#: the bundled model's served name: its Hugging Face id, as vLLM would serve it
+BUNDLED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: seconds uvicorn waits for open connections at SIGINT/SIGTERM before cancelling them (streams end at once)
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -67,11 +68,34 @@ def _port(text: str) -> int:
     return value
 
 
+def _one_name_each(argv: list[str]) -> list[str]:
+    """``--served-model-name A B`` as ``--served-model-name=A --served-model-name=B``: its names run up to the next
+    flag or ``KEY=VALUE`` override (argparse's ``nargs="+"`` would take the overrides that follow as names too)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token != "--served-model-name":
+            out.append(token)
+            continue
+        names = []
+        while i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
+            names.append(argv[i])
+            i += 1
+        out += [f"--served-model-name={name}" for name in names] or [token]  # none: argparse reports it
+    return out
+
+
 class _Parser(argparse.ArgumentParser):
     """Flags and ``KEY=VALUE`` overrides in any order (``parse_args`` is ``parse_intermixed_args``)."""
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
         return self.parse_intermixed_args(args, namespace)
+
+    def parse_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_intermixed_args(_one_name_each(argv), namespace)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                "recompute=cacheblend quant=kivi8 'cache=[memory,redis]' engine.decode=eager model=tiny_random.",
     )  # fmt: skip
     p.add_argument("--model", help="HF id or local folder (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", help="the name clients send as `model` (default: from the model)")
+    p.add_argument("--served-model-name", nargs="+", action="extend", metavar="NAME",
+                   help="the name(s) clients send as `model` (vLLM's flag: several are aliases, responses report the "
+                        "first; default: the model's id as given, e.g. Qwen/Qwen2.5-0.5B-Instruct)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument("--dtype", help="model dtype: auto | float32 | bfloat16 | float16 (= model.dtype)")
@@ -118,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="accepted for compatibility, no effect: the loop batches whatever is waiting at each step "
                         "(continuous batching), so no request waits for a window")  # fmt: skip
+    p.add_argument("--strict-requests", action="store_true",
+                   help="refuse unknown request fields with a 400 (default: ignored, with a log line and the "
+                        "X-Kvboost-Ignored-Fields response header, as vLLM ignores them)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of kvboost/configs/config.yaml")
     return p
@@ -194,13 +223,15 @@ def compose_config(args: argparse.Namespace) -> dict[str, Any]:
     return plain
 
 
-def served_name(args: argparse.Namespace, cfg: dict[str, Any]) -> str:
+def served_names(args: argparse.Namespace, cfg: dict[str, Any]) -> list[str]:
+    """The names the model is served as: ``--served-model-name``'s (the first is what responses report), else, as
+    vLLM, the model's id as given (``Qwen/Qwen2.5-0.5B-Instruct``, a folder's path without a trailing slash)."""
     if args.served_model_name:
-        return args.served_model_name
+        return list(dict.fromkeys(args.served_model_name))
     model = cfg.get("model") or {}
     if model.get("name_or_path"):
-        return Path(str(model["name_or_path"]).rstrip("/")).name or str(model["name_or_path"])
-    return "tiny-random" if model.get("random_init") else BUNDLED_NAME
+        return [str(model["name_or_path"]).rstrip("/") or str(model["name_or_path"])]
+    return ["tiny-random" if model.get("random_init") else BUNDLED_NAME]
 
 
 def _is_loopback(host: str) -> bool:
@@ -314,8 +345,9 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
                  f"step budget fixed: max_batch_tokens={loop.core.scheduler.max_batch_tokens} "
                  f"({loop.core.budget_info()['reason']})")  # fmt: skip
         loop.start()
-        app = create_app(loop, model_name=served_name(args, cfg), api_keys=keys, server_secret=secret,
-                         max_model_len=args.max_model_len)  # fmt: skip
+        app = create_app(loop, model_name=served_names(args, cfg), api_keys=keys, server_secret=secret,
+                         max_model_len=args.max_model_len,
+                         strict_requests=bool(getattr(args, "strict_requests", False)))  # fmt: skip
     except BaseException:
         engine.close()
         raise
@@ -343,7 +375,8 @@ def serve(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str], secret
             if self.started:
                 port = self.servers[0].sockets[0].getsockname()[1] if self.servers else args.port
                 host = f"[{args.host}]" if ":" in args.host else args.host
-                print(f"kvboost-server ready: http://{host}:{port}/v1 model={served_name(args, cfg)} {settings}", flush=True)
+                names = ",".join(served_names(args, cfg))
+                print(f"kvboost-server ready: http://{host}:{port}/v1 model={names} {settings}", flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")  # fmt: skip

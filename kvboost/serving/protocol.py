@@ -1,8 +1,13 @@
-"""The OpenAI wire format: request bodies (validated, unknown fields refused) and the JSON of responses and errors.
+"""The OpenAI wire format: request bodies (validated) and the JSON of responses and errors.
 
-Request models forbid unknown fields, so a typo is a 400 naming the field instead of a silently ignored option. Common
-OpenAI fields that change nothing at their default (``user``, ``frequency_penalty=0``, ...) are accepted; a
-non-default value of a feature kvboost does not implement is refused with a 400 naming the field.
+Requests as OpenAI's and vLLM's clients send them: every message shape of OpenAI's chat schema (any role; an
+assistant's ``content: null``, ``refusal``, ``tool_calls``, ``function_call``, ``annotations``; content as text parts,
+extra keys on a part accepted). Unknown fields are kept aside, not refused: the server ignores them with a log line
+and the :data:`IGNORED_FIELDS_HEADER` response header (``--strict-requests``: a 400 naming the field, as before).
+Known fields are never silently dropped: those kvboost does not implement (:data:`DEFAULT_ONLY`, one commented list:
+penalties, ``min_p``, ``ignore_eos``, tools, structured output...) are accepted at their neutral value only, any other
+value is a 400 naming the field; those that change nothing in the answer are accepted (:data:`NO_EFFECT`); image,
+audio and file content parts are a 400 naming the part.
 
 OpenAI's defaults: ``temperature`` 1.0 and ``top_p`` 1.0 when omitted (send ``temperature: 0`` for greedy decoding);
 ``n`` samples of one prompt (one prefill, the samples share its blocks; sample ``i`` is seeded ``seed + i``, see
@@ -21,7 +26,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from kvboost.engine.requests import Completion, SamplingParams, TokenLogprob
 
@@ -44,15 +49,83 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 
 
-#: Fields of OpenAI's API that kvboost accepts only at the value that changes nothing (``()`` = empty or null). The
-#: schema says so too (``const`` / ``maximum``...), so clients and schema fuzzers see it; a before-validator gives the
-#: message that names the field.
+#: Every request field kvboost knows but does not implement, with the value(s) at which it changes nothing (``()``:
+#: null, empty or left out). Any other value is a 400 naming the field ("... is not implemented by kvboost"), never
+#: silently ignored: each would change the answer. The request models declare each field with a schema that admits
+#: only these values (``const`` / ``maximum`` / ``maxItems``...), so clients and schema fuzzers see it too; a
+#: before-validator (:func:`_default_only`) gives the message. This is the one list: the README and the tests read it.
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (),
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (), "functions": (), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "store": (None, False), "reasoning_effort": (None,),
-    "continuous_usage_stats": (None, False),
+    # ---- OpenAI's fields
+    "frequency_penalty": (None, 0),  # lowers a token's logit by its count in the answer so far
+    "presence_penalty": (None, 0),  # lowers the logit of every token already in the answer
+    "logit_bias": (),  # per-token logit offsets
+    "echo": (None, False),  # completions: the prompt before the answer; chat (vLLM): the last message's text
+    "suffix": (None, ""),  # completions: text after an insertion point
+    "best_of": (None, 1),  # the best of n sampled answers, chosen on the server
+    "tools": (),  # function calling: kvboost neither shows tools to the model nor parses calls from its output
+    "functions": (),  # the deprecated form of tools
+    "tool_choice": (None, "none", "auto"),  # without tools "auto" calls nothing; "required" or a named one would
+    "function_call": (None, "none", "auto"),  # the deprecated form of tool_choice
+    "reasoning_effort": (None,),  # reasoning models' effort
+    "verbosity": (None,),  # asks for shorter or longer answers
+    "audio": (None,),  # audio output
+    "web_search_options": (),  # a web search before answering
+    "moderation": (None,),  # moderation of the input and output (may block the answer)
+    "continuous_usage_stats": (None, False),  # stream_options (vLLM): usage on every chunk
+    # ---- vLLM's sampling extensions (vLLM's SamplingParams; kvboost implements top_k, seed, n, stop, logprobs)
+    "min_p": (None, 0),  # drops tokens less likely than min_p x the likeliest
+    "repetition_penalty": (None, 1),  # divides / multiplies the logits of tokens in the prompt and answer
+    "ignore_eos": (None, False),  # generates past the end-of-sequence token
+    "min_tokens": (None, 0),  # forbids end-of-sequence and stop tokens before this many tokens
+    "stop_token_ids": (),  # token ids that end the answer
+    "skip_special_tokens": (None, True),  # false keeps special tokens in the text (kvboost always skips them)
+    "spaces_between_special_tokens": (None, True),  # only matters with skip_special_tokens: false
+    "include_stop_str_in_output": (None, False),  # keeps the stop string in the answer
+    "bad_words": (),  # words never generated
+    "allowed_token_ids": (),  # the only tokens that may be generated
+    "logits_processors": (),  # custom logits processors
+    "truncate_prompt_tokens": (None,),  # keeps only the prompt's last k tokens
+    "prompt_logprobs": (None,),  # log-probabilities of the prompt's tokens
+    "use_beam_search": (None, False),  # beam search
+    "length_penalty": (None, 1),  # beam search's length penalty
+    "return_tokens_as_token_ids": (None, False),  # logprobs' tokens as "token_id:N"
+    "guided_json": (),  # structured output: a JSON schema
+    "guided_regex": (None,),  # structured output: a regular expression
+    "guided_choice": (),  # structured output: one of these strings
+    "guided_grammar": (None,),  # structured output: a grammar
+    "structured_outputs": (),  # vLLM's newer name for the guided_* fields
+    # ---- vLLM's chat-template fields (chat only)
+    "add_generation_prompt": (None, True),  # kvboost always opens the assistant's turn
+    "continue_final_message": (None, False),  # continues the last message instead of a new turn
+    "add_special_tokens": (None, False),  # the tokenizer's BOS etc. on top of the template's
+    "chat_template": (None,),  # a template of the request's own
+    "chat_template_kwargs": (),  # extra variables of the template (enable_thinking...)
+    "documents": (),  # documents for a RAG template
+    "mm_processor_kwargs": (),  # multimodal processor options
 }  # fmt: skip
+
+#: Fields accepted and ignored because they change nothing in the answer (each declared on the request models, so
+#: they are neither "unknown" nor in the ignored-fields header): the field and why it changes nothing.
+NO_EFFECT: dict[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring",
+    "safety_identifier": "the newer name of user",
+    "metadata": "tags OpenAI stores with a completion",
+    "store": "OpenAI stores the completion for evals or distillation; kvboost keeps nothing",
+    "service_tier": "OpenAI's processing tier",
+    "parallel_tool_calls": "only matters with tools, which kvboost refuses",
+    "prompt_cache_key": "OpenAI's cache-routing hint; kvboost's cache keys are the tokens and the tenant's salt",
+    "prompt_cache_retention": "how long OpenAI keeps a cached prefix",
+    "prompt_cache_options": "OpenAI's cache breakpoints and lifetime",
+    "prediction": "a predicted answer speeds up OpenAI's decoding; the answer is the same",
+    "priority": "vLLM's scheduling priority; kvboost schedules first come, first served",
+    "request_id": "vLLM's request id; kvboost makes its own",
+}
+
+#: content-part types OpenAI defines that kvboost cannot read (text models only): refused, naming the part
+UNSUPPORTED_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file", "image": "image", "audio": "audio"}
+
+#: the response header that names a request's ignored (unknown) fields
+IGNORED_FIELDS_HEADER = "X-Kvboost-Ignored-Fields"
 
 
 def _default_only(value: Any, info: ValidationInfo) -> Any:
@@ -61,13 +134,13 @@ def _default_only(value: Any, info: ValidationInfo) -> Any:
     if allowed == ():
         if value is None or (isinstance(value, (dict, list)) and not value):
             return value
-        raise ValueError(f"{info.field_name} is not supported by kvboost (accepted: empty, null, or leave it out)")
+        raise ValueError(f"{info.field_name} is not implemented by kvboost (accepted: empty, null, or leave it out)")
     # bool is an int: true must not pass as 1, nor 0 as false
     if any(value == a and type(value) is type(a) for a in allowed if a is not None) or value is None \
             or (isinstance(value, float) and not isinstance(value, bool) and value in allowed):  # fmt: skip
         return value
     shown = ", ".join(json.dumps(a) for a in allowed if a is not None) or "null"
-    raise ValueError(f"{info.field_name} is not supported by kvboost (accepted: {shown}, or leave it out)")
+    raise ValueError(f"{info.field_name} is not implemented by kvboost (accepted: {shown}, or leave it out)")
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -77,16 +150,49 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Body):
+class _Open(BaseModel):
+    """A body (or part of one) as OpenAI's and vLLM's clients send it: unknown fields are kept aside
+    (``model_extra``), reported by :func:`unknown_fields` and ignored (or refused under ``--strict-requests``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Options(_Open):
+    """Request options: the fields of :data:`DEFAULT_ONLY` a subclass declares are accepted at their neutral values
+    only (a message's ``function_call`` or ``audio`` is another field of the same name)."""
+
+    _only = field_validator(*DEFAULT_ONLY, mode="before", check_fields=False)(_default_only)
+
+
+def unknown_fields(model: BaseModel, where: str = "") -> list[str]:
+    """The paths of the fields ``model`` (and every model inside it) did not know: ``foo``, ``messages[2].bar``."""
+    out = [f"{where}.{k}" if where else k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        path = f"{where}.{name}" if where else name
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                out += unknown_fields(item, path if i is None else f"{path}[{i}]")
+    return out
+
+
+#: the schema of a DEFAULT_ONLY field: only its neutral values (None: any, the validator alone decides)
+Off = Literal[False] | None
+On = Literal[True] | None
+Zero = Annotated[float, Field(ge=0, le=0)] | None
+One = Annotated[float, Field(ge=1, le=1)] | None
+Empty = Annotated[list[Any], Field(max_length=0)] | Annotated[dict[str, Any], Field(max_length=0)] | None
+
+
+class StreamOptions(_Options):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage (and ``"usage": null`` on the others)."""
 
     include_usage: bool | None = False
     continuous_usage_stats: Literal[False] | None = False
 
-    _only = field_validator("continuous_usage_stats", mode="before")(_default_only)
 
-
-class _GenerationBody(_Body):
+class _GenerationBody(_Options):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="the served model name (GET /v1/models); optional")
@@ -103,14 +209,47 @@ class _GenerationBody(_Body):
                           "seed + i)")  # fmt: skip
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="only 0 is supported")
     presence_penalty: float | None = Field(0.0, ge=0, le=0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="only empty is supported")
     cache_salt: str | None = Field(None, max_length=256, description="appended to the tenant's cache salt")
     return_token_ids: bool | None = Field(False, description="vLLM extension: generated token ids in the choices")
-
-    _only = field_validator("frequency_penalty", "presence_penalty", "logit_bias", mode="before")(_default_only)
+    echo: Off = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    # no effect (NO_EFFECT says why)
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    priority: int | None = None
+    request_id: str | None = None
+    # not implemented: accepted at their neutral values only (DEFAULT_ONLY)
+    min_p: Zero = None
+    repetition_penalty: One = None
+    ignore_eos: Off = None
+    min_tokens: Annotated[int, Field(ge=0, le=0)] | None = None
+    stop_token_ids: Empty = None
+    skip_special_tokens: On = None
+    spaces_between_special_tokens: On = None
+    include_stop_str_in_output: Off = None
+    bad_words: Empty = None
+    allowed_token_ids: Empty = None
+    logits_processors: Empty = None
+    truncate_prompt_tokens: None = None
+    prompt_logprobs: None = None
+    use_beam_search: Off = None
+    length_penalty: One = None
+    return_tokens_as_token_ids: Off = None
+    guided_json: Empty = None
+    guided_regex: None = None
+    guided_choice: Empty = None
+    guided_grammar: None = None
+    structured_outputs: Empty = None
 
     @field_validator("n", "max_tokens", "seed", mode="before")
     @classmethod
@@ -179,14 +318,9 @@ class CompletionRequest(_GenerationBody):
         | Annotated[list[str], Field(min_length=1, max_length=1)]
         | Annotated[list[list[int]], Field(min_length=1, max_length=1)]
     ) = Field(description="text or token ids (one prompt; a list of one is accepted)")
-    echo: Literal[False] | None = False
     suffix: str | None = Field(None, max_length=0)
-    best_of: int | None = Field(None, ge=1, le=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="the sampled token's "
                                  "log-probability and this many likeliest alternatives per token")  # fmt: skip
-
-    _only = field_validator("frequency_penalty", "presence_penalty", "logit_bias", "echo", "suffix", "best_of",
-                            mode="before")(_default_only)  # fmt: skip
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -215,24 +349,137 @@ class CompletionRequest(_GenerationBody):
         return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
 
 
-class TextPart(_Body):
-    """A text part of a message's content (images and audio are not supported)."""
+class ContentPart(_Open):
+    """A part of a message's content: ``text`` (extra keys such as ``prompt_cache_breakpoint`` or ``cache_control``
+    accepted), or an assistant's ``refusal``. Image, audio and file parts are refused, naming the part: kvboost
+    serves text models."""
 
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = Field(None, description="no effect (OpenAI's cache breakpoint)")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if v in UNSUPPORTED_PARTS:
+            raise ValueError(f"{UNSUPPORTED_PARTS[v]} input ({v!r} content parts) is not supported by kvboost: it "
+                             "serves text models (send text parts only)")  # fmt: skip
+        return v
+
+    @model_validator(mode="after")
+    def _has_its_text(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a {self.type!r} content part needs its {self.type!r} field")
+        return self
+
+    @property
+    def value(self) -> str:
+        return self.text if self.type == "text" else self.refusal  # type: ignore[return-value]
 
 
-class ChatMessage(_Body):
-    """One chat message; ``developer`` is treated as ``system``. Tool calls are not supported."""
+def _content_kind(v: Any) -> str:
+    return "list[parts]" if isinstance(v, list) else "str"
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+
+Content = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[ContentPart], Tag("list[parts]")], Discriminator(_content_kind)
+]
+
+
+class FunctionCall(_Open):
+    """A call's function: its name and its arguments (a JSON string, as OpenAI sends it)."""
+
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Open):
+    """One of an assistant's ``tool_calls`` (function calls; OpenAI's ``custom`` tool calls are refused)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _functions_only(cls, v: Any) -> Any:
+        if v == "custom":
+            raise ValueError("custom tool calls are not supported by kvboost (function tool calls are)")
+        return v
+
+    def template(self) -> dict[str, Any]:
+        """The call as Hugging Face chat templates take it: ``arguments`` parsed into a dict when it is a JSON object
+        (templates write ``arguments | tojson``; vLLM parses them the same way), else kept as sent."""
+        arguments: Any = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        call: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
+class ChatMessage(_Open):
+    """One message of OpenAI's request schema, any role. ``developer`` is rendered as ``system`` and the legacy
+    ``function`` role as ``tool``; an assistant's ``tool_calls`` (or legacy ``function_call``) go to the chat template
+    as Hugging Face templates take them (the server refuses a template that does not render them); its ``content``
+    may be null (a refusal, or tool calls only); ``refusal`` stands in for a null content; ``annotations`` (citations
+    of the content) and ``name`` where a template ignores it change nothing. A previous ``audio`` answer cannot be
+    rendered: refused."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Content | None = Field(None, validate_default=True)
     name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None
+    tool_call_id: str | None = None
+    audio: None = None
+    annotations: list[Any] | None = None
 
-    def plain(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict the chat template takes."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    @field_validator("audio", mode="before")
+    @classmethod
+    def _no_audio(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("audio (a previous audio answer) is not supported by kvboost: send its transcript as "
+                             "content")  # fmt: skip
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _needs_content(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") not in ("assistant", "function", None):
+            raise ValueError(f"content is required for a {info.data['role']!r} message")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.value for p in self.content)
+        return self.content if self.content is not None else (self.refusal or "")
+
+    def calls(self) -> list[ToolCall]:
+        if self.tool_calls:
+            return self.tool_calls
+        return [ToolCall(type="function", function=self.function_call)] if self.function_call is not None else []
+
+    def plain(self) -> dict[str, Any]:
+        """The message as the chat template takes it: ``role`` and ``content`` (text; "" for a null content), and
+        ``tool_calls``, ``tool_call_id`` and ``name`` where the message has them."""
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        calls = self.calls()
+        if calls:
+            out["tool_calls"] = [c.template() for c in calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class TextFormat(_Body):
@@ -249,18 +496,24 @@ class ChatCompletionRequest(_GenerationBody):
                                      "(needs logprobs: true)")  # fmt: skip
     response_format: TextFormat | None = None
     tools: list[Any] | None = Field(None, max_length=0)
-    tool_choice: Literal["none"] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(None, max_length=0)
-    function_call: Literal["none"] | None = None
-    store: Literal[False] | None = False
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    function_call: Literal["none", "auto"] | None = None
     modalities: list[Literal["text"]] | None = None
     reasoning_effort: None = None
-
-    _only = field_validator("frequency_penalty", "presence_penalty", "logit_bias", "tools", "functions", "tool_choice",
-                            "function_call", "store", "reasoning_effort", mode="before")(_default_only)  # fmt: skip
+    verbosity: None = None
+    audio: None = None
+    web_search_options: Empty = None
+    moderation: None = None
+    # vLLM's chat-template fields, not implemented (DEFAULT_ONLY)
+    add_generation_prompt: On = None
+    continue_final_message: Off = None
+    add_special_tokens: Off = None
+    chat_template: None = None
+    chat_template_kwargs: Empty = None
+    documents: Empty = None
+    mm_processor_kwargs: Empty = None
 
     @field_validator("top_logprobs", mode="before")
     @classmethod
@@ -304,7 +557,7 @@ class ChatCompletionRequest(_GenerationBody):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def plain_messages(self) -> list[dict[str, str]]:
+    def plain_messages(self) -> list[dict[str, Any]]:
         return [m.plain() for m in self.messages]
 
 

@@ -7,9 +7,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ==========  ===========================================================================================
 status      when (``type`` / ``code``)
 ==========  ===========================================================================================
-400         bad JSON, unknown or missing field, bad value, unsupported feature, prompt over the context, or
+400         bad JSON, missing field, bad value, unsupported feature, prompt over the context, or
             prompt + ``max_tokens`` over it (``context_length_exceeded``, the message names the limit as vLLM's
-            does) (``invalid_request_error``; ``code`` says which)
+            does) (``invalid_request_error``; ``code`` says which); an unknown field with ``strict_requests``
 401         API keys configured and the request carries none of them (``authentication_error``)
 404         unknown model (``model_not_found``) or route (``not_found_error``)
 405         method not allowed on a route (``method_not_allowed``; ``Allow`` header)
@@ -19,6 +19,13 @@ status      when (``type`` / ``code``)
 503         the loop is stopped or shutting down (``service_unavailable``; ``Retry-After``)
 504         the request ran past its deadline (``--request-timeout``) (``timeout`` / ``request_timeout``)
 ==========  ===========================================================================================
+
+Unknown request fields (anywhere in the body: ``foo``, ``messages[2].bar``) are ignored, as vLLM ignores them: one
+log line ("The following fields were present in the request but ignored: ...", vLLM's words) and the response header
+``X-Kvboost-Ignored-Fields: foo, messages[2].bar`` (:data:`~kvboost.serving.protocol.IGNORED_FIELDS_HEADER`; names
+JSON-escaped, at most :data:`MAX_NAMED_FIELDS`). ``create_app(strict_requests=True)`` (``--strict-requests``) answers
+them with a 400 (``unknown_field``) instead. Known fields kvboost does not implement are never ignored: see
+:data:`kvboost.serving.protocol.DEFAULT_ONLY`.
 
 A stream that already sent its headers reports a late error (timeout, shutdown, engine failure) as one
 ``data: {"error": {...}}`` event, then ``data: [DONE]``. With ``n`` > 1 the samples' chunks interleave, each with its
@@ -32,7 +39,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -60,6 +67,8 @@ MAX_BODY_BYTES = 16 * 2**20
 STOPPED_RETRY_AFTER_S = 5
 #: paths that need no API key (probes and scrapers); everything else does when keys are configured
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+#: ignored fields named at most in the header and the log line (then "... (N more)")
+MAX_NAMED_FIELDS = 16
 
 try:  # chat templates raise jinja's errors for messages they refuse (roles out of order...): a client error
     from jinja2.exceptions import TemplateError as _TemplateError
@@ -124,8 +133,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     message = str(err.get("msg", "invalid value"))
     if kind == "value_error":  # our validators: the message names the field already
         message = str((err.get("ctx") or {}).get("error", message))
-        return APIError(400, message, param=param, code="unsupported_value" if "not supported" in message
-                        else "invalid_value")  # fmt: skip
+        unsupported = "not supported" in message or "not implemented" in message
+        return APIError(400, message, param=param, code="unsupported_value" if unsupported else "invalid_value")
     return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 
@@ -209,8 +218,11 @@ class GuardMiddleware:
 class _Service:
     """What the routes share: the loop, the tenants, the metrics, the limits."""
 
-    def __init__(self, loop: Any, model_name: str, tenancy: Tenancy, max_model_len: int | None) -> None:
-        self.loop, self.model_name, self.tenancy = loop, model_name, tenancy
+    def __init__(self, loop: Any, model_names: list[str], tenancy: Tenancy, max_model_len: int | None,
+                 strict_requests: bool = False) -> None:  # fmt: skip
+        self.loop, self.tenancy, self.strict_requests = loop, tenancy, strict_requests
+        self.model_names = model_names
+        self.model_name = model_names[0]  # what responses report
         engine = loop.engine
         self.context = int(engine.adapter.max_positions)
         self.max_model_len = min(max_model_len or self.context, self.context)
@@ -220,7 +232,7 @@ class _Service:
             rows = min(rows, int(engine.max_kv_bytes // pool.row_bytes))
         self.kv_rows = rows
         self.vocab_size = int(engine.vocab_size)
-        self.metrics = ServerMetrics(loop, model_name=model_name, max_model_len=self.max_model_len,
+        self.metrics = ServerMetrics(loop, model_name=self.model_name, max_model_len=self.max_model_len,
                                      tenant_ids=tenancy.tenant_ids)  # fmt: skip
         self._background: set[asyncio.Task] = set()
         self._token_text: dict[int, str] = {}
@@ -237,9 +249,49 @@ class _Service:
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+        if name is not None and name not in self.model_names:
+            served = " or ".join(map(repr, self.model_names))
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served}", param="model",
+                           code="model_not_found")  # fmt: skip
+
+    def ignored_fields(self, body: Any) -> list[str]:
+        """The unknown fields of ``body`` (logged once, as vLLM does); a 400 naming the first under
+        ``strict_requests``."""
+        fields = P.unknown_fields(body)
+        if fields and self.strict_requests:
+            raise APIError(400, f"unknown field {fields[0]!r} (the server runs with --strict-requests)",
+                           param=fields[0], code="unknown_field")  # fmt: skip
+        if fields:
+            log.warning("The following fields were present in the request but ignored: %s", _named(fields))
+        return fields
+
+    async def check_rendered(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse a conversation the chat template would change by dropping part of it: an assistant's
+        ``tool_calls`` or a ``tool`` message that renders to the same text as the conversation without it (a
+        template that knows no tools). Only requests with such messages are rendered here (once more each)."""
+        special = [i for i, m in enumerate(messages) if m.get("tool_calls") or m["role"] == "tool"]
+        if not special:
+            return
+        engine = self.loop.engine
+
+        def render(conversation: list[dict[str, Any]]) -> Any:
+            with engine.tokenizer_lock:
+                return engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+        try:
+            whole = await run_in_threadpool(render, messages)
+            for i in special:
+                m = messages[i]
+                calls = bool(m.get("tool_calls"))
+                without = {k: v for k, v in m.items() if k != "tool_calls"} if calls else None
+                rest = [*messages[:i], *([without] if calls else []), *messages[i + 1 :]]
+                if rest and await run_in_threadpool(render, rest) == whole:
+                    what, param = ("tool_calls", f"messages[{i}].tool_calls") if calls else \
+                        ("tool messages", f"messages[{i}]")  # fmt: skip
+                    raise APIError(400, f"the model's chat template does not render {what}: {param} would be "
+                                   "dropped from the prompt", param=param, code="unsupported_value")  # fmt: skip
+        except CLIENT_ERRORS as exc:
+            raise _prompt_error(exc, "messages") from None
 
     async def tokenize(self, prompt: Any, chat: bool, param: str) -> TokenizedPrompt:
         try:
@@ -465,6 +517,26 @@ def _prompt_error(exc: BaseException, param: str) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def _named(fields: list[str]) -> str:
+    """Field names for a header or a log line: JSON-escaped (ASCII, no control characters), at most
+    :data:`MAX_NAMED_FIELDS` of them."""
+    shown = [json.dumps(f)[1:-1][:200] for f in fields[:MAX_NAMED_FIELDS]]
+    if len(fields) > MAX_NAMED_FIELDS:
+        shown.append(f"... ({len(fields) - MAX_NAMED_FIELDS} more)")
+    return ", ".join(shown)
+
+
+def _with_ignored(result: Any, fields: list[str]) -> Any:
+    """``result`` (a body or a response) with the :data:`~kvboost.serving.protocol.IGNORED_FIELDS_HEADER` header
+    naming ``fields``, if any."""
+    if not fields:
+        return result
+    if not isinstance(result, Response):
+        result = JSONResponse(result)
+    result.headers[P.IGNORED_FIELDS_HEADER] = _named(fields)
+    return result
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body was read already, so the next message is the disconnect)."""
     while True:
@@ -474,19 +546,25 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(
-    loop: Any, *, model_name: str, api_keys: list[str] | None = None, server_secret: str | bytes | None = None,
-    max_model_len: int | None = None,
+    loop: Any, *, model_name: str | Sequence[str], api_keys: list[str] | None = None,
+    server_secret: str | bytes | None = None, max_model_len: int | None = None, strict_requests: bool = False,
 ) -> FastAPI:  # fmt: skip
     """The FastAPI app serving ``loop`` (an :class:`~kvboost.engine.loop.EngineLoop`, started by the caller).
 
-    ``model_name``: the name clients send as ``model``. ``api_keys``: if given, every route except ``/health``,
-    ``/metrics`` and ``/openapi.json`` needs ``Authorization: Bearer <key>``, and each key is a tenant with its own
-    cache salt (``HMAC-SHA256(server_secret, key)``; ``server_secret`` None: the secret stored in the kvboost cache
-    folder, see :mod:`kvboost.serving.tenancy`). ``max_model_len``: a context limit below the model's.
+    ``model_name``: the name clients send as ``model``, or several (aliases, as vLLM's ``--served-model-name``:
+    each is served and listed, responses report the first). ``strict_requests``: unknown request fields are a 400
+    instead of being ignored (with a log line and the ignored-fields header). ``api_keys``: if given, every route
+    except ``/health``, ``/metrics`` and ``/openapi.json`` needs ``Authorization: Bearer <key>``, and each key is a
+    tenant with its own cache salt (``HMAC-SHA256(server_secret, key)``; ``server_secret`` None: the secret stored in
+    the kvboost cache folder, see :mod:`kvboost.serving.tenancy`). ``max_model_len``: a context limit below the
+    model's.
     Callables appended to ``app.state.shutdown_hooks`` run, in order, when the server shuts down (the CLI stops the
     loop and closes the engine there).
     """
-    service = _Service(loop, model_name, Tenancy(api_keys, server_secret), max_model_len)
+    names = [model_name] if isinstance(model_name, str) else list(dict.fromkeys(model_name))
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
+    service = _Service(loop, names, Tenancy(api_keys, server_secret), max_model_len, strict_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -527,34 +605,42 @@ def create_app(
         await service.metrics.refresh()
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "kvboost",
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvboost",
                 "max_model_len": service.max_model_len}  # fmt: skip
 
-    @app.get("/v1/models", summary="The served model")
+    @app.get("/v1/models", summary="The served model's names (aliases: the same model)")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{model_id:path}", summary="One model")
     async def model(model_id: str) -> dict[str, Any]:
         service.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.post("/v1/completions", summary="Text completion (SSE when stream=true)")
     async def completions(body: P.CompletionRequest, request: Request) -> Any:
-        return await service.generate(request, body, body.prompt, chat=False)
+        ignored = service.ignored_fields(body)
+        return _with_ignored(await service.generate(request, body, body.prompt, chat=False), ignored)
 
     @app.post("/v1/chat/completions", summary="Chat completion (SSE when stream=true)")
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Any:
-        return await service.generate(request, body, body.plain_messages(), chat=True)
+        ignored = service.ignored_fields(body)
+        messages = body.plain_messages()
+        service.check_model(body.model)
+        await service.check_rendered(messages)
+        return _with_ignored(await service.generate(request, body, messages, chat=True), ignored)
 
     @app.post("/tokenize", summary="Token ids of a prompt or of chat messages, as generation sees them")
-    async def tokenize(body: P.TokenizeRequest, request: Request) -> dict[str, Any]:
+    async def tokenize(body: P.TokenizeRequest, request: Request) -> Any:
         service.check_model(body.model)
+        ignored = service.ignored_fields(body)
         chat = body.messages is not None
         prompt = [m.plain() for m in body.messages] if chat else body.prompt
+        if chat:
+            await service.check_rendered(prompt)
         ids = (await service.tokenize(prompt, chat, "messages" if chat else "prompt")).ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len}
+        return _with_ignored({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len}, ignored)
 
     @app.post("/v1/cache/warm", summary="Compute and store the KV of a text (optionally pinned)")
     async def warm(body: P.WarmRequest, request: Request) -> dict[str, Any]:
