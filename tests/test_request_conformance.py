@@ -35,9 +35,9 @@ from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 from openai.types.chat import ChatCompletionMessageParam
 from test_server import SECRET, Served, assert_envelope, serve_app
 
+from kvboost.engine.loop import EngineLoop
 from kvboost.serving import protocol as P
 from kvboost.serving.cli import BUNDLED_NAME, build_parser, served_names
-from kvboost.serving.loop import EngineLoop
 from kvboost.serving.server import create_app
 
 MODEL = "kvboost-test/tiny-llama"  # an org/name id, reported in responses
