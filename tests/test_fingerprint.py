@@ -81,7 +81,7 @@ def test_same_seed_same_fingerprint_in_another_process():
     here = ModelFingerprint(tiny_model("llama", seed=0), "tiny").current()
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "from tiny import tiny_model; from kvboost.models.fingerprint import ModelFingerprint;"
+        "from kvboost_testkit.tiny import tiny_model; from kvboost.models.fingerprint import ModelFingerprint;"
         "print(ModelFingerprint(tiny_model('llama', seed=0), 'tiny').current())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # another hash seed: nothing may depend on it

@@ -288,6 +288,17 @@ def test_ignored_field_names_are_header_safe(server):
     assert value.startswith("caf\\u00e9, a\\r\\nX-Injected: 1, f00") and value.endswith("... (6 more)"), value
 
 
+def test_ignored_field_names_that_are_empty_padded_or_hold_commas_are_quoted(server):
+    """An empty name made the header end in ", " (a value h11 refuses: the server dropped the connection; found by
+    tests/test_server_schema.py's fuzzing): such names are sent as JSON strings."""
+    r = chat(server, [USER], **{"": 1, " pad ": 2, "a, b": 3, "plain": 4})
+    answered(r)
+    assert r.headers[HEADER] == '"", " pad ", "a, b", plain', r.headers[HEADER]
+    with server.http(key=None) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "": None})
+        assert r.status_code == 200 and r.headers[HEADER] == '""', r.text
+
+
 def test_strict_requests_refuse_unknown_fields(strict):
     r = chat(strict, [USER], foo=1)
     error = assert_envelope(r, 400, code="unknown_field", param="foo")

@@ -519,11 +519,18 @@ def _prompt_error(exc: BaseException, param: str) -> APIError:
 
 def _named(fields: list[str]) -> str:
     """Field names for a header or a log line: JSON-escaped (ASCII, no control characters), at most
-    :data:`MAX_NAMED_FIELDS` of them."""
-    shown = [json.dumps(f)[1:-1][:200] for f in fields[:MAX_NAMED_FIELDS]]
+    :data:`MAX_NAMED_FIELDS` of them. A name that would be ambiguous or invalid bare (empty, padded with spaces,
+    holding a comma or starting with a quote) is sent as a JSON string: a header value may not end in whitespace."""
+    shown = [_field_name(json.dumps(f)[1:-1][:200]) for f in fields[:MAX_NAMED_FIELDS]]
     if len(fields) > MAX_NAMED_FIELDS:
         shown.append(f"... ({len(fields) - MAX_NAMED_FIELDS} more)")
     return ", ".join(shown)
+
+
+def _field_name(escaped: str) -> str:
+    if escaped and escaped == escaped.strip() and "," not in escaped and not escaped.startswith('"'):
+        return escaped
+    return f'"{escaped}"'
 
 
 def _with_ignored(result: Any, fields: list[str]) -> Any:
