@@ -41,10 +41,8 @@ def installed_top_level() -> dict[str, list[str]]:
     """Top-level import name -> the installed distributions that provide it (our own distribution left out)."""
     owners: dict[str, list[str]] = {}
     for name, dists in importlib.metadata.packages_distributions().items():
-        others = sorted({d for d in dists if d.lower().replace("_", "-") != OWN_DISTRIBUTION})
-        own = any(d.lower().replace("_", "-") == OWN_DISTRIBUTION for d in dists)
-        if others and not own:
-            owners[name] = others
+        if not any(d.lower().replace("_", "-") == OWN_DISTRIBUTION for d in dists):
+            owners[name] = sorted(set(dists))
     return owners
 
 
