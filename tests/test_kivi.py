@@ -1,4 +1,4 @@
-"""KIVI quantizers (kvboost/quant/kivi.py) and kernels (kernels_triton/kivi.py, kivi_reference.py).
+"""KIVI quantizers (kvboost/quant/kivi.py) and kernels (kvboost/kernels_triton/kivi.py, kivi_reference.py).
 
 * packing round trip;
 * quantize/dequantize against a float64 recomputation on odd shapes (tokens 1, 7, 33, 65; head dim 16, 24, 64;
@@ -18,7 +18,7 @@ import pytest
 import torch
 from kvboost_testkit.tiny import make_engine, random_ids
 
-from kernels_triton import kivi_reference as ref
+from kvboost.kernels_triton import kivi_reference as ref
 from kvboost.cache import KVEntry
 from kvboost.cache import payload as fmt
 from kvboost.paths import CONFIG_DIR
@@ -191,7 +191,7 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("bits,group,tokens,head_dim,dtype", KERNEL_CASES)
 def test_triton_kernels_match_torch_reference(bits, group, tokens, head_dim, dtype):
-    from kernels_triton import kivi as kk
+    from kvboost.kernels_triton import kivi as kk
 
     k, v = _kv(2, 2, tokens, head_dim, dtype=dtype, seed=bits + tokens)
     k = k.transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous input: strides are honoured

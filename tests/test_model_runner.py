@@ -758,7 +758,7 @@ def _unchanged_but(pool: KVPool, before: tuple, slots: torch.Tensor, scratch: in
 
 def _reference_kernel(q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=False, **kwargs):
     """The paged attention contract's reference, taking (and ignoring) the launch hints the graphs pass."""
-    from kernels_triton.paged_attention_reference import paged_attention_reference
+    from kvboost.kernels_triton.paged_attention_reference import paged_attention_reference
 
     return paged_attention_reference(q, k, v, **kwargs)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvboost_testkit.tiny import tiny_model
 
-from kernels_triton.paged_attention_reference import paged_attention_reference
+from kvboost.kernels_triton.paged_attention_reference import paged_attention_reference
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.pool import KVPool
 from kvboost.registry import ATTENTION

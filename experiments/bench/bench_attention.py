@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 # Without a GPU the Triton kernels can only run under the interpreter, which Triton picks when the kernel
-# module is imported; set it before anything imports kernels_triton.flash_attn.
+# module is imported; set it before anything imports kvboost.kernels_triton.flash_attn.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -173,7 +173,7 @@ def make_backends(device: torch.device) -> tuple[dict[str, Callable[[Inputs, boo
     # Automatic path choice, and each path forced (split-KV: GQA-packed rows + key splits; one-pass otherwise).
     paths = {"": None, "_split": True, "_nosplit": False}
     try:
-        from kernels_triton.flash_attn import flash_attn_forward
+        from kvboost.kernels_triton.flash_attn import flash_attn_forward
 
         for suffix, split in paths.items():
 

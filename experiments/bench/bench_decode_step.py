@@ -6,7 +6,7 @@ weight-streaming floor, for each layer variant of :class:`kvboost.runtime.graphs
 The model is drawn on the device from a config (random weights, bf16: timings only; no file travels), the
 runner is the engine's :class:`~kvboost.runtime.llama.LlamaRunner` over a paged pool with CUDA graphs captured
 without inductor. Variants (``--variants``): ``unfused`` (the layer of ``decoder_layer``: ~35 kernels) and
-``fused`` (:mod:`kernels_triton.decoder_ops`, one GEMM for q/k/v and one for gate/up). For each batch size,
+``fused`` (:mod:`kvboost.kernels_triton.decoder_ops`, one GEMM for q/k/v and one for gate/up). For each batch size,
 ``batch`` prompts of ``context`` random tokens are prefilled once (eagerly, not timed) and every variant decodes
 from the same K/V (the tables are cut back to the prompt after each variant):
 

@@ -1,5 +1,5 @@
-"""Paged attention on the GPU: the Triton paged kernels (``kernels_triton.paged_attention``) against torch SDPA and
-the contiguous Triton kernel (``kernels_triton.flash_attn.flash_attn_forward``) on the same keys.
+"""Paged attention on the GPU: the Triton paged kernels (``kvboost.kernels_triton.paged_attention``) against torch
+SDPA and the contiguous Triton kernel (``kvboost.kernels_triton.flash_attn.flash_attn_forward``) on the same keys.
 
     python -m experiments.bench.bench_paged_attention --out experiments/results/paged_attention   # full run, CUDA
     python -m experiments.bench.bench_paged_attention --quick                                     # correctness only
@@ -50,8 +50,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from kernels_triton.flash_attn import flash_attn_forward
-from kernels_triton.paged_attention import _num_sms, choose_path, paged_attention
+from kvboost.kernels_triton.flash_attn import flash_attn_forward
+from kvboost.kernels_triton.paged_attention import _num_sms, choose_path, paged_attention
 from kvboost.lab.environment import describe_environment
 
 MODELS = {"qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}

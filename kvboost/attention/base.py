@@ -14,7 +14,7 @@ What a backend receives per layer call (transformers 5.x)::
 
 and it must return ``(attn_output [B, Lq, Hq, D] contiguous, attn_weights or None)``.
 
-Kernel backends (triton, cuda) take the shared kernel contract of ``kernels_triton`` instead of a dense mask
+Kernel backends (triton, cuda) take the shared kernel contract of ``kvboost.kernels_triton`` instead of a dense mask
 (translated by ``kvboost.attention.masks``); :class:`FlashKernelBackend` falls back to transformers' SDPA for
 masks the contract cannot express.
 """
@@ -320,7 +320,7 @@ def _make_dispatcher(key: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor
 
 
 class FlashKernelBackend(AttentionBackend):
-    """Shared driver for backends that run a kernel with the ``kernels_triton`` attention contract.
+    """Shared driver for backends that run a kernel with the ``kvboost.kernels_triton`` attention contract.
 
     Subclasses implement :meth:`_run_kernel`. This class validates the call, translates the mask (cached per
     mask tensor), falls back to transformers' SDPA for masks the contract cannot express (counted in

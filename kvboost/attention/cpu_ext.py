@@ -1,6 +1,6 @@
 """The CPU attention kernel (``kvboost/csrc/cpu_attention.cpp``), built lazily with ``torch.utils.cpp_extension``.
 
-Python side of the attention contract in :mod:`kernels_triton` for the ``cpu_kernel`` backend::
+Python side of the attention contract in :mod:`kvboost.kernels_triton` for the ``cpu_kernel`` backend::
 
     out = cpu_attention_forward(q, k, v, causal=True, sm_scale=None, q_positions=None, kv_start=None, kv_len=None,
                             out=None, tile=32)
@@ -8,7 +8,7 @@ Python side of the attention contract in :mod:`kernels_triton` for the ``cpu_ker
 fp32 and bf16, any head dim, grouped-query attention (``Hq % Hkv == 0``), causal by position (bottom-right by
 default, or per-query ``q_positions``), per-row ``kv_start`` / ``kv_len`` padding, inputs with any strides and a
 contiguous last dimension, ``out`` with any strides. And its paged entry point, over one layer of a block pool
-(the contract of ``kernels_triton/paged_attention_reference.py``; same dtypes, GQA and strides)::
+(the contract of ``kvboost/kernels_triton/paged_attention_reference.py``; same dtypes, GQA and strides)::
 
     out = cpu_paged_attention_forward(q, k_cache, v_cache, block_tables=..., kv_lens=..., query_start=...,
                                       q_positions=..., block_size=16, sm_scale=None, out=None, tile=32)
@@ -234,7 +234,7 @@ def cpu_paged_attention_forward(
     """Attention of the queries of ``B`` sequences over their keys in a paged pool, on the CPU; returns ``out``
     ``[T, Hq, D]`` (written through its strides when given, else allocated).
 
-    The contract (``kernels_triton/paged_attention_reference.py``): ``q`` ``[T, Hq, D]`` holds sequence ``b``'s
+    The contract (``kvboost/kernels_triton/paged_attention_reference.py``): ``q`` ``[T, Hq, D]`` holds sequence ``b``'s
     queries in rows ``query_start[b] .. query_start[b + 1]``; ``k_cache`` / ``v_cache`` ``[Hkv, S, D]`` are one
     layer of the pool (``S = num_blocks * block_size``), sequence ``b``'s logical key ``j`` in slot
     ``block_tables[b, j // block_size] * block_size + j % block_size``; query ``t`` sees key ``j`` iff

@@ -8,7 +8,7 @@ causal end, and runs the softmax on full rows in cache: ``experiments/bench/benc
 against SDPA, same inputs, same run.
 
 Under the engine it serves both paths: transformers' forward (this backend's ``attention_forward``, the
-``kernels_triton`` mask contract; masks the contract cannot express run SDPA, counted in ``fallback_calls``) and
+``kvboost.kernels_triton`` mask contract; masks the contract cannot express run SDPA, counted in ``fallback_calls``) and
 the runners' paged call (:meth:`CpuKernelBackend.paged`: the kernel's paged entry point reads the pool's blocks
 itself). The compiled CPU decode (under `sdpa` or this backend) calls the same paged entry point as a torch custom op
 (:mod:`kvboost.runtime.cpu_decode_op`). fp32 and bf16; numerics are fp32 softmax and accumulation, as SDPA's

@@ -1,6 +1,6 @@
 """The CUDA FlashAttention-2 forward kernel (``kvboost/csrc/``), built lazily with ``torch.utils.cpp_extension``.
 
-Python side of the attention contract in :mod:`kernels_triton` for the CUDA backend::
+Python side of the attention contract in :mod:`kvboost.kernels_triton` for the CUDA backend::
 
     out = cuda_flash_attn_forward(q, k, v, causal=True, sm_scale=None, kv_start=None, kv_len=None,
                                   out=None, split_kv=None)
@@ -140,7 +140,7 @@ def cuda_flash_attn_forward(
     out: torch.Tensor | None = None,
     split_kv: bool | None = None,
 ) -> torch.Tensor:
-    """FlashAttention-2 forward on CUDA; see the module docstring and ``kernels_triton`` for the contract.
+    """FlashAttention-2 forward on CUDA; see the module docstring and ``kvboost.kernels_triton`` for the contract.
 
     Args:
         q: ``[B, Hq, Lq, D]`` fp16/bf16 CUDA tensor.

@@ -1,4 +1,4 @@
-"""Translating transformers' attention masks into the kernel contract of ``kernels_triton``.
+"""Translating transformers' attention masks into the kernel contract of ``kvboost.kernels_triton``.
 
 Kernel backends (triton, cuda) take ``causal``, per-query ``q_positions`` and per-row ``kv_start`` /
 ``kv_len`` instead of a dense mask. :func:`mask_to_kernel_params` derives those from a 4D mask and verifies
@@ -18,7 +18,7 @@ import torch
 
 @dataclass(frozen=True)
 class KernelMaskParams:
-    """A transformers attention mask expressed in the kernel contract (see ``kernels_triton``).
+    """A transformers attention mask expressed in the kernel contract (see ``kvboost.kernels_triton``).
 
     Attributes:
         causal: whether a query attends only keys ``j <= q_positions[b, i]``.

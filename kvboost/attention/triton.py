@@ -1,4 +1,4 @@
-"""``triton``: the project's Triton FlashAttention-2 forward (``kernels_triton.flash_attn``).
+"""``triton``: the project's Triton FlashAttention-2 forward (``kvboost.kernels_triton.flash_attn``).
 
 transformers' mask is translated into the kernel contract (``causal``, ``q_positions``, ``kv_start``,
 ``kv_len``) by :func:`kvboost.attention.masks.mask_to_kernel_params`, verified exactly; masks the contract
@@ -7,7 +7,7 @@ and are counted in ``fallback_calls``.
 
 Without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``). That is for
 correctness checks only: it is orders of magnitude slower than SDPA. Triton reads the variable when a kernel
-is *decorated*, i.e. when ``kernels_triton.flash_attn`` is imported, so the variable is set before that
+is *decorated*, i.e. when ``kvboost.kernels_triton.flash_attn`` is imported, so the variable is set before that
 import; if the kernel module was already imported without it the backend raises instead of failing later.
 (``triton`` itself is typically already imported by torch by then, which is harmless.)
 
@@ -30,12 +30,13 @@ import torch
 
 from kvboost.attention.base import Capabilities, FlashKernelBackend
 from kvboost.attention.masks import KernelMaskParams
+from kvboost.kernels_triton import import_triton
 from kvboost.registry import ATTENTION
 
 log = logging.getLogger(__name__)
 
-KERNEL_MODULE = "kernels_triton.flash_attn"
-PAGED_MODULE = "kernels_triton.paged_attention"
+KERNEL_MODULE = "kvboost.kernels_triton.flash_attn"
+PAGED_MODULE = "kvboost.kernels_triton.paged_attention"
 
 _INTERPRETER_FALSE = ("0", "false", "no", "off")
 _warned_interpreter = False
@@ -46,7 +47,7 @@ def _interpreter_requested() -> bool:
 
 
 def load_kernel_module() -> ModuleType:
-    """Import ``kernels_triton.flash_attn``, switching Triton to its CPU interpreter when there is no GPU.
+    """Import ``kvboost.kernels_triton.flash_attn``, switching Triton to its CPU interpreter when there is no GPU.
 
     Raises:
         RuntimeError: triton is not installed; or there is no GPU and the interpreter cannot be used
@@ -54,12 +55,9 @@ def load_kernel_module() -> ModuleType:
     """
     global _warned_interpreter
     try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError(
-            "attention backend 'triton' needs the `triton` package (pip install triton); "
-            "use attn=sdpa otherwise"
-        ) from exc
+        import_triton()
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(f"attention backend 'triton': {exc}") from exc
 
     if not torch.cuda.is_available():
         raw = os.environ.get("TRITON_INTERPRET")
@@ -100,7 +98,7 @@ def load_kernel_module() -> ModuleType:
     return module
 
 
-#: What the Triton kernel accepts (``kernels_triton.flash_attn``): dtypes and the largest head dim.
+#: What the Triton kernel accepts (``kvboost.kernels_triton.flash_attn``): dtypes and the largest head dim.
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_MAX_HEAD_DIM = 256
 
@@ -268,7 +266,7 @@ class TritonBackend(FlashKernelBackend):
     def paged(
         self, q: torch.Tensor, layer: int, batch: Any, scale: float, module: torch.nn.Module | None = None
     ) -> torch.Tensor:
-        """The paged kernels (``kernels_triton.paged_attention``): every sequence of the batch in one launch,
+        """The paged kernels (``kvboost.kernels_triton.paged_attention``): every sequence of the batch in one launch,
         keys read from the pool's blocks through the block tables (no gather)."""
         if self._paged is None:
             self.check_available()

@@ -16,7 +16,7 @@
 // A second entry point, ``paged_forward``, runs the same attention over a paged KV pool (block tables, no
 // gathered copy of the sequences): see "paged entry point" below.
 //
-// Contract (the ``kernels_triton`` one): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (any strides, last dim
+// Contract (the ``kvboost.kernels_triton`` one): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (any strides, last dim
 // contiguous), query i of row b sits at position q_positions[b, i] (default Lk - Lq + i) and sees key j iff
 // kv_start[b] <= j < kv_len[b] and (not causal or j <= position). A query that sees no key gets zeros. out
 // [B, Hq, Lq, D] is written through its strides (a transposed view of transformers' layout is fine).
@@ -179,7 +179,7 @@ void check_rows(const c10::optional<at::Tensor>& t, const char* name, int64_t ba
 
 // ------------------------------------------------------------------------------------------ paged entry point
 //
-// The same attention over a paged KV pool (contract: kernels_triton/paged_attention_reference.py). k_cache /
+// The same attention over a paged KV pool (contract: kvboost/kernels_triton/paged_attention_reference.py). k_cache /
 // v_cache [Hkv, S, D] hold one layer of the pool in blocks of block_size slots; sequence b's logical key j lives
 // in slot block_tables[b, j / block_size] * block_size + j % block_size. q [T, Hq, D] holds the queries of B
 // sequences back to back (rows query_start[b] .. query_start[b + 1]); query t sees key j iff j <= q_positions[t]
@@ -782,11 +782,11 @@ at::Tensor cpu_paged_attention_forward(const at::Tensor& q, const at::Tensor& k_
 // directly, so it defines KVBOOST_CPU_ATTENTION_NO_MODULE to leave this module definition out.
 #ifndef KVBOOST_CPU_ATTENTION_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &cpu_attention_forward, "CPU attention forward (kernels_triton contract)", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("causal"), py::arg("scale"), py::arg("q_positions"), py::arg("kv_start"),
+  m.def("forward", &cpu_attention_forward, "CPU attention forward (kvboost.kernels_triton contract)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("causal"), py::arg("scale"), py::arg("q_positions"), py::arg("kv_start"),
         py::arg("kv_len"), py::arg("out"), py::arg("tile"));
   m.def("paged_forward", &cpu_paged_attention_forward,
-        "CPU paged attention forward (kernels_triton/paged_attention_reference.py contract)", py::arg("q"),
+        "CPU paged attention forward (kvboost/kernels_triton/paged_attention_reference.py contract)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"), py::arg("query_start"),
         py::arg("q_positions"), py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("tile"));
 }

@@ -1,7 +1,7 @@
 // kvboost FlashAttention-2 forward: host-side interface.
 //
 // Plain C++ (no torch, no CUDA device code): included by flash_attn_fwd.cu and by the torch binding.
-// See kvboost/csrc/README.md and kernels_triton/__init__.py for the attention contract.
+// See kvboost/csrc/README.md and kvboost/kernels_triton/__init__.py for the attention contract.
 #pragma once
 
 #include <cstddef>

@@ -2,8 +2,8 @@
 
 Layout: ``keys``/``values`` ``[layers, kv_heads, num_blocks * block_size, head_dim]``. Block ``b`` is slots
 ``[b * block_size, (b + 1) * block_size)`` of every layer and head. One layer's pool, ``keys[layer]``
-``[kv_heads, slots, head_dim]``, is what the paged attention contract (``kernels_triton.paged_attention_reference``)
-reads. A sequence whose blocks are consecutive ids is a plain strided view of that layer (see
+``[kv_heads, slots, head_dim]``, is what the paged attention contract
+(``kvboost.kernels_triton.paged_attention_reference``) reads. A sequence whose blocks are consecutive ids is a plain strided view of that layer (see
 :meth:`KVPool.run_view`), so the allocator prefers consecutive ids: a sequence that grows asks for the block after
 its last one first.
 

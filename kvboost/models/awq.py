@@ -15,7 +15,7 @@ interleaving, made for its CUDA kernel's unpacking), i.e. column ``8c + j`` live
 :class:`AWQLinear` keeps exactly those tensors as plain named buffers, so its ``state_dict`` names equal the
 checkpoint's tensor names (a layer streamer can load a checkpoint's tensors straight into it). Its forward:
 
-- CUDA: the Triton dequant-GEMM (``kernels_triton.awq_gemm``): codes unpacked in the kernel, fp32 accumulation;
+- CUDA: the Triton dequant-GEMM (``kvboost.kernels_triton.awq_gemm``): codes unpacked in the kernel, fp32 accumulation;
 - CPU, ``cpu_kernel="int4pack"`` (what ``"auto"`` picks where it applies, except fp32 calls of more than
   ``INT4PACK_FP32_MAX_ROWS`` rows, where that kernel is slow): torch's native int4 CPU matmul
   (``aten._weight_int4pack_mm_for_cpu``). Its packed weight is derived from the buffers on first use and kept
@@ -329,7 +329,7 @@ class AWQLinear(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from kernels_triton.awq_gemm import awq_gemm
+            from kvboost.kernels_triton.awq_gemm import awq_gemm
 
             out = awq_gemm(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales, self.group_size)
             out = out.reshape(*x.shape[:-1], self.out_features)

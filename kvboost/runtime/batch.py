@@ -4,7 +4,7 @@ A batch is ``B`` sequences flattened into ``T`` token rows: decode (one row per 
 prefill, ``warm()``, speculative verification (k + 1 rows), layer-wise content repair (a subset of a prompt's
 positions, narrowed between layers by a hook), the query-aware probe (stopped after a layer), layer-skip drafting
 (the first layers only). The runner (``kvboost.runtime.llama`` / ``hf_generic``) writes each row's K/V through
-``slot_mapping`` and attends by block table and per-row position (``kernels_triton.paged_attention_reference``).
+``slot_mapping`` and attends by block table and per-row position (``kvboost.kernels_triton.paged_attention_reference``).
 
 Tensors live on the pool's device; the per-sequence lists stay in Python as well, for backends that loop over
 sequences. Everything derived from the batch that every layer would otherwise rebuild (masks, gather indices,
@@ -191,7 +191,7 @@ class ForwardBatch:
         return self.cached("block_tables", build)
 
     def kernel_args(self) -> dict[str, Any]:
-        """The index tensors of the paged attention contract (``kernels_triton.paged_attention_reference``)."""
+        """The index tensors of the paged attention contract (``kvboost.kernels_triton.paged_attention_reference``)."""
 
         def build() -> dict[str, Any]:
             device = self.pool.device

@@ -7,7 +7,7 @@ captured once per token-count bucket and replayed:
 - **static inputs.** Token ids, positions, slot mapping, block tables ``[B, max_blocks]``, KV lengths and query
   offsets live in device buffers filled before each replay; the pool itself is static (the runner writes K/V rows
   into it through the slot mapping, and attention reads blocks through the tables).
-- **attention reads the block tables.** The paged Triton kernels (``kernels_triton.paged_attention``) take the
+- **attention reads the block tables.** The paged Triton kernels (``kvboost.kernels_triton.paged_attention``) take the
   lengths from device tensors and their grid from the bucket's sizes, so one graph serves every context length:
   graphs are per bucket of rows only (decode: batch sizes 1, 2, 4, ..., ``max_batch``; prefill: one sequence of
   16, 32, ..., ``max_graph_tokens`` new tokens).
@@ -15,7 +15,7 @@ captured once per token-count bucket and replayed:
   at position 0): their K/V never touch a sequence's blocks, their logits are dropped.
 - **fused** (the default). Each layer is nine kernels: residual add + RMSNorm, one GEMM for q/k/v (bias in its
   epilogue), RoPE + the K/V write into the pool, paged attention, the o GEMM, residual add + RMSNorm, one GEMM
-  for gate/up, SiLU * up, the down GEMM (:mod:`kernels_triton.decoder_ops`; the fused weights are the model's
+  for gate/up, SiLU * up, the down GEMM (:mod:`kvboost.kernels_triton.decoder_ops`; the fused weights are the model's
   own, its q/k/v and gate/up parameters becoming row slices of them). The unfused layer (``fused=False``, or
   ``KVBOOST_GRAPH_FUSED=0``) launches ~35 kernels per layer and is what the measurements compare against.
 - **compiled.** With ``fused=False`` and ``compile=True`` the unfused layer is compiled by inductor around the
@@ -61,7 +61,7 @@ def bucket(rows: int, minimum: int = 1) -> int:
 def paged_attention_kernel(device: torch.device) -> Any:
     """The paged attention function graphs use: the Triton kernels on CUDA (the CPU reference elsewhere: tests)."""
     if device.type == "cuda":
-        from kernels_triton.paged_attention import paged_attention
+        from kvboost.kernels_triton.paged_attention import paged_attention
 
         return paged_attention
     from kvboost.attention.cpu_ext import cpu_extension_unavailable_reason
@@ -71,7 +71,7 @@ def paged_attention_kernel(device: torch.device) -> Any:
 
         # the C++ kernel takes no launch-size hints (they matter for CUDA graphs only)
         return lambda q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=False, **kw: cpu_paged_attention_forward(q, k, v, **kw)
-    from kernels_triton.paged_attention_reference import paged_attention_reference
+    from kvboost.kernels_triton.paged_attention_reference import paged_attention_reference
 
     return lambda q, k, v, max_q_len=None, max_kv_len=None, dynamic_splits=False, **kw: paged_attention_reference(q, k, v, **kw)
 
@@ -162,7 +162,7 @@ class GraphRunner:
 
     def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: dict) -> torch.Tensor:
         """The fused layers (see the module docstring): each layer's residual add is done by the next norm."""
-        from kernels_triton.decoder_ops import add_rms_norm, rope_write_kv, silu_mul
+        from kvboost.kernels_triton.decoder_ops import add_rms_norm, rope_write_kv, silu_mul
 
         runner, eps, pool = self.runner, self.runner.eps, self.pool
         delta = None  # what the last MLP adds to the residual stream x, not yet added

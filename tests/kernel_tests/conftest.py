@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Make ``kernels_triton`` importable when pytest is started from anywhere without an installed package.
+# Make ``kvboost.kernels_triton`` importable when pytest is started from anywhere without an installed package.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)

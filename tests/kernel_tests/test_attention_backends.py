@@ -11,7 +11,7 @@ import torch
 
 from kvboost.paths import CONFIG_DIR
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated (kernels_triton.flash_attn import); without a GPU
+# Triton reads TRITON_INTERPRET when a kernel is decorated (kvboost.kernels_triton.flash_attn import); without a GPU
 # it must be set before that, so before anything below can import the kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -202,7 +202,7 @@ def test_triton_falls_back_for_sliding_window():
 
 
 def _contract_mask(params, batch, q_len, k_len):
-    from kernels_triton.flash_attn_reference import attention_mask
+    from kvboost.kernels_triton.flash_attn_reference import attention_mask
 
     k_eff = params.key_len if params.key_len is not None else k_len
     inner = attention_mask(
@@ -284,7 +284,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 os.environ.pop("TRITON_INTERPRET", None)
 if {import_kernels_first}:
-    import kernels_triton.flash_attn
+    import kvboost.kernels_triton.flash_attn
 from kvboost.registry import ATTENTION
 backend = ATTENTION.build("triton")
 try:

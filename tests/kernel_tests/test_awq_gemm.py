@@ -1,4 +1,4 @@
-"""The Triton AWQ int4 dequant-GEMM (``kernels_triton.awq_gemm``) against its plain-torch reference.
+"""The Triton AWQ int4 dequant-GEMM (``kvboost.kernels_triton.awq_gemm``) against its plain-torch reference.
 
 Without a GPU these run under the Triton CPU interpreter (see conftest.py): small, odd shapes, so every tile has
 masked tails in M, N and K (N is a multiple of 8 and K of the group size, as the format requires).
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels_triton.awq_gemm import awq_gemm
-from kernels_triton.awq_gemm_reference import awq_dequantize_reference, awq_gemm_reference
+from kvboost.kernels_triton.awq_gemm import awq_gemm
+from kvboost.kernels_triton.awq_gemm_reference import awq_dequantize_reference, awq_gemm_reference
 from kvboost.models.awq import dequantize_awq, pack_awq
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

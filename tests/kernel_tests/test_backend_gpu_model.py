@@ -145,7 +145,7 @@ def test_left_padded_batch_matches_sdpa(backend_name, dtype):
 
 def test_triton_warmup_tunes_on_gpu():
     """TritonBackend.warmup runs kernels for every bucket (here up to 32 tokens) and fills the autotune caches."""
-    import kernels_triton.flash_attn as fa
+    import kvboost.kernels_triton.flash_attn as fa
 
     backend = _backend_or_skip("triton")
     backend.warmup(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device=torch.device("cuda"),

@@ -539,7 +539,7 @@ needs_gpu = pytest.mark.skipif(
 
 
 def reference_attention(q, k, v, *, causal, sm_scale=None, kv_start=None, kv_len=None):
-    """Plain float64 attention following the contract in kernels_triton/__init__.py."""
+    """Plain float64 attention following the contract in kvboost/kernels_triton/__init__.py."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale

@@ -1,4 +1,4 @@
-"""The fused decoder-layer kernels (``kernels_triton.decoder_ops``) against the torch ops the unfused layer runs
+"""The fused decoder-layer kernels (``kvboost.kernels_triton.decoder_ops``) against the torch ops the unfused layer runs
 (``kvboost.runtime.ops`` and ``F.silu``).
 
 What each platform guarantees, and so what is asserted:
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels_triton.decoder_ops import add_rms_norm, rope_write_kv, silu_mul
+from kvboost.kernels_triton.decoder_ops import add_rms_norm, rope_write_kv, silu_mul
 from kvboost.runtime.ops import apply_rope, rms_norm, rope_tables
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""Tests of the Triton FlashAttention-2 forward (``kernels_triton.flash_attn``) against the float64 reference.
+"""Tests of the Triton FlashAttention-2 forward (``kvboost.kernels_triton.flash_attn``) against the float64 reference.
 
 Without a GPU these run under the Triton CPU interpreter (see conftest.py), which is slow, so the shapes are small
 and odd (masked tails in every dimension) and the parametrisation is a covering design rather than a full product:
@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-import kernels_triton.flash_attn as fa
-from kernels_triton.flash_attn import (
+import kvboost.kernels_triton.flash_attn as fa
+from kvboost.kernels_triton.flash_attn import (
     DECODE_MAX_Q,
     _decode_split_len,
     _interp_tiles,
@@ -28,7 +28,7 @@ from kernels_triton.flash_attn import (
     use_split_kv,
     warmup_shapes,
 )
-from kernels_triton.flash_attn_reference import attention_mask, flash_attn_reference
+from kvboost.kernels_triton.flash_attn_reference import attention_mask, flash_attn_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

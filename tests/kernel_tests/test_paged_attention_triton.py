@@ -1,5 +1,5 @@
-"""Tests of the Triton paged attention (``kernels_triton.paged_attention``) against the float64 reference
-(``kernels_triton.paged_attention_reference``).
+"""Tests of the Triton paged attention (``kvboost.kernels_triton.paged_attention``) against the float64 reference
+(``kvboost.kernels_triton.paged_attention_reference``).
 
 Without a GPU these run under the Triton CPU interpreter (see conftest.py), which is slow, so the shapes are small
 and odd and the parametrisation is a covering design: every (head layout, dtype) runs both kernels on one mixed
@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-import kernels_triton.paged_attention as pa
-from kernels_triton.paged_attention import (
+import kvboost.kernels_triton.paged_attention as pa
+from kvboost.kernels_triton.paged_attention import (
     DECODE_MAX_Q,
     SPLIT_MIN_KEYS,
     autotune_warmup,
@@ -30,7 +30,7 @@ from kernels_triton.paged_attention import (
     paged_attention,
     warmup_shapes,
 )
-from kernels_triton.paged_attention_reference import paged_attention_reference, slots_of
+from kvboost.kernels_triton.paged_attention_reference import paged_attention_reference, slots_of
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,5 +1,5 @@
-"""Plain-torch reference for the paged attention contract (``kernels_triton.paged_attention``, the ``cpu_kernel``
-backend's paged entry point, and every backend's ``paged`` call in ``kvboost.attention``).
+"""Plain-torch reference for the paged attention contract (``kvboost.kernels_triton.paged_attention``, the
+``cpu_kernel`` backend's paged entry point, and every backend's ``paged`` call in ``kvboost.attention``).
 
 The KV pool of one layer holds keys and values in fixed-size blocks: ``k_cache``/``v_cache`` ``[Hkv, S, D]`` with
 ``S = num_blocks * block_size`` slots; block ``i`` is slots ``[i * block_size, (i + 1) * block_size)``. A batch is

@@ -1,5 +1,5 @@
 """Paged attention in Triton: attention of a flattened batch of sequences over one layer of a block-table KV pool,
-implementing the contract of :mod:`kernels_triton.paged_attention_reference` (read its docstring first)::
+implementing the contract of :mod:`kvboost.kernels_triton.paged_attention_reference` (read its docstring first)::
 
     out = paged_attention(q, k_cache, v_cache, block_tables=..., kv_lens=..., query_start=..., q_positions=...,
                           block_size=16, sm_scale=None, out=None, max_q_len=None, max_kv_len=None, decode=None)
@@ -58,10 +58,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels_triton.flash_attn import is_interpreter
+from kvboost.kernels_triton import import_triton
+from kvboost.kernels_triton.flash_attn import is_interpreter
+
+# at load time: @triton.jit decorates the kernels below (a clear error without triton)
+triton, tl = import_triton()
 
 __all__ = [
     "AUTOTUNE",
@@ -699,7 +701,7 @@ def paged_attention(
     dynamic_splits: bool = False,
 ) -> torch.Tensor:
     """Attention of ``B`` sequences' queries over their keys in a paged KV pool (contract:
-    :mod:`kernels_triton.paged_attention_reference`).
+    :mod:`kvboost.kernels_triton.paged_attention_reference`).
 
     Args:
         q: ``[T, Hq, D]`` fp16 / bf16 / fp32, any strides; sequence ``b`` owns rows

@@ -24,10 +24,12 @@ The group size must be a multiple of the codes per byte (``8 // bits``), so no b
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels_triton.kivi_reference import packed_width, per_byte
+from kvboost.kernels_triton import import_triton
+from kvboost.kernels_triton.kivi_reference import packed_width, per_byte
+
+# at load time: @triton.jit decorates the kernels below (a clear error without triton)
+triton, tl = import_triton()
 
 __all__ = [
     "kivi_quantize_keys",

@@ -1,4 +1,4 @@
-"""Plain-torch reference of the AWQ int4 dequant-GEMM (:mod:`kernels_triton.awq_gemm`).
+"""Plain-torch reference of the AWQ int4 dequant-GEMM (:mod:`kvboost.kernels_triton.awq_gemm`).
 
 Layout (AutoAWQ GEMM, 4 bits, zero points): ``qweight`` int32 ``[K, N/8]``, ``qzeros`` int32 ``[K/group, N/8]``,
 ``scales`` ``[K/group, N]``. Column ``8c + j`` of a packed row sits in the nibble at bits ``4 r .. 4 r + 3`` of int32

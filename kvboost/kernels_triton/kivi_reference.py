@@ -1,4 +1,4 @@
-"""Plain-torch reference for :mod:`kernels_triton.kivi` (KIVI quantize / dequantize of stacked KV).
+"""Plain-torch reference for :mod:`kvboost.kernels_triton.kivi` (KIVI quantize / dequantize of stacked KV).
 
 KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024) quantizes
 

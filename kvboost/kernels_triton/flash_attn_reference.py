@@ -1,4 +1,4 @@
-"""Plain-torch reference for :func:`kernels_triton.flash_attn.flash_attn_forward` (the attention contract).
+"""Plain-torch reference for :func:`kvboost.kernels_triton.flash_attn.flash_attn_forward` (the attention contract).
 
 Deliberately the naive formulation: build the full boolean mask, softmax(Q K^T * scale + mask) V, with GQA done by
 ``repeat_interleave``.  It is meant for correctness checks on small shapes (memory is O(B * Hq * Lq * Lk)), and runs

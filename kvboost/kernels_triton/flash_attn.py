@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward pass in Triton, implementing the attention contract of :mod:`kernels_triton`.
+"""FlashAttention-2 forward pass in Triton, implementing the attention contract of :mod:`kvboost.kernels_triton`.
 
 Two kernels (plus a small reduce kernel) share the same masking semantics:
 
@@ -40,8 +40,11 @@ import os
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+
+from kvboost.kernels_triton import import_triton
+
+# at load time: @triton.jit decorates the kernels below (a clear error without triton)
+triton, tl = import_triton()
 
 __all__ = ["flash_attn_forward", "is_interpreter", "use_split_kv", "autotune_warmup", "warmup_shapes",
            "DECODE_MAX_Q"]
@@ -704,7 +707,7 @@ def flash_attn_forward(
     out: Optional[torch.Tensor] = None,
     split_kv: Optional[bool] = None,
 ) -> torch.Tensor:
-    """FlashAttention-2 forward, following the attention contract of :mod:`kernels_triton`.
+    """FlashAttention-2 forward, following the attention contract of :mod:`kvboost.kernels_triton`.
 
     Args:
         q: ``[B, Hq, Lq, D]`` fp16 / bf16 / fp32, any strides.

@@ -21,8 +21,11 @@ Rows are independent; one program per row (and per head for RoPE), the row held 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kvboost.kernels_triton import import_triton
+
+# at load time: @triton.jit decorates the kernels below (a clear error without triton)
+triton, tl = import_triton()
 
 __all__ = ["MAX_HIDDEN", "add_rms_norm", "rope_write_kv", "silu_mul"]
 

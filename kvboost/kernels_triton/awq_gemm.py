@@ -16,8 +16,11 @@ Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (slowly): the tests 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kvboost.kernels_triton import import_triton
+
+# at load time: @triton.jit decorates the kernels below (a clear error without triton)
+triton, tl = import_triton()
 
 __all__ = ["awq_gemm", "is_interpreter"]
 

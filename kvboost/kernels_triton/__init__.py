@@ -39,7 +39,31 @@ whose ``paged_attention_reference`` is the plain-torch reference)::
         block_size=16, sm_scale=None, out=None,
     ) -> out                    # [T, Hq, D]; a query that sees no key gets zeros
 
-``kernels_triton.paged_attention.paged_attention`` (Triton: varlen prefill and split-K decode kernels) adds
+``kvboost.kernels_triton.paged_attention.paged_attention`` (Triton: varlen prefill and split-K decode kernels) adds
 ``max_q_len`` / ``max_kv_len`` (upper bounds; with both given the call never synchronises, so it can be captured
 in a CUDA graph) and ``decode`` (force the split-K or the prefill kernel).
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: the extra that installs triton (pyproject.toml): only GPUs need it; CPU installs go without
+TRITON_EXTRA = "gpu"
+TRITON_MISSING = (
+    "the Triton kernels (kvboost.kernels_triton) need the `triton` package, which a CPU install of kvboost leaves "
+    f"out: pip install 'kvboost[{TRITON_EXTRA}]' (or pip install triton), or choose a backend that needs no Triton "
+    "(attn=sdpa or attn=cpu_kernel; kernel='torch' for KIVI)"
+)
+
+
+def import_triton() -> tuple[ModuleType, ModuleType]:
+    """``(triton, triton.language)`` for the kernel modules, which import it at load time (``@triton.jit`` runs
+    then); without triton a ModuleNotFoundError whose message names the extra that installs it."""
+    try:
+        return importlib.import_module("triton"), importlib.import_module("triton.language")
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name != "triton" and not exc.name.startswith("triton."):
+            raise  # triton is there but one of its own dependencies is not: its message says which
+        raise ModuleNotFoundError(TRITON_MISSING, name="triton") from exc
