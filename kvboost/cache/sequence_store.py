@@ -10,7 +10,7 @@ not stored either.
 What an entry holds is the caller's ``payload_of(start, end)``: the engine gives runs of the sequence's pool blocks
 (:class:`~kvboost.cache.block_run.BlockRun`, nothing copied) when the first tier is the pool, else the quantizer's
 payload of a copy of the rows. A chunk held only by a tier below the pool is stored again as a run: that moves it
-up (the request loaded its rows into its own blocks). The simulators of ``experiments/`` run this very function.
+up (the request loaded its rows into its own blocks), pinned if it was pinned there. The simulators of ``experiments/`` run this very function.
 """
 
 from __future__ import annotations
@@ -70,10 +70,14 @@ def store_sequence(
         if exact and primary not in store:
             drop_redundant_sibling(store, key.parent_key, tokens)
         payload = payload_of(span.start, span.end)
-        if primary in store and not is_pooled(payload):
+        below = store.peek_meta(primary) if primary in store else None
+        if below is not None and not is_pooled(payload):
             continue
+        # an entry moved up from a tier below keeps its pin (a pin set before a restart, or on an entry the pool
+        # refused): re-storing it unpinned would let the pool evict what the user pinned
+        pinned = pin or (below is not None and below.pinned)
         entry = KVEntry(key=primary, segment_key=segment, parent_key=key.parent_key if exact else None,
-                        token_ids=tokens, start=span.start, payload=payload, pinned=pin, exact=exact)  # fmt: skip
+                        token_ids=tokens, start=span.start, payload=payload, pinned=pinned, exact=exact)  # fmt: skip
         if store.put(entry):
             stored += 1
         elif exact:

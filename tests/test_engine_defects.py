@@ -1,0 +1,78 @@
+"""Regression tests for the engine's edge defects of issue 61, one test per defect, named after it.
+
+Each drives a tiny random fp32 model through the public engine API (``warm``, ``generate``, ``add_request`` /
+``step``, ``verify_correctness``, ``engine.pool`` / ``engine.store``) and failed on the tree before its fix for the
+reason its docstring gives. Step loops are bounded, so none of them can hang on a regression.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvboost_testkit.tiny import make_engine, random_ids
+
+BLOCK = 16  # tokens per block (the pool's default) and per chunk (make_engine's fixed chunker)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread (two spin on barriers when the machine is loaded)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def block_bytes(layers: int = 2) -> int:
+    """Bytes of one pool block of the tiny llama (K and V, 2 KV heads of 16 dims, fp32, 16 tokens)."""
+    return 2 * layers * 2 * BLOCK * 16 * 4
+
+
+def pool_engine(blocks: int, layers: int = 2, **options):
+    """An engine on the tiny llama whose KV pool holds exactly ``blocks`` blocks."""
+    options.setdefault("decode", "eager")
+    engine = make_engine("llama", layers=layers, kv={"pool_bytes": block_bytes(layers) * blocks}, **options)
+    assert engine.pool.num_blocks == blocks
+    engine.eos_ids = set()  # a random model: no early stop, every request decodes its max_new_tokens
+    return engine
+
+
+def drain(engine, limit: int, what: str) -> int:
+    """Step until no work is left, at most ``limit`` steps; returns the steps taken."""
+    steps = 0
+    while engine.core.has_work():
+        assert steps < limit, f"{what}: still work after {limit} steps ({engine.core.stats()})"
+        engine.step()
+        steps += 1
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 4
+def test_defect4_pin_below_the_pool_survives_reuse(tmp_path):
+    """A pinned entry below the pool (here: pinned, spilled to disk by ``close``, found there by the next engine)
+    keeps its pin when the first request that reuses it stores it again as a run of its blocks. Before the fix
+    ``store_sequence`` re-stored it with the request's ``pin=False``: the pool tier held it unpinned (evictable,
+    ``pinned_keys()`` empty) and the disk record's pin was gone with it."""
+    cache = [{"name": "memory"}, {"name": "disk", "path": str(tmp_path), "capacity": "64MiB", "fsync": False}]
+    doc = random_ids(3 * BLOCK, seed=1)
+    engine = pool_engine(40, chat=False, cache=cache)
+    engine.warm(doc, pin=True, chat=False)
+    assert len(engine.store.pinned_keys()) == 3
+    engine.close()
+
+    engine = pool_engine(40, chat=False, cache=cache)  # a restart: the pinned chunks are disk records now
+    disk = engine.store.tiers[1]
+    pinned = [key for key in disk.keys() if disk.peek_meta(key).pinned]
+    assert len(pinned) == 3
+    result = engine.generate(doc + random_ids(5, seed=2), 3)
+    assert result.cached_tokens == len(doc)  # the request reused them (and stored them again, as runs)
+    moved = [key for key in pinned if engine.store.in_first_tier(key)]
+    assert moved, "the reusing request moved no chunk up into the pool"
+    lost = [key[:12] for key in pinned if not engine.store.peek_meta(key).pinned]
+    assert not lost, f"the reusing request re-stored pinned chunks unpinned: {lost}"
+    assert set(moved) <= set(engine.store.pinned_keys())  # pinned in the pool: a reference on their blocks
+    engine.store.reclaim(engine.pool.num_blocks)  # pool pressure: a pinned chunk is never evicted
+    assert all(key in engine.store for key in pinned)
+    engine.unpin(doc, chat=False)
+    assert not engine.store.pinned_keys()
+    engine.close()
