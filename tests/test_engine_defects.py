@@ -76,3 +76,25 @@ def test_defect4_pin_below_the_pool_survives_reuse(tmp_path):
     engine.unpin(doc, chat=False)
     assert not engine.store.pinned_keys()
     engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 5
+def test_defect5_verify_correctness_with_a_full_pool():
+    """``verify_correctness`` on an engine whose pool is full of cached chunks runs (the pool reclaims idle entries
+    for it as for any request), passes (fp32), and leaves none of its own entries behind. Before the fix it built a
+    second cache over the same pool: that cache could evict none of the engine's entries, and the check failed with
+    ``PoolExhausted`` ("0 free, 8 cached and not evictable")."""
+    engine = pool_engine(8)
+    for seed in range(5):  # 2 chunks each: the 8 blocks end up cached, none free
+        engine.generate(random_ids(2 * BLOCK, seed=10 + seed), 2)
+    assert engine.pool.num_free == 0 and engine.pool.num_cached == engine.pool.num_blocks
+    before = set(engine.store.tiers[0].keys())
+    hits = engine.store.stats.hit_tokens
+    report = engine.verify_correctness([random_ids(40, seed=3)], max_new_tokens=4)
+    assert report.passed, str(report)
+    assert report.checks[0].greedy_match
+    assert set(engine.store.tiers[0].keys()) <= before, "the check's own entries were left in the cache"
+    assert engine.store.stats.hit_tokens == hits  # the store's counters are the engine's, not the check's
+    engine.pool.verify()
+    engine.store.verify()
+    assert engine.pool.num_referenced == 0
