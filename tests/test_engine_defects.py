@@ -11,6 +11,8 @@ import pytest
 import torch
 from kvboost_testkit.tiny import make_engine, random_ids
 
+from kvboost.engine import SamplingParams
+
 BLOCK = 16  # tokens per block (the pool's default) and per chunk (make_engine's fixed chunker)
 
 
@@ -98,3 +100,41 @@ def test_defect5_verify_correctness_with_a_full_pool():
     engine.pool.verify()
     engine.store.verify()
     assert engine.pool.num_referenced == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 6
+def record_puts(engine) -> list:
+    """Every entry offered to the store from now on (the store's ``put``, wrapped)."""
+    offered = []
+    real = engine.store.put
+
+    def put(entry):
+        offered.append(entry)
+        return real(entry)
+
+    engine.store.put = put
+    return offered
+
+
+@pytest.mark.parametrize("why", ["store_generated=False", "int8-decoded rows"])
+def test_defect6_preemption_stores_only_what_a_finish_would(why):
+    """Two requests decode past what a 6-block pool holds: the newer is preempted (the public path: the scheduler
+    runs out of blocks), and its rows are cached by the rule every store follows. With ``store_generated=False``, or
+    with a decode step whose rows a prefill would not give (``generated_rows_exact`` False: int8 activations), no
+    generated row may be stored, and the preempted request still produces the tokens it produces alone. Before the
+    fix ``_preempt`` called ``store_rows(resume=True)``, which stored the generated rows under exact keys anyway
+    (entries at rows 16-32 and 32-48 of a 16-token prompt)."""
+    prompts = [random_ids(BLOCK, seed=s) for s in (1, 2)]
+    alone = pool_engine(16, store_generated=why != "store_generated=False")
+    expected = [alone.generate(p, 40, mode="cold").output_ids for p in prompts]
+    engine = pool_engine(6, store_generated=why != "store_generated=False")
+    if why == "int8-decoded rows":
+        engine.generated_rows_exact = False  # what decode=quantized with int8 activations sets
+    offered = record_puts(engine)
+    handles = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    drain(engine, 400, why)
+    assert engine.core.counters["preemptions"] > 0, "the scenario no longer preempts"
+    past_prompt = [(e.start, e.start + e.num_tokens) for e in offered if e.start + e.num_tokens > BLOCK]
+    assert not past_prompt, f"generated rows stored ({why}): rows {past_prompt}"
+    for handle, want in zip(handles, expected, strict=True):
+        assert handle.result(0).output_ids == want

@@ -418,11 +418,12 @@ class EngineCore:
         return need
 
     def _preempt(self, request: Request) -> None:
-        """Cache the request's computed rows (exact ones under their keys), free its blocks, queue it again: its
-        resumption finds those rows in the cache unless the pool needed them meanwhile."""
+        """Cache the request's computed rows (by ``store_rows``'s rule: those a prefill gives, generated ones only
+        when the engine stores them), free its blocks, queue it again: its resumption finds those rows in the cache
+        unless the pool needed them meanwhile, and computes the others again."""
         request.proposal = None
         try:
-            pipeline.store_rows(self.engine, request, resume=True)
+            pipeline.store_rows(self.engine, request)
         except Exception:
             log.exception("kvboost: caching the rows of preempted request %s failed", request.request_id)
         request.table.release()

@@ -80,15 +80,18 @@ def prefill_with_repair(engine: Any, request: Request) -> torch.Tensor:
     return outcome.logits
 
 
-def store_rows(engine: Any, request: Request, *, pin: bool = False, resume: bool = False) -> int:
+def store_rows(engine: Any, request: Request, *, pin: bool = False) -> int:
     """Store the chunks of the rows the request's table holds (prompt, and generated tokens when the engine stores
-    them and its decode step writes a prefill's K/V (``engine.generated_rows_exact``), or, ``resume``, always: a
-    preempted request's rows for its resumption): runs of its blocks in the pool tier, or the quantizer's payload
-    of a copy. Returns chunks stored."""
+    them and its decode step writes a prefill's K/V (``engine.generated_rows_exact``)): runs of its blocks in the
+    pool tier, or the quantizer's payload of a copy. Returns chunks stored.
+
+    A preempted request stores by the same rule (its resumption finds these rows): rows a prefill would not give
+    (an int8-activation decode's) are never stored under exact keys, and ``store_generated=False`` stores no
+    generated row; its resumption computes those again."""
     if request.mode == "cold" or not request.store:
         return 0
     table = request.table
-    generated = (engine.store_generated and getattr(engine, "generated_rows_exact", True)) or resume
+    generated = engine.store_generated and getattr(engine, "generated_rows_exact", True)
     seq = request.ids + (request.tokens[:-1] if generated else [])
     seq = seq[: table.length]
     if not seq:
