@@ -138,3 +138,44 @@ def test_defect6_preemption_stores_only_what_a_finish_would(why):
     assert not past_prompt, f"generated rows stored ({why}): rows {past_prompt}"
     for handle, want in zip(handles, expected, strict=True):
         assert handle.result(0).output_ids == want
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 7
+def test_defect7_preempted_score_request_resumes_its_score_rows():
+    """A ``score_ids`` request whose teacher-forced rows do not fit beside an older decoding request is preempted in
+    its score phase (the scheduler, a 6-block pool). It must resume with its prompt and run its score rows again:
+    its tokens, its ``answer_logprob`` and the other request's tokens as alone, counted once. Before the fix it
+    resumed as a prefill, picked a token past ``max_new_tokens``, finished (and was counted) again and went back to
+    its score rows, round after round: ``cache_stats()["requests"]`` was 39 for the two requests."""
+    prompt, other, answer = random_ids(BLOCK, seed=1), random_ids(BLOCK, seed=2), random_ids(60, seed=3)
+    alone = pool_engine(16)
+    want = alone.generate(prompt, 2, score_ids=answer, mode="cold")
+    want_other = alone.generate(other, 40, mode="cold").output_ids
+    engine = pool_engine(6)
+    handle = engine.add_request(other, SamplingParams(max_tokens=40))
+    engine.step()  # the other request runs first (older): the score request is the one preempted
+    got = engine.generate(prompt, 2, score_ids=answer)
+    assert engine.core.counters["preemptions"] > 0, "the scenario no longer preempts"
+    assert got.output_ids == want.output_ids
+    assert abs(got.extra["answer_logprob"] - want.extra["answer_logprob"]) <= 1e-4 * abs(want.extra["answer_logprob"])
+    drain(engine, 200, "the other request")
+    assert handle.result(0).output_ids == want_other
+    assert engine.cache_stats()["requests"] == 2
+    assert engine.pool.num_referenced == 0
+
+
+@pytest.mark.timeout(60)
+def test_defect7_score_ids_checked_against_the_pool():
+    """Score rows that cannot fit the pool are refused before any compute, with the numbers (they follow the prompt
+    in its table). Before the fix nothing checked them: the request preempted itself forever (a hang, ended by
+    the timeout)."""
+    from kvboost.prompts import PromptError
+
+    engine = pool_engine(6)
+    with pytest.raises(PromptError, match=r"prompt \+ score_ids"):
+        engine.generate(random_ids(BLOCK, seed=1), 2, score_ids=random_ids(150, seed=4))
+    with pytest.raises(PromptError, match="empty"):
+        engine.generate(random_ids(BLOCK, seed=1), 2, score_ids=[])
+    with pytest.raises(PromptError, match="vocabulary"):
+        engine.generate(random_ids(BLOCK, seed=1), 2, score_ids=[1, 10**6])
+    assert not engine.core.has_work() and engine.pool.num_referenced == 0

@@ -296,7 +296,7 @@ class EngineCore:
                 budget -= outcome
                 if request.phase != "finished":
                     self._emit(request)
-                    if request.done:
+                    if request.done and request.phase == "decode":  # (a resumed score request is in "score")
                         _collect(finished, self._finish(request, request.finish_reason or "length"))
                 else:
                     _collect(finished, request.handle.completion)
@@ -526,6 +526,9 @@ class EngineCore:
         if request.phase == "score":
             self._finish_score(request)
             return
+        if request.scoring:  # resumed after a preemption in its score rows: its prompt is back, the rows again
+            self._begin_score(request)
+            return
         first = not request.tokens
         if first:  # the first token: TTFT stops here
             request.first_logits = logits
@@ -606,6 +609,18 @@ class EngineCore:
             if child.done:
                 _collect(finished, self._finish(child, child.finish_reason or "length"))
 
+    def _begin_score(self, request: Request) -> bool:
+        """Queue the teacher-forced rows of ``score_ids`` after the prompt (the table holds the prompt's rows);
+        False when there are none and the request finished here. A preemption before they ran resumes the request
+        with its prompt alone (``pipeline.sequence_of``) and comes back here, not to a prefill's next token."""
+        request.scoring = True
+        request.fed, request.fed_pos, request.phase = list(request.score_ids[:-1]), 0, "score"
+        request.score_logits = []
+        if request.fed:
+            return True  # finishes when its score rows ran
+        self._finish_score(request)
+        return False
+
     def _finish_score(self, request: Request) -> None:
         """The teacher-forced log-probability of ``score_ids`` (after the prompt), into ``result.extra``."""
         from kvboost.quality import continuation_logprob
@@ -654,12 +669,7 @@ class EngineCore:
                 engine._cached_tokens += request.counts.cached_tokens
                 if request.score_ids is not None:
                     request.table.truncate(request.prompt_len)
-                    request.fed, request.fed_pos, request.phase = list(request.score_ids[:-1]), 0, "score"
-                    request.score_logits = []
-                    if request.fed:
-                        return None  # finishes when its score rows ran
-                    self._finish_score(request)
-                    return request.handle.completion
+                    return None if self._begin_score(request) else request.handle.completion
             elif normal and request.kind in ("warm", "store"):
                 reused = request.plan.reused_tokens if request.plan is not None else 0
                 request.stored_chunks = pipeline.store_rows(engine, request, pin=request.pin)
