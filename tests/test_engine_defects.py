@@ -179,3 +179,44 @@ def test_defect7_score_ids_checked_against_the_pool():
     with pytest.raises(PromptError, match="vocabulary"):
         engine.generate(random_ids(BLOCK, seed=1), 2, score_ids=[1, 10**6])
     assert not engine.core.has_work() and engine.pool.num_referenced == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 8
+SEPARATOR = {"name": "separator", "separator": "\n\n", "chunk_size": BLOCK}
+DOCS = ["The keeper's cat is called Miso and sleeps on the stairs all day long.",
+        "The ferry leaves at noon from pier nine, unless the sea is rough.",
+        "Bread is baked at dawn in the old stone oven by the harbour wall."]  # fmt: skip
+
+
+def test_defect8_preemption_mid_prefill_with_the_separator_chunker(caplog):
+    """With the ``separator`` chunker, a request preempted in its prefill (a 16-block pool, a 16-token step budget:
+    its prompt runs 15 tokens a step beside an older decoding request, which then needs a block) caches the rows it
+    computed, cut at the preemption point inside its third document, resumes and gives the tokens it gives alone.
+    Before the fix ``store_sequence`` extended the prompt's spans over the shorter sequence (``extend`` continues
+    the last segment): spans past the table remained, storing one raised (IndexError on an empty chunk) and
+    ``_preempt`` logged and dropped the error."""
+    prompt = "\n\n".join(DOCS) + "\n\nCat?"
+    older = random_ids(30, seed=1)
+    alone = pool_engine(40, chat=False, chunker=SEPARATOR)
+    want_older = alone.generate(older, 60, mode="cold").output_ids
+    want = alone.generate(prompt, 4, mode="cold").output_ids
+    engine = pool_engine(16, chat=False, chunker=SEPARATOR)
+    engine.core.scheduler.max_batch_tokens = 16
+    offered = record_puts(engine)
+    first = engine.add_request(older, SamplingParams(max_tokens=60))
+    engine.step()
+    second = engine.add_request(prompt, SamplingParams(max_tokens=4))
+    with caplog.at_level("ERROR", logger="kvboost"):
+        drain(engine, 400, "two requests")
+    assert second.result(0).preemptions > 0, "the scenario no longer preempts the prompt"
+    prompt_len = len(second._request.ids)
+    cut = [(e.start, e.start + e.num_tokens) for e in offered if 0 < e.start + e.num_tokens < prompt_len
+           and (e.start + e.num_tokens) % 15 == 0]  # fmt: skip
+    assert cut, "no chunk cut at the preemption point was cached (the prefill runs 15 tokens a step)"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors, errors
+    assert second.result(0).finish_reason == "length" and second.result(0).output_ids == want
+    assert first.result(0).output_ids == want_older
+    engine.pool.verify()
+    engine.store.verify()
+    assert engine.pool.num_referenced == 0

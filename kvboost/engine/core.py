@@ -250,7 +250,7 @@ class EngineCore:
                 self._propose(finished)
                 plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim)
                 for request in plan.preempted:
-                    self._preempt(request)
+                    self._preempt(request, finished)
                 if plan.rows:
                     self._run(plan.rows, finished)
                     self._settle_forks(finished)
@@ -417,15 +417,20 @@ class EngineCore:
             need += 1  # the shared or cached partial last block is copied before it is written
         return need
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, finished: list[Completion] | None = None) -> None:
         """Cache the request's computed rows (by ``store_rows``'s rule: those a prefill gives, generated ones only
         when the engine stores them), free its blocks, queue it again: its resumption finds those rows in the cache
         unless the pool needed them meanwhile, and computes the others again."""
         request.proposal = None
         try:
             pipeline.store_rows(self.engine, request)
-        except Exception:
+        except Exception as exc:  # as when a finishing request's store fails: it ends with the error, alone (a
+            # failure here used to be logged and dropped, which hid a storing bug behind a silent recomputation)
             log.exception("kvboost: caching the rows of preempted request %s failed", request.request_id)
+            completion = self._fail(request, exc)
+            if finished is not None:
+                finished.append(completion)
+            return
         request.table.release()
         request.table = BlockTable(self.engine.pool)
         request.phase, request.preempted = "waiting", True
