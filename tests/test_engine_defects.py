@@ -220,3 +220,33 @@ def test_defect8_preemption_mid_prefill_with_the_separator_chunker(caplog):
     engine.pool.verify()
     engine.store.verify()
     assert engine.pool.num_referenced == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 9
+def test_defect9_layer_skip_after_preemption_drafts_over_the_live_table(monkeypatch):
+    """Two layer-skip speculative requests decode past a 6-block pool: one is preempted and resumes with a new
+    block table. Every proposal must run over the request's live table, and both give the tokens they give alone.
+    Before the fix the draft kept the table of ``begin`` (a ``DraftRequest`` field): after the preemption it
+    drafted over the released table (24 of 37 proposals here), forwards into blocks no request owned."""
+    from kvboost.speculative.layer_skip import LayerSkip
+
+    spec = {"name": "layer_skip", "layers": 2, "num_draft": 3}
+    prompts = [random_ids(BLOCK, seed=s) for s in (1, 2)]
+    alone = pool_engine(16, layers=4, speculative=spec)
+    want = [alone.generate(p, 40, mode="cold").output_ids for p in prompts]
+    engine = pool_engine(6, layers=4, speculative=spec)
+    seen = []
+    real = LayerSkip.propose
+
+    def propose(self, *args, **kwargs):
+        table = self._request.table
+        seen.append(table is not None and not table._released)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerSkip, "propose", propose)
+    handles = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    drain(engine, 400, "two speculative requests")
+    assert engine.core.counters["preemptions"] > 0, "the scenario no longer preempts"
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} proposals drafted over a released table"
+    assert [h.result(0).output_ids for h in handles] == want
+    assert engine.pool.num_referenced == 0
