@@ -250,3 +250,61 @@ def test_defect9_layer_skip_after_preemption_drafts_over_the_live_table(monkeypa
     assert seen and all(seen), f"{seen.count(False)} of {len(seen)} proposals drafted over a released table"
     assert [h.result(0).output_ids for h in handles] == want
     assert engine.pool.num_referenced == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 2
+def test_defect2_scheduler_preempts_only_what_it_needs():
+    """The issue's case on the scheduler alone: A (older) needs 1 block for its decode row, B holds 5, none is
+    free. Preempting B frees 5: A must run, alone preempted is B. Before the fix ``plan_step`` asked the pool for
+    room again before B's blocks were released, so it preempted A too and planned an empty step."""
+    from kvboost.engine.scheduler import Scheduler
+
+    class Req:
+        def __init__(self, name: str, blocks: int, admitted_at: int) -> None:
+            self.name, self.blocks, self.admitted_at, self.phase = name, blocks, admitted_at, "decode"
+            self.decoding = True
+
+        def pending_tokens(self) -> int:
+            return 1
+
+    pool = {"free": 0}
+    a, b = Req("A", 2, 1), Req("B", 5, 2)
+    needs = {"A": 1, "B": 0}  # A's next row starts a block; B's fits its last one
+
+    def preempt(victim):
+        pool["free"] += victim.blocks  # what the core's _preempt does: the victim's blocks go back
+        victim.blocks = 0
+
+    scheduler = Scheduler(max_running=4, max_batch_tokens=64)
+    scheduler.running = [a, b]
+    plan = scheduler.plan_step(lambda r, n: needs[r.name], lambda n: pool["free"], preempt)
+    assert [r.name for r in plan.preempted] == ["B"]
+    assert [(r.name, n) for r, n in plan.rows] == [("A", 1)]
+
+
+def test_defect2_engine_preempts_one_request_not_both():
+    """The same through the engine: an older request (22-token prompt) and a newer one (66 tokens) decode in a
+    7-block pool; when the older needs a block, only the newer is preempted and the step still runs the older's
+    row; both give the tokens they give alone. Before the fix both were preempted in that step (the older too:
+    ``preemptions`` 1 and 2) and the step ran nothing."""
+    older, newer = random_ids(22, seed=1), random_ids(66, seed=2)
+    alone = pool_engine(16)
+    want = [alone.generate(p, 30, mode="cold").output_ids for p in (older, newer)]
+    engine = pool_engine(7)
+    first = engine.add_request(older, SamplingParams(max_tokens=30))
+    engine.step()
+    second = engine.add_request(newer, SamplingParams(max_tokens=30))
+    empty_steps = 0
+    progress = (0, 0)
+    for _ in range(300):
+        if not engine.core.has_work():
+            break
+        engine.step()
+        now = (engine.core.counters["prefill_tokens"], sum(len(h._request.tokens) for h in (first, second)))
+        empty_steps += now == progress  # no prompt row and no token: the step computed nothing
+        progress = now
+    assert not engine.core.has_work()
+    assert second.result(0).preemptions > 0, "the scenario no longer preempts"
+    assert first.result(0).preemptions == 0, "the older request was preempted as well"
+    assert [first.result(0).output_ids, second.result(0).output_ids] == want
+    assert empty_steps == 0, f"{empty_steps} steps computed nothing"

@@ -248,9 +248,8 @@ class EngineCore:
                 self._admit(finished)
                 self._settle_forks(finished)
                 self._propose(finished)
-                plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim)
-                for request in plan.preempted:
-                    self._preempt(request, finished)
+                plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim,
+                                                lambda victim: self._preempt(victim, finished))  # fmt: skip
                 if plan.rows:
                     self._run(plan.rows, finished)
                     self._settle_forks(finished)
