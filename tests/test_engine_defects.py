@@ -308,3 +308,90 @@ def test_defect2_engine_preempts_one_request_not_both():
     assert first.result(0).preemptions == 0, "the older request was preempted as well"
     assert [first.result(0).output_ids, second.result(0).output_ids] == want
     assert empty_steps == 0, f"{empty_steps} steps computed nothing"
+
+
+# ------------------------------------------------------------------------------------------------------- threading
+def test_threading_shared_tier_refresh_runs_under_the_step_lock(tmp_path):
+    """The loop's look for entries other processes wrote to a shared tier (``store.refresh``, Redis) changes the
+    store's books: it must hold the core's step lock, as ``unpin``, ``reset_cache`` and ``close`` do (here a disk
+    tier with a recording ``refresh``: the only thread is the loop's, so ``core.stepping`` > 0 means the lock).
+    Before the fix it ran on the loop thread outside the lock."""
+    import time
+
+    from kvboost.engine import EngineLoop
+
+    cache = [{"name": "memory"}, {"name": "disk", "path": str(tmp_path), "capacity": "64MiB", "fsync": False}]
+    engine = pool_engine(16, cache=cache)
+    held = []
+
+    def refresh():
+        held.append(engine.core.stepping > 0)
+        return []
+
+    engine.store.tiers[1].refresh = refresh
+    loop = EngineLoop(engine, refresh_shared_s=0.01).start()
+    deadline = time.monotonic() + 20
+    while len(held) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.shutdown()
+    assert len(held) >= 3, "the loop never refreshed the shared tier"
+    assert all(held), f"{held.count(False)} of {len(held)} refreshes ran outside the step lock"
+    engine.close()
+
+
+def test_threading_finished_loop_keeps_the_canonical_store():
+    """After an ``EngineLoop`` ends, a chat request added with ``add_request`` and stepped by its caller still gets
+    its canonical store (the core's ``on_finished`` hook is the engine's again). Before the fix the loop set the
+    hook to None when it stopped: no canonical prefill ran."""
+    from kvboost_testkit.tiny import ToyTokenizer, tiny_model
+
+    from kvboost import KVBoost
+    from kvboost.engine import EngineLoop
+
+    class ChatToyTokenizer(ToyTokenizer):
+        chat_template = "toy"
+
+    engine = KVBoost(tiny_model("llama"), ChatToyTokenizer(), model_identity="tiny", decode="eager",
+                     chunker={"name": "fixed", "chunk_size": BLOCK})  # fmt: skip
+    engine.eos_ids = set()
+    EngineLoop(engine).start().shutdown()
+    engine.add_request([{"role": "user", "content": "Name three fruits, please."}], SamplingParams(max_tokens=6))
+    drain(engine, 100, "a chat request and its canonical store")
+    assert engine.core.counters["canonical_prefill_tokens"] > 0, "the chat turn got no canonical store"
+    engine.close()
+
+
+def test_threading_server_warm_tokenizes_off_the_loop_thread():
+    """The server's ``POST /v1/cache/warm`` tokenizes on a worker thread (``EngineLoop.warm``), never on the loop
+    thread (a long document tokenized there stalled every decode), and stores the text as ``engine.warm`` does.
+    Before the fix the route ran ``engine.warm`` on the loop thread through ``loop.call``: the tokenizer ran on
+    ``kvboost-engine-loop``."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from kvboost.engine import EngineLoop
+    from kvboost.serving.server import create_app
+
+    engine = pool_engine(16, chat=False)
+    threads = []
+    cls = type(engine.tokenizer)
+
+    def tokenize(self, text, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return cls.__call__(self, text, *args, **kwargs)
+
+    engine.tokenizer.__class__ = type("RecordingTokenizer", (cls,), {"__call__": tokenize})
+    loop = EngineLoop(engine).start()
+    try:
+        with TestClient(create_app(loop, model_name="tiny", server_secret="test-secret")) as client:
+            text = "A shared system prompt, long enough for two chunks of sixteen tokens."
+            response = client.post("/v1/cache/warm", json={"text": text})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["chunks_stored"] >= 2 and body["tokens_stored"] == body["prompt_tokens"]
+        assert threads, "warm tokenized nothing"
+        assert "kvboost-engine-loop" not in threads, f"tokenized on the loop thread: {threads}"
+    finally:
+        loop.shutdown()
+    engine.close()

@@ -519,12 +519,15 @@ class InferenceEngine:
         Reuses whatever exact prefix is already cached; ``pin=True`` protects the chunks from eviction (a pin holds
         their pool blocks) until :meth:`unpin`. Runs as a request of the engine's core, like ``generate``.
         """
-        ids, spans = self._warm_ids(text, chat)
-        request = self.core.prepare_store(ids, spans, salt=cache_salt, pin=pin, kind="warm")
+        request = self.prepare_warm(text, pin=pin, cache_salt=cache_salt, chat=chat)
         self._run([request])
-        if request.finish_reason != "stop":
-            raise request.error or RuntimeError(f"warm ended: {request.finish_reason}")
-        return request.result
+        return warm_result(request)
+
+    def prepare_warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "", chat: bool | None = None) -> Any:
+        """The store request of ``warm(text)``, tokenized and checked on the caller's thread (``EngineLoop.warm``
+        submits it, so that the loop thread never tokenizes)."""
+        ids, spans = self._warm_ids(text, chat)
+        return self.core.prepare_store(ids, spans, salt=cache_salt, pin=pin, kind="warm")
 
     def unpin(self, text: Prompt, *, cache_salt: str = "", chat: bool | None = None) -> int:
         """Undo ``warm(text, pin=True)``: the chunks become evictable again. Returns how many were unpinned."""
@@ -582,6 +585,13 @@ class InferenceEngine:
         backend, a bf16 tolerance otherwise); the report's ``criterion`` says which, ``print(report)`` shows it."""
         return verify_correctness(self, prompts, max_new_tokens=max_new_tokens, prefix_fraction=prefix_fraction,
                                   kl_tolerance=kl_tolerance)  # fmt: skip
+
+
+def warm_result(request: Any) -> WarmResult:
+    """The ``WarmResult`` of a finished warm request, or its error."""
+    if request.finish_reason != "stop":
+        raise request.error or RuntimeError(f"warm ended: {request.finish_reason}")
+    return request.result
 
 
 def _checked_score_ids(score_ids: Any, vocab_size: int | None) -> list[int]:
