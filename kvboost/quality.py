@@ -219,8 +219,8 @@ def verify_correctness(
 ) -> VerifiedCorrectness:  # fmt: skip
     """Check that exact reuse reproduces a cold prefill, prompt by prompt, within what the configuration promises.
 
-    For each prompt: a ``cold`` generation; then, in a scratch store (the engine's own cache is left untouched),
-    the first ``prefix_fraction`` of its tokens is stored and the prompt is generated with ``reuse`` (exact hits, a
+    For each prompt: a ``cold`` generation; then, under a cache salt of its own (``scratch_cache``: the engine's
+    entries give no hits and the check's are removed afterwards), the first ``prefix_fraction`` of its tokens is stored and the prompt is generated with ``reuse`` (exact hits, a
     frontier partial hit, a suffix prefill, the configured quantizer and strategy). Compared: greedy tokens,
     first-token KL(cold || reuse), first divergence, max abs logit difference.
 
@@ -240,12 +240,12 @@ def verify_correctness(
     checks, margins = [], []
     try:
         for prompt in prompts:
-            with scratch_cache(engine):
+            with scratch_cache(engine) as salt:
                 cold = engine.generate(prompt, max_new_tokens=max_new_tokens, mode="cold")
                 ids = cold.prompt_ids
                 cut = max(1, int(len(ids) * prefix_fraction))
-                engine.warm(ids[:cut])
-                warm = engine.generate(ids, max_new_tokens=max_new_tokens, mode="reuse")
+                engine.warm(ids[:cut], cache_salt=salt)
+                warm = engine.generate(ids, max_new_tokens=max_new_tokens, mode="reuse", cache_salt=salt)
                 checks.append(compare_generations(prompt, cold, warm))
                 margins.append(_tie_margin(engine, ids, cold.output_ids, warm.output_ids) if near_tie is not None
                                and not checks[-1].greedy_match else None)  # fmt: skip
@@ -257,26 +257,32 @@ def verify_correctness(
 
 
 @contextmanager
-def scratch_cache(engine: Any) -> Iterator[None]:
-    """The engine serves from an empty cache of its own kind meanwhile (its own entries stay untouched): a scratch
-    pool tier over the same KV pool, or a scratch memory tier when the engine's first tier is not the pool. Not
-    while an EngineLoop serves other clients: they would use the scratch cache too."""
-    from kvboost.cache.memory import MemoryTier
-    from kvboost.cache.pool_tier import PoolTier
-    from kvboost.cache.store import KVStore
+def scratch_cache(engine: Any) -> Iterator[str]:
+    """A cache salt of the check's own (yielded): every key stored under it holds the salt, so the check's entries
+    share nothing with the engine's (no hit either way, content hits included), and they are removed when it ends
+    (the store's counters are restored too). The check runs in the engine's own store and pool, so a pool full of
+    cached chunks is reclaimed for it as for any request (the engine's idle entries may move to a tier below or
+    go, as under any load); a second cache over the same pool could evict nothing and failed with
+    ``PoolExhausted``. Clients of an EngineLoop served meanwhile neither see nor lose anything."""
+    import copy
+    import uuid
 
-    saved = engine.store
-    with engine.core.exclusive():
-        scratch = KVStore([PoolTier(engine.pool) if saved.pool is not None else MemoryTier("4GiB")])
-        engine.store = scratch
+    salt = f"verify-correctness-{uuid.uuid4().hex}"
+    store = engine.store
+    saved_stats = copy.deepcopy(store.stats)
     try:
-        yield
+        yield salt
     finally:
         with engine.core.exclusive():
-            scratch.clear()
-            engine.store = saved
-            if saved.pool is not None:
-                engine.pool.cache = saved
+            root = engine.hasher.root_key(engine.fingerprint, salt)
+            scratch, frontier = [], [root]
+            while frontier:  # the salted chains, parents before children (the salt is in every key below root)
+                children = [key for parent in frontier for key in store.children(parent)]
+                scratch.extend(children)
+                frontier = children
+            for key in reversed(scratch):  # leaves first
+                store.remove(key)
+            store.stats = saved_stats
 
 
 def _tie_margin(engine: Any, ids: list[int], cold: list[int], warm: list[int]) -> float | None:

@@ -102,7 +102,7 @@ class _Req:
 
 
 def _plan(s: Scheduler):
-    return s.plan_step(lambda r, n: 0, lambda n: n)
+    return s.plan_step(lambda r, n: 0, lambda n: n, lambda victim: None)
 
 
 @settings(max_examples=200, deadline=None)

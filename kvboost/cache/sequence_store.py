@@ -10,7 +10,7 @@ not stored either.
 What an entry holds is the caller's ``payload_of(start, end)``: the engine gives runs of the sequence's pool blocks
 (:class:`~kvboost.cache.block_run.BlockRun`, nothing copied) when the first tier is the pool, else the quantizer's
 payload of a copy of the rows. A chunk held only by a tier below the pool is stored again as a run: that moves it
-up (the request loaded its rows into its own blocks). The simulators of ``experiments/`` run this very function.
+up (the request loaded its rows into its own blocks), pinned if it was pinned there. The simulators of ``experiments/`` run this very function.
 """
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ def store_sequence(
 ) -> int:
     """Store the chunks of ``seq`` that the store lacks; returns how many were stored.
 
-    ``spans`` are the prompt's (extended over ``seq`` by the chunker when ``seq`` is longer: generated tokens).
+    ``spans`` are the prompt's (extended over ``seq`` by the chunker when ``seq`` is longer: generated tokens; cut
+    to ``seq`` when it is shorter: a request preempted in its prefill, see :func:`cover`).
     ``payload_of(start, end)`` gives the payload of rows ``[start, end)`` (called only for chunks that are stored).
     ``approx_tag``: the recompute strategy's fingerprint, in the key of every approximate chunk.
     """
-    spans = chunker.extend(seq, spans) if spans and spans[-1].end != len(seq) else spans
+    spans = cover(chunker, seq, spans)
     keys = hasher.chunk_keys(seq, spans, fingerprint, salt)
     stored = 0
     chain_broken = False  # an exact chunk no tier took: its descendants would be unreachable orphans
@@ -70,15 +71,33 @@ def store_sequence(
         if exact and primary not in store:
             drop_redundant_sibling(store, key.parent_key, tokens)
         payload = payload_of(span.start, span.end)
-        if primary in store and not is_pooled(payload):
+        below = store.peek_meta(primary) if primary in store else None
+        if below is not None and not is_pooled(payload):
             continue
+        # an entry moved up from a tier below keeps its pin (a pin set before a restart, or on an entry the pool
+        # refused): re-storing it unpinned would let the pool evict what the user pinned
+        pinned = pin or (below is not None and below.pinned)
         entry = KVEntry(key=primary, segment_key=segment, parent_key=key.parent_key if exact else None,
-                        token_ids=tokens, start=span.start, payload=payload, pinned=pin, exact=exact)  # fmt: skip
+                        token_ids=tokens, start=span.start, payload=payload, pinned=pinned, exact=exact)  # fmt: skip
         if store.put(entry):
             stored += 1
         elif exact:
             chain_broken = True
     return stored
+
+
+def cover(chunker: Any, seq: Sequence[int], spans: Sequence[ChunkSpan]) -> list[ChunkSpan]:
+    """The spans of ``seq`` given the prompt's ``spans``: extended by the chunker over tokens past them (generated
+    ones), or, when ``seq`` ends inside them (a prefill cut short), the spans that start before its end, the last
+    one cut there. A cut chunk is a frontier chunk, as the partial last chunk of any prompt is: the lookup matches
+    it token by token. (A chunker's ``extend`` continues the *last* segment; a cut in an earlier segment of the
+    ``separator`` chunker left its spans past the sequence, and storing them raised.)"""
+    n = len(seq)
+    if not spans or spans[-1].end == n:
+        return list(spans)
+    if spans[-1].end < n:
+        return chunker.extend(seq, spans)
+    return [ChunkSpan(span.start, min(span.end, n), span.segment_start) for span in spans if span.start < n]
 
 
 def drop_redundant_sibling(store: KVStore, parent_key: str, tokens: tuple[int, ...]) -> None:

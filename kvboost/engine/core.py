@@ -248,9 +248,8 @@ class EngineCore:
                 self._admit(finished)
                 self._settle_forks(finished)
                 self._propose(finished)
-                plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim)
-                for request in plan.preempted:
-                    self._preempt(request)
+                plan = self.scheduler.plan_step(self._blocks_needed, self.engine.pool.reclaim,
+                                                lambda victim: self._preempt(victim, finished))  # fmt: skip
                 if plan.rows:
                     self._run(plan.rows, finished)
                     self._settle_forks(finished)
@@ -296,7 +295,7 @@ class EngineCore:
                 budget -= outcome
                 if request.phase != "finished":
                     self._emit(request)
-                    if request.done:
+                    if request.done and request.phase == "decode":  # (a resumed score request is in "score")
                         _collect(finished, self._finish(request, request.finish_reason or "length"))
                 else:
                     _collect(finished, request.handle.completion)
@@ -417,14 +416,20 @@ class EngineCore:
             need += 1  # the shared or cached partial last block is copied before it is written
         return need
 
-    def _preempt(self, request: Request) -> None:
-        """Cache the request's computed rows (exact ones under their keys), free its blocks, queue it again: its
-        resumption finds those rows in the cache unless the pool needed them meanwhile."""
+    def _preempt(self, request: Request, finished: list[Completion] | None = None) -> None:
+        """Cache the request's computed rows (by ``store_rows``'s rule: those a prefill gives, generated ones only
+        when the engine stores them), free its blocks, queue it again: its resumption finds those rows in the cache
+        unless the pool needed them meanwhile, and computes the others again."""
         request.proposal = None
         try:
-            pipeline.store_rows(self.engine, request, resume=True)
-        except Exception:
+            pipeline.store_rows(self.engine, request)
+        except Exception as exc:  # as when a finishing request's store fails: it ends with the error, alone (a
+            # failure here used to be logged and dropped, which hid a storing bug behind a silent recomputation)
             log.exception("kvboost: caching the rows of preempted request %s failed", request.request_id)
+            completion = self._fail(request, exc)
+            if finished is not None:
+                finished.append(completion)
+            return
         request.table.release()
         request.table = BlockTable(self.engine.pool)
         request.phase, request.preempted = "waiting", True
@@ -525,6 +530,9 @@ class EngineCore:
         if request.phase == "score":
             self._finish_score(request)
             return
+        if request.scoring:  # resumed after a preemption in its score rows: its prompt is back, the rows again
+            self._begin_score(request)
+            return
         first = not request.tokens
         if first:  # the first token: TTFT stops here
             request.first_logits = logits
@@ -605,6 +613,18 @@ class EngineCore:
             if child.done:
                 _collect(finished, self._finish(child, child.finish_reason or "length"))
 
+    def _begin_score(self, request: Request) -> bool:
+        """Queue the teacher-forced rows of ``score_ids`` after the prompt (the table holds the prompt's rows);
+        False when there are none and the request finished here. A preemption before they ran resumes the request
+        with its prompt alone (``pipeline.sequence_of``) and comes back here, not to a prefill's next token."""
+        request.scoring = True
+        request.fed, request.fed_pos, request.phase = list(request.score_ids[:-1]), 0, "score"
+        request.score_logits = []
+        if request.fed:
+            return True  # finishes when its score rows ran
+        self._finish_score(request)
+        return False
+
     def _finish_score(self, request: Request) -> None:
         """The teacher-forced log-probability of ``score_ids`` (after the prompt), into ``result.extra``."""
         from kvboost.quality import continuation_logprob
@@ -653,12 +673,7 @@ class EngineCore:
                 engine._cached_tokens += request.counts.cached_tokens
                 if request.score_ids is not None:
                     request.table.truncate(request.prompt_len)
-                    request.fed, request.fed_pos, request.phase = list(request.score_ids[:-1]), 0, "score"
-                    request.score_logits = []
-                    if request.fed:
-                        return None  # finishes when its score rows ran
-                    self._finish_score(request)
-                    return request.handle.completion
+                    return None if self._begin_score(request) else request.handle.completion
             elif normal and request.kind in ("warm", "store"):
                 reused = request.plan.reused_tokens if request.plan is not None else 0
                 request.stored_chunks = pipeline.store_rows(engine, request, pin=request.pin)

@@ -37,7 +37,7 @@ from kvboost.kv.sizing import activation_bytes, make_pool, parse_bytes, row_bloc
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
 from kvboost.original_api import GenerationMode, engine_mode, translate_options
-from kvboost.prompts import Prompt, check_length, check_token_ids, prompt_text_or_ids
+from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
 from kvboost.reuse.prefill import ReferenceMemo
@@ -422,6 +422,8 @@ class InferenceEngine:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         mode = engine_mode(mode)  # a GenerationMode of the original API, or reuse | prefix | cold
+        if score_ids is not None:
+            score_ids = _checked_score_ids(score_ids, self.vocab_size)
         clock = PhaseClock(self.adapter.device)
         requests = []
         for prompt, temperature, do_sample in zip(prompts, temps, samples, strict=True):
@@ -430,6 +432,8 @@ class InferenceEngine:
             request = self.core.prepare(prompt, params, cache_salt=cache_salt, mode=mode, store=store,
                                         clock=clock.fork())  # fmt: skip
             request.keep_logits, request.score_ids = keep_logits, score_ids
+            if score_ids is not None:  # its score rows follow the prompt in its table: they must fit the pool
+                pipeline.check_memory(self, len(request.ids) + len(score_ids), what="prompt + score_ids")
             request.own_canonical = True  # stored below, before this call returns
             requests.append(request)
         self._run(requests)
@@ -515,12 +519,15 @@ class InferenceEngine:
         Reuses whatever exact prefix is already cached; ``pin=True`` protects the chunks from eviction (a pin holds
         their pool blocks) until :meth:`unpin`. Runs as a request of the engine's core, like ``generate``.
         """
-        ids, spans = self._warm_ids(text, chat)
-        request = self.core.prepare_store(ids, spans, salt=cache_salt, pin=pin, kind="warm")
+        request = self.prepare_warm(text, pin=pin, cache_salt=cache_salt, chat=chat)
         self._run([request])
-        if request.finish_reason != "stop":
-            raise request.error or RuntimeError(f"warm ended: {request.finish_reason}")
-        return request.result
+        return warm_result(request)
+
+    def prepare_warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "", chat: bool | None = None) -> Any:
+        """The store request of ``warm(text)``, tokenized and checked on the caller's thread (``EngineLoop.warm``
+        submits it, so that the loop thread never tokenizes)."""
+        ids, spans = self._warm_ids(text, chat)
+        return self.core.prepare_store(ids, spans, salt=cache_salt, pin=pin, kind="warm")
 
     def unpin(self, text: Prompt, *, cache_salt: str = "", chat: bool | None = None) -> int:
         """Undo ``warm(text, pin=True)``: the chunks become evictable again. Returns how many were unpinned."""
@@ -578,6 +585,26 @@ class InferenceEngine:
         backend, a bf16 tolerance otherwise); the report's ``criterion`` says which, ``print(report)`` shows it."""
         return verify_correctness(self, prompts, max_new_tokens=max_new_tokens, prefix_fraction=prefix_fraction,
                                   kl_tolerance=kl_tolerance)  # fmt: skip
+
+
+def warm_result(request: Any) -> WarmResult:
+    """The ``WarmResult`` of a finished warm request, or its error."""
+    if request.finish_reason != "stop":
+        raise request.error or RuntimeError(f"warm ended: {request.finish_reason}")
+    return request.result
+
+
+def _checked_score_ids(score_ids: Any, vocab_size: int | None) -> list[int]:
+    """``score_ids`` as a list of token ids, or a PromptError saying what is wrong with it."""
+    if isinstance(score_ids, (str, bytes)) or not isinstance(score_ids, Sequence):
+        raise PromptError(f"score_ids must be a sequence of token ids, got {type(score_ids).__name__}")
+    ids = list(score_ids)
+    if not ids:
+        raise PromptError("score_ids is empty: give the token ids of the answer to score")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise PromptError(f"score_ids must hold ints (token ids), got {sorted({type(t).__name__ for t in ids})}")
+    check_token_ids(ids, vocab_size)
+    return ids
 
 
 def _engine_fingerprint(ref: weakref.ReferenceType[InferenceEngine]) -> str:

@@ -61,6 +61,7 @@ class EngineLoop:
         self._stopping = False
         self._running = False
         self._holds_pool = False  # a hold of the quantized decode step's own pool (start until the thread ends)
+        self._hook: Callable[[Any], None] | None = None  # core.on_finished before start
         self._stats: dict[str, Any] = self.core.stats()
         self._lock = threading.Lock()
         self.error: BaseException | None = None
@@ -79,6 +80,7 @@ class EngineLoop:
             hold_decode_pool()
         self._thread = threading.Thread(target=self._run, name="kvboost-engine-loop", daemon=True)
         self.core.driver = self._thread
+        self._hook = self.core.on_finished  # the engine's own (canonical stores when nothing drives it): put back
         self.core.on_finished = self._turns.put
         self._frontend = threading.Thread(target=self._store_turns, name="kvboost-frontend", daemon=True)
         self._thread.start()
@@ -119,6 +121,23 @@ class EngineLoop:
         """``prompt`` tokenized as a request would be (thread-safe); ``submit`` takes the result in its place."""
         return tokenize_prompt(self.engine, prompt, chat=chat)
 
+    def warm(self, text: Prompt, *, pin: bool = False, cache_salt: str = "", chat: bool | None = None,
+             timeout: float | None = None) -> Any:
+        """``engine.warm`` through the loop (blocks the calling thread until stored): the text is tokenized here,
+        never on the loop thread (a long document there stalled every decode), and the store runs in the loop's
+        steps beside the other requests. Raises ``LoopStopped`` when the loop stops before it is stored."""
+        from kvboost.engine.inference import warm_result
+
+        if not self.running:
+            raise LoopStopped("the engine loop is not running")
+        request = self.engine.prepare_warm(text, pin=pin, cache_salt=cache_salt, chat=chat)
+        if not self.running:
+            raise LoopStopped("the engine loop is shutting down")
+        self.core.submit(request, internal=True).wait(timeout)
+        if request.finish_reason == "shutdown":
+            raise LoopStopped("the engine loop stopped before the text was stored")
+        return warm_result(request)
+
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the loop thread between steps; its result (or exception) in the future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -143,7 +162,8 @@ class EngineLoop:
             while not self._stopping:
                 if self.refresh_shared_s and time.monotonic() - last_refresh >= self.refresh_shared_s:
                     try:
-                        self.shared_entries_found += self.engine.store.refresh()
+                        with core.exclusive():  # the store's books: not while unpin / reset_cache / close change them
+                            self.shared_entries_found += self.engine.store.refresh()
                     except Exception as exc:
                         log.warning("kvboost: refreshing the shared cache tiers failed: %r", exc)
                     last_refresh = time.monotonic()
@@ -176,7 +196,9 @@ class EngineLoop:
             for _, future in calls:
                 future.set_exception(LoopStopped("the engine loop stopped"))
             core.driver = None
-            core.on_finished = None
+            # the hook the engine had: add_request turns stepped by their caller after this loop still get their
+            # canonical store (None here left them without one)
+            core.on_finished = self._hook
             if self._holds_pool:
                 from kvboost.runtime.quant_step import release_decode_pool
 

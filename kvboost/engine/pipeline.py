@@ -28,23 +28,26 @@ from kvboost.types import ChunkSpan, GenerationResult
 MODES = ("reuse", "prefix", "cold")
 
 
-def check_memory(engine: Any, rows: int) -> None:
-    """Refuse a request whose KV cannot fit, with the numbers, before any compute."""
+def check_memory(engine: Any, rows: int, what: str = "prompt + max_new_tokens") -> None:
+    """Refuse a request whose KV cannot fit, with the numbers, before any compute (``what``: what ``rows``
+    counts, for the message)."""
     need = rows * engine.pool.row_bytes
+    shorten = "lower max_new_tokens" if "max_new_tokens" in what else "shorten score_ids"
     if engine.max_kv_bytes is not None and need > engine.max_kv_bytes:
-        raise PromptError(f"the KV for {rows} tokens (prompt + max_new_tokens) needs {need / 2**20:.1f} MiB, more "
-                          f"than max_kv_bytes ({engine.max_kv_bytes / 2**20:.1f} MiB); lower max_new_tokens or "
+        raise PromptError(f"the KV for {rows} tokens ({what}) needs {need / 2**20:.1f} MiB, more "
+                          f"than max_kv_bytes ({engine.max_kv_bytes / 2**20:.1f} MiB); {shorten} or "
                           "shorten the prompt")  # fmt: skip
     if engine.pool.blocks_for(rows) + 1 > engine.pool.num_blocks:
-        raise PromptError(f"the KV for {rows} tokens (prompt + max_new_tokens) needs {need / 2**20:.1f} MiB, more "
+        raise PromptError(f"the KV for {rows} tokens ({what}) needs {need / 2**20:.1f} MiB, more "
                           f"than the KV pool holds ({engine.pool.num_blocks * engine.pool.block_bytes / 2**20:.1f} "
-                          "MiB); raise kv.pool_bytes, lower max_new_tokens or shorten the prompt")  # fmt: skip
+                          f"MiB); raise kv.pool_bytes, {shorten} or shorten the prompt")  # fmt: skip
 
 
 def sequence_of(engine: Any, request: Request) -> tuple[list[int], list[ChunkSpan]]:
     """What a (re)starting request computes: its prompt, or, resumed after a preemption, the prompt and every token
-    it generated (the last one's logits give its next token), with the chunker's spans over them."""
-    if not request.tokens:
+    it generated (the last one's logits give its next token), with the chunker's spans over them; a request
+    preempted in its ``score_ids`` rows, its prompt alone (the score rows follow it)."""
+    if not request.tokens or request.scoring:
         return request.ids, request.spans
     seq = request.ids + request.tokens
     return seq, engine.chunker.extend(seq, request.spans)
@@ -80,15 +83,18 @@ def prefill_with_repair(engine: Any, request: Request) -> torch.Tensor:
     return outcome.logits
 
 
-def store_rows(engine: Any, request: Request, *, pin: bool = False, resume: bool = False) -> int:
+def store_rows(engine: Any, request: Request, *, pin: bool = False) -> int:
     """Store the chunks of the rows the request's table holds (prompt, and generated tokens when the engine stores
-    them and its decode step writes a prefill's K/V (``engine.generated_rows_exact``), or, ``resume``, always: a
-    preempted request's rows for its resumption): runs of its blocks in the pool tier, or the quantizer's payload
-    of a copy. Returns chunks stored."""
+    them and its decode step writes a prefill's K/V (``engine.generated_rows_exact``)): runs of its blocks in the
+    pool tier, or the quantizer's payload of a copy. Returns chunks stored.
+
+    A preempted request stores by the same rule (its resumption finds these rows): rows a prefill would not give
+    (an int8-activation decode's) are never stored under exact keys, and ``store_generated=False`` stores no
+    generated row; its resumption computes those again."""
     if request.mode == "cold" or not request.store:
         return 0
     table = request.table
-    generated = (engine.store_generated and getattr(engine, "generated_rows_exact", True)) or resume
+    generated = engine.store_generated and getattr(engine, "generated_rows_exact", True)
     seq = request.ids + (request.tokens[:-1] if generated else [])
     seq = seq[: table.length]
     if not seq:

@@ -144,9 +144,13 @@ class Scheduler:
         backlog = sum(r.pending_tokens() for r in self.running if not r.decoding)
         return min(self.max_batch_tokens, rows + self.step_budget.chunk(len(decoding), backlog))
 
-    def plan_step(self, blocks_needed: Callable[[Any, int], int], make_room: Callable[[int], int]) -> StepPlan:
+    def plan_step(self, blocks_needed: Callable[[Any, int], int], make_room: Callable[[int], int],
+                  preempt: Callable[[Any], None]) -> StepPlan:  # fmt: skip
         """The rows of this step; preempts (newest first) while their blocks cannot be had. ``make_room(n)`` frees
-        cached blocks until ``n`` are free and returns the free count."""
+        cached blocks until ``n`` are free and returns the free count; ``preempt(victim)`` (the core's) gives the
+        victim's blocks back at once, so the next look at the pool counts them: one victim's blocks are enough when
+        they are (asking again before they were released preempted every running request and ran an empty step).
+        Admission reads the same pool counts (``num_available``, ``reclaim``)."""
         plan = StepPlan()
         while True:
             rows = self._rows()
@@ -156,6 +160,7 @@ class Scheduler:
                 return plan
             victim = max(self.running, key=lambda r: r.admitted_at)
             self.running.remove(victim)
+            preempt(victim)
             plan.preempted.append(victim)
             if not self.running:
                 plan.rows = []

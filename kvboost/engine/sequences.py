@@ -80,6 +80,7 @@ class Request:
         self.keep_logits = False
         self.score_ids: Sequence[int] | None = None
         self.score_logits: list[torch.Tensor] = []
+        self.scoring = False  # its decoding is over and its score rows are queued (they stay so across preemption)
         self.messages: list[dict[str, str]] | None = None  # chat messages of the prompt (canonical store)
         self.own_canonical = False  # its caller (generate) stores its canonical turn, not the core's hook
         # OpenAI's n and logprobs (kvboost.serving): the other samples of the prompt, which fork this request's blocks

@@ -656,7 +656,7 @@ def create_app(
         salt = tenant.cache_salt(body.cache_salt)
         text, pin = body.text, body.pin
         try:
-            result = await asyncio.wrap_future(loop.call(lambda e: e.warm(text, pin=pin, cache_salt=salt, chat=False)))
+            result = await asyncio.to_thread(loop.warm, text, pin=pin, cache_salt=salt, chat=False)
         except LoopStopped as exc:
             raise _stopped(str(exc)) from None
         except CLIENT_ERRORS as exc:

@@ -46,7 +46,6 @@ class Draft:
         return len(self.tokens)
 
 
-@dataclass
 class DraftRequest:
     """What a strategy may use during one request (given to :meth:`DraftStrategy.begin`).
 
@@ -54,11 +53,25 @@ class DraftRequest:
     target's K/V of the context (every token but the last); a strategy that writes rows past them (``layer_skip``)
     must leave ``table.length`` where it found it (the verification overwrites those rows). ``runner`` is the
     engine's model runner (``runner.run(ForwardBatch)``).
+
+    Built by the engine with ``owner`` (its request), ``table`` is always the request's table *now*: a preempted
+    request gets a new one when it resumes, and a strategy that kept the table of ``begin`` would read (and write)
+    the released one.
     """
 
-    prompt_len: int
-    table: Any
-    runner: Any
+    __slots__ = ("_table", "owner", "prompt_len", "runner")
+
+    def __init__(self, prompt_len: int, table: Any = None, runner: Any = None, *, owner: Any = None) -> None:
+        if table is None and owner is None:
+            raise ValueError("DraftRequest needs a table or an owner request holding one")
+        self.prompt_len, self._table, self.runner, self.owner = prompt_len, table, runner, owner
+
+    @property
+    def table(self) -> Any:
+        return self.owner.table if self.owner is not None else self._table
+
+    def __repr__(self) -> str:
+        return f"DraftRequest(prompt_len={self.prompt_len}, table={self.table!r})"
 
 
 class DraftLength:

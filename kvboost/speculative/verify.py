@@ -118,7 +118,7 @@ def begin(request: Any, strategy: Any, runner: Any) -> None:
     request.draft = copy.copy(strategy)
     request.draft_length = strategy.new_length()
     request.spec_stats = SpeculativeStats()
-    request.draft.begin(DraftRequest(prompt_len=request.prompt_len, table=request.table, runner=runner))
+    request.draft.begin(DraftRequest(prompt_len=request.prompt_len, runner=runner, owner=request))
 
 
 def propose(request: Any, max_positions: int | None) -> Draft:
