@@ -37,6 +37,7 @@ from kvboost.cache.events import (
     decode_batch,
     encode_batch,
     external_hash,
+    salt_tag,
     store_index,
 )
 from kvboost.serving import ray as kray
@@ -71,13 +72,21 @@ class Recorder:
         self.applied = len(self.batches)
 
 
+SALT_KEY = "routing-test-key"  # the deployment's kv_events.salt_key
+
+
+def published(salt: str) -> str:
+    """A tenant salt as the replicas publish it (and the ingress computes it)."""
+    return salt_tag(salt, SALT_KEY) if salt else ""
+
+
 def engine_with_events(memory_blocks: int, disk: str | None = None):
     recorder = Recorder()
     cache = [{"name": "memory", "capacity": memory_blocks * BLOCK_BYTES}]
     if disk is not None:
         cache.append({"name": "disk", "path": disk, "fsync": False})
     engine = make_engine("llama", cache=cache, kv={"pool_bytes": 40 * BLOCK_BYTES}, decode="eager",
-                         kv_events={"enabled": True, "publisher": recorder})  # fmt: skip
+                         kv_events={"enabled": True, "publisher": recorder, "salt_key": SALT_KEY})  # fmt: skip
     return engine, recorder
 
 
@@ -116,7 +125,7 @@ def test_index_from_two_engines_events_equals_their_stores_and_walks_their_keys(
                 q_ids_, spans = tok(q_ids)
                 assert q_ids_ == q_ids and [(s.start, s.end) for s in spans] == [
                     (s.start, s.end) for s in a.tokenize_with_spans(q_ids)[1]]  # fmt: skip
-                chain = index.chain(q_ids, spans, q_salt)
+                chain = index.chain(q_ids, spans, published(q_salt))
                 hashes, _ = engine_truth(a, q_ids, q_salt)
                 assert chain == hashes[: len(chain)]
                 for r in "ab":
@@ -125,8 +134,8 @@ def test_index_from_two_engines_events_equals_their_stores_and_walks_their_keys(
         assert "disk" in index.media("b") or b.store.summary()["tiers"][1]["entries"] == 0
         # the tenant's prompt is not found without its salt, nor the open tenant's with it
         salted_ids = prompts[3][0]
-        assert index.chain(salted_ids, tok(salted_ids)[1], "tenant-x")
-        assert index.chain(salted_ids, tok(salted_ids)[1], "tenant-y") == []
+        assert index.chain(salted_ids, tok(salted_ids)[1], published("tenant-x"))
+        assert index.chain(salted_ids, tok(salted_ids)[1], published("tenant-y")) == []
         # a restart: AllBlocksCleared then the snapshot; the index follows
         b.store.clear()
         recorders["b"].feed(index, "b")
@@ -161,8 +170,10 @@ def test_request_tokens_through_the_server_find_what_the_replica_stored():
         assert parts[0]["status"] == 200
         tenancy = Tenancy(["k1", "k2"], "s3cret")
         tokenize = RequestTokenizer(engine.tokenizer, engine.chunker, engine.chat)
-        route = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k1", tokenize, tenancy)
-        assert route is not None and route["salt"] == tenancy.authenticate("Bearer k1").cache_salt("c")
+        route = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k1", tokenize, tenancy, SALT_KEY)
+        assert route is not None and route["salt"] == published(tenancy.authenticate("Bearer k1").cache_salt("c"))
+        unkeyed = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k1", tokenize, tenancy)
+        assert unkeyed["salt"] == kray.UNKNOWN_SALT  # without the replicas' key: matches nothing
         deadline = time.monotonic() + 10
         while index.media("r") != store_index(engine.store):
             recorder.feed(index, "r")
@@ -171,7 +182,7 @@ def test_request_tokens_through_the_server_find_what_the_replica_stored():
         chain = index.chain(route["ids"], route["spans"], route["salt"])
         assert len(chain) == len(route["ids"]) // 16 > 0  # every full chunk of the prompt is held
         assert index.match("r", chain) == (len(chain), len(chain))
-        other = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k2", tokenize, tenancy)
+        other = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k2", tokenize, tenancy, SALT_KEY)
         assert index.chain(other["ids"], other["spans"], other["salt"]) == []  # another tenant: nothing
         assert kray.request_route_tokens("/v1/chat/completions", body, "Bearer nope", tokenize, tenancy) is None
         assert kray.request_route_tokens("/v1/models", b"", None, tokenize) is None

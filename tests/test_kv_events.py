@@ -42,6 +42,7 @@ from kvboost.cache.events import (
     decode_batch,
     encode_batch,
     external_hash,
+    salt_tag,
     store_index,
 )
 from kvboost.quant.none import RawKV
@@ -108,7 +109,7 @@ def test_subscriber_index_matches_the_engine_through_evictions_and_a_restart(tmp
                   {"name": "disk", "path": str(tmp_path), "fsync": False}],
         "kv": {"pool_bytes": 40 * BLOCK_BYTES}, "decode": "eager",
         "kv_events": {"enabled": True, "endpoint": f"tcp://*:{pub_port}", "replay_endpoint": f"tcp://*:{replay_port}",
-                      "topic": "kvboost"},
+                      "topic": "kvboost", "salt_key": "events-key"},
     }  # fmt: skip
     sub = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
                             topic="kvboost")  # fmt: skip
@@ -124,9 +125,9 @@ def test_subscriber_index_matches_the_engine_through_evictions_and_a_restart(tmp
         assert summary["demoted"] > 0 and summary["tiers"][1]["entries"] > 0, "the small memory tier never evicted"
         assert sub.index.as_dict()["disk"], "nothing reached the disk tier"
 
-        # the salted first chunk: parent None, its salt as the extra key (vLLM's cache_salt on a first block)
+        # the salted first chunk: parent None, its salt's keyed hash as the extra key (where vLLM puts cache_salt)
         stored = [e for _, b in sub.request_replay(0) for e in b.events if isinstance(e, BlockStored)]
-        salted = [e for e in stored if e.extra_keys == [["tenant-a"]]]
+        salted = [e for e in stored if e.extra_keys == [[salt_tag("tenant-a", "events-key")]]]
         assert salted and all(e.parent_block_hash is None for e in salted) and salted[0].medium == "memory"
         assert all(0 < e.block_size == len(e.token_ids) <= 16 for e in stored)  # a chunk each (the last may be short)
         assert any(e.parent_block_hash is not None for e in stored)  # chained chunks name their parent

@@ -39,8 +39,9 @@ How kvboost's cache maps onto the schema. kvboost's unit is a **chunk** (a run o
 - ``medium``: the name of the tier that took or dropped the entry: ``"memory"`` (the KV pool, or a memory tier),
   ``"disk"``, ``"redis"`` (``"memory#1"`` etc. when a store has two tiers of one kind). A key can be in several
   media at once (a write-through copy below).
-- ``extra_keys`` (one element per block): ``(salt,)`` for a first chunk stored under a tenant salt (``cache_salt``),
-  as vLLM carries ``cache_salt`` in its first block's extra keys; ``("kvboost:segment_only",)`` for an entry
+- ``extra_keys`` (one element per block): ``(salt_tag(salt),)`` for a first chunk stored under a tenant salt
+  (``cache_salt``), where vLLM carries ``cache_salt`` in its first block's extra keys: a keyed hash of the salt,
+  never the salt (:func:`salt_tag` says why); ``("kvboost:segment_only",)`` for an entry
   computed with repair, which only serves content hits (it is not a prompt prefix); otherwise ``None``.
 - ``hash(key)``: ``block_hash="int"`` (default): the key's digest as a big-endian integer, low 64 bits (what vLLM
   does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``"bytes"``: the whole digest. A key that is not hex (the
@@ -66,7 +67,11 @@ fresh ``AllBlocksCleared`` + snapshot so subscribers converge again.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 import logging
+import os
+import secrets
 import threading
 import time
 from collections import deque
@@ -78,6 +83,12 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SEGMENT_ONLY_EXTRA = "kvboost:segment_only"
+#: prefix of the published form of a tenant salt (:func:`salt_tag`)
+SALT_TAG_PREFIX = "kvboost-salt:"
+#: where the key of :func:`salt_tag` comes from when ``kv_events.salt_key`` is unset
+SALT_KEY_ENV = "KVBOOST_KV_EVENTS_KEY"
+#: interfaces that mean "every interface" in a bound endpoint
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
 ENCODINGS = ("map", "array")
 BLOCK_HASHES = ("int", "bytes")
 
@@ -184,6 +195,27 @@ def external_hash(key: str, block_hash: str = "int") -> int | bytes:
     return int.from_bytes(digest, "big") & ((1 << 64) - 1)
 
 
+def salt_tag(salt: str, key: bytes | str) -> str:
+    """The published form of a tenant salt: ``kvboost-salt:`` + the first 128 bits of HMAC-SHA256(``key``, salt).
+
+    Why a keyed hash. The salt is what keeps tenants apart (``kvboost.serving.tenancy``): a request's own
+    ``cache_salt`` is a secret its sender chose, and on a deployment without API keys it is the whole salt, so
+    publishing it would let anyone who reads the socket send requests under another tenant's salt and time its
+    prefix hits. A router needs equality only (two first blocks of one tenant carry the same extra key, of two
+    tenants different ones), which a keyed hash keeps; without the key the salt cannot be recovered nor a guessed
+    salt checked (an unkeyed hash of a low-entropy ``cache_salt`` could be)."""
+    key_bytes = key.encode() if isinstance(key, str) else bytes(key)
+    return SALT_TAG_PREFIX + hmac.new(key_bytes, salt.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def events_salt_key(configured: str | None) -> bytes:
+    """The key of :func:`salt_tag`: ``kv_events.salt_key``, else ``$KVBOOST_KV_EVENTS_KEY``, else a random key of
+    this process (equality within this publisher's stream only: a router that matches a request's salt itself,
+    or the salts of several replicas, needs one key set on all of them)."""
+    key = configured or os.environ.get(SALT_KEY_ENV)
+    return key.encode() if key else secrets.token_bytes(32)
+
+
 # ---------------------------------------------------------------------------------------------- config
 @dataclass
 class KVEventsConfig:
@@ -192,13 +224,18 @@ class KVEventsConfig:
     ``enabled``: off by default (vLLM's ``enable_kv_cache_events`` is accepted as its alias). ``publisher``:
     ``"zmq"``, ``"null"``, or an object with ``publish(batch)`` and ``shutdown()`` (tests). ``endpoint``: the PUB
     address (bound when it has ``*``, ``::``, ``ipc://`` or ``inproc://``, connected otherwise, as vLLM does);
-    ``replay_endpoint``: the ROUTER address (None: no replay); ``topic``: the first frame of every message;
+    ``host``: the interface a bound TCP endpoint with a wildcard host listens on, loopback by default (the events
+    carry every cached prompt's token ids, unauthenticated): ``"*"`` (or an address) binds elsewhere, with a
+    warning; ``replay_endpoint``: the ROUTER address (None: no replay), bound on ``host`` likewise;
+    ``salt_key``: the key of the tenant salts' published form (:func:`salt_tag`, :func:`events_salt_key`);
+    ``topic``: the first frame of every message;
     ``buffer_steps``: batches kept for replay; ``hwm``: the PUB socket's high-water mark; ``max_queue_size``:
     batches waiting for the publisher thread before the oldest is dropped."""
 
     enabled: bool = False
     publisher: Any = "zmq"
     endpoint: str = "tcp://*:5557"
+    host: str = "127.0.0.1"
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
@@ -207,6 +244,7 @@ class KVEventsConfig:
     encoding: str = "map"
     block_hash: str = "int"
     data_parallel_rank: int = 0
+    salt_key: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | KVEventsConfig | None) -> KVEventsConfig:
@@ -238,7 +276,8 @@ class KVEventsConfig:
         if not isinstance(self.publisher, str):
             return self.publisher
         return ZmqEventPublisher(
-            self.endpoint, replay_endpoint=self.replay_endpoint, topic=self.topic, buffer_steps=self.buffer_steps,
+            self.endpoint, host=self.host, replay_endpoint=self.replay_endpoint, topic=self.topic,
+            buffer_steps=self.buffer_steps,
             hwm=self.hwm, max_queue_size=self.max_queue_size, encoding=self.encoding,
             data_parallel_rank=self.data_parallel_rank,
         )  # fmt: skip
@@ -249,6 +288,32 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_address(endpoint: str, host: str = "127.0.0.1") -> str:
+    """The address a bound endpoint listens on: a TCP endpoint's wildcard host (``tcp://*:5557``,
+    ``tcp://0.0.0.0:*``) replaced by ``host``; other endpoints as given. Logs a warning when the result listens
+    beyond loopback (the events are unauthenticated)."""
+    if endpoint.startswith("tcp://"):
+        where, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if sep and where in _WILDCARDS:
+            where = host if host not in _WILDCARDS else "*"
+            if ":" in where and not where.startswith("["):
+                where = f"[{where}]"
+            endpoint = f"tcp://{where}:{port}"
+        if not _is_loopback(where):
+            log.warning("kv_events: publishing on %s, beyond loopback and unauthenticated: whoever reaches it reads "
+                        "every cached prompt's token ids (bind loopback, or restrict the port)", endpoint)  # fmt: skip
+    return endpoint
+
+
 class ZmqEventPublisher:
     """PUB socket + ROUTER replay socket, driven by one daemon thread; ``publish`` never blocks.
 
@@ -257,7 +322,8 @@ class ZmqEventPublisher:
 
     SHUTDOWN_TIMEOUT = 2.0
 
-    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: str | None = None, topic: str = "",
+    def __init__(self, endpoint: str = "tcp://*:5557", *, host: str = "127.0.0.1", replay_endpoint: str | None = None,
+                 topic: str = "",
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
                  encoding: str = "map", data_parallel_rank: int = 0) -> None:  # fmt: skip
         import zmq
@@ -279,7 +345,7 @@ class ZmqEventPublisher:
         self._pub.set_hwm(int(hwm))
         self._pub.setsockopt(zmq.LINGER, 0)
         if _binds(endpoint):
-            self._pub.bind(endpoint)
+            self._pub.bind(bind_address(endpoint, host))
         else:
             self._pub.connect(endpoint)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
@@ -289,7 +355,7 @@ class ZmqEventPublisher:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, 2 * (int(buffer_steps) + 1))
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
+            self._replay.bind(bind_address(replay_endpoint, host))
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvboost-kv-events", daemon=True)
@@ -391,14 +457,26 @@ class KVEventSink:
     ``hasher`` (optional) tells which parent keys are a tenant's root (``Hasher.salt_of_root``): such an entry is a
     prompt's first chunk (``parent_block_hash=None``, the salt in ``extra_keys``)."""
 
-    def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None) -> None:
+    def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None,
+                 salt_key: bytes | str | None = None) -> None:  # fmt: skip
         self.publisher = publisher
         self.block_hash = block_hash
         self.hasher = hasher
+        self._salt_key = events_salt_key(salt_key) if not isinstance(salt_key, bytes) else salt_key
         self.batches = 0  # batches emitted (handed to the publisher)
         self.events = 0  # events in them
         self.resyncs = 0  # fresh snapshots sent after the publisher dropped batches
         self._dropped_seen = 0
+
+    @classmethod
+    def from_config(cls, config: KVEventsConfig, publisher: Any, *, hasher: Any = None) -> KVEventSink:
+        """The sink of an engine's ``kv_events`` config (``config.build_publisher()`` gives ``publisher``)."""
+        return cls(publisher, block_hash=config.block_hash, hasher=hasher, salt_key=config.salt_key)
+
+    def published_salt(self, salt: str) -> str | None:
+        """What a first block carries for ``salt`` in ``extra_keys`` (:func:`salt_tag`; None for the open
+        tenant's empty salt, which has nothing to hide)."""
+        return salt_tag(salt, self._salt_key) if salt else None
 
     def hash_of(self, key: str) -> int | bytes:
         return external_hash(key, self.block_hash)
@@ -411,7 +489,7 @@ class KVEventSink:
         if not entry.exact:
             extra: Any = (SEGMENT_ONLY_EXTRA,)
         elif salt:
-            extra = (salt,)
+            extra = (self.published_salt(salt),)
         else:
             extra = None
         return BlockStored(

@@ -174,12 +174,17 @@ def request_route_keys(path: str, body: bytes, authorization: str | None,
         return None
 
 
+#: the published salt of a request whose salt the router cannot hash (no key): matches no replica's blocks
+UNKNOWN_SALT = "kvboost-salt:unknown"
+
+
 def request_route_tokens(path: str, body: bytes, authorization: str | None, tokenize: RequestTokenizer,
-                         tenancy: Any = None) -> dict[str, Any] | None:  # fmt: skip
+                         tenancy: Any = None, salt_key: str | bytes | None = None) -> dict[str, Any] | None:  # fmt: skip
     """What the events router matches: the prompt's token ids and chunk spans as the engine computes them, and the
     cache salt the server derives (``tenancy``: a :class:`kvboost.serving.tenancy.Tenancy` with the replicas' keys
-    and secret; None: the open tenant). None when the body is not a generation request the router can read, or its
-    key is unknown (the replica answers the error)."""
+    and secret; None: the open tenant) in the form the replicas publish it (:func:`kvboost.cache.events.salt_tag`
+    with their ``kv_events.salt_key``; without the key a salted request matches nothing). None when the body is not
+    a generation request the router can read, or its key is unknown (the replica answers the error)."""
     if path not in GENERATION_PATHS:
         return None
     try:
@@ -197,6 +202,10 @@ def request_route_tokens(path: str, body: bytes, authorization: str | None, toke
         salt = tenant.cache_salt(data.get("cache_salt"))
     except Exception:  # noqa: BLE001 - anything unreadable is the replica's to refuse, with its own error
         return None
+    if salt:
+        from kvboost.cache.events import salt_tag
+
+        salt = salt_tag(salt, salt_key) if salt_key else UNKNOWN_SALT
     return {"ids": ids, "spans": [(sp.start, sp.end) for sp in spans], "salt": salt}
 
 
@@ -548,6 +557,11 @@ if ray is not None:
             from kvboost.serving.cli import build_parser as server_parser
             from kvboost.serving.cli import build_served, compose_config, tenant_keys
 
+            if any(a.startswith("engine.kv_events.enabled=true") for a in server_argv) and not any(
+                    a.split("=", 1)[0] == "engine.kv_events.host" for a in server_argv):
+                # the events socket binds loopback by default; the router may be on another node: this node's
+                # address (not every interface)
+                server_argv = [*server_argv, f"engine.kv_events.host={ray.util.get_node_ip_address()}"]
             args = server_parser().parse_args(server_argv)
             self.engine, self.loop, self.app = build_served(args, compose_config(args), *tenant_keys(args),
                                                             refresh_shared_s=refresh_s)  # fmt: skip
@@ -606,13 +620,16 @@ if ray is not None:
             self.served: Counter[str] = Counter()
             self.tokenize: RequestTokenizer | None = None
             self.tenancy = None
+            self.salt_key: str | None = None
             if router == "events":  # the events router matches token ids: the replicas' tokenizer and chunker
                 from kvboost.serving.cli import build_parser as server_parser
                 from kvboost.serving.cli import compose_config, tenant_keys
                 from kvboost.serving.tenancy import Tenancy
 
                 args = server_parser().parse_args(list(server_argv or []))
-                self.tokenize = load_request_tokenizer(compose_config(args))
+                cfg = compose_config(args)
+                self.tokenize = load_request_tokenizer(cfg)
+                self.salt_key = ((cfg.get("engine") or {}).get("kv_events") or {}).get("salt_key")
                 keys, secret = tenant_keys(args)
                 self.tenancy = Tenancy(keys, secret) if keys else None
 
@@ -660,7 +677,7 @@ if ray is not None:
             path = "/" + path
             if self.tokenize is not None:
                 keys = request_route_tokens(path, body, request.headers.get("authorization"), self.tokenize,
-                                            self.tenancy)  # fmt: skip
+                                            self.tenancy, self.salt_key)  # fmt: skip
             else:
                 keys = request_route_keys(path, body, request.headers.get("authorization"), self.chunk_chars)
             message = {"method": request.method, "path": path, "query": request.url.query.encode("latin-1"),
@@ -696,6 +713,9 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
         raise ValueError(f"unknown router {router!r}; choose one of {list(ROUTERS)}")
     if router == "events":
         server_argv = replica_argv(server_argv, redis_url=None, events=True)
+        if not any(a.split("=", 1)[0].lstrip("+~") == "engine.kv_events.salt_key" for a in server_argv):
+            # one key for every replica and the ingress: the router matches a request's salt to what they publish
+            server_argv = [*server_argv, f"engine.kv_events.salt_key={secrets.token_hex(32)}"]
     router_config = RequestRouterConfig(request_router_class=ROUTER_CLASSES[router],
                                         request_router_kwargs={"max_imbalance": max_imbalance},
                                         request_routing_stats_period_s=1.0)  # fmt: skip
@@ -713,17 +733,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvboost.serving.cli import UsageError, compose_config
     from kvboost.serving.cli import build_parser as server_parser
 
+    from kvboost.serving.redact import install_redaction, redact_argv, secret_values
+
+    # Every secret of the command line (and those generated below) is replaced by *** in every log line
+    redaction = install_redaction(secret_values(server_argv))
     # One secret for every replica: with API keys, tenant salts must agree across replicas to share Redis entries.
     secret = None
     if _has_api_keys(server_argv) and "--salt-secret" not in server_argv and not os.environ.get("KVBOOST_SALT_SECRET"):
         secret = secrets.token_hex(32)
+        redaction.add(secret)
         log.warning("one salt secret generated for this deployment; pass --salt-secret to keep salts across restarts")
     server_argv = replica_argv(server_argv, redis_url=None if args.no_redis else args.redis_url,
                                namespace=args.redis_namespace, salt_secret=secret)  # fmt: skip
     try:
         compose_config(server_parser().parse_args(server_argv))  # a bad command line fails before Ray starts
     except (UsageError, ValueError) as exc:
-        print(f"kvboost.serving.ray: error: {exc}", file=sys.stderr)
+        print(f"kvboost.serving.ray: error: {redaction.redact(str(exc))}", file=sys.stderr)
         return 2
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
@@ -732,7 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     chunk_chars=args.chunk_chars, refresh_s=args.refresh_s)  # fmt: skip
     serve.run(app, name=args.app_name, route_prefix="/")
     print(f"kvboost on Ray Serve ready: http://{args.host}:{args.port}/v1 ({args.replicas} replicas, router "
-          f"{args.router}; replica command line: {' '.join(server_argv)})", flush=True)
+          f"{args.router}; replica command line: {' '.join(redact_argv(server_argv))})", flush=True)
     # Ctrl-C or SIGTERM (also when started in the background, where SIGINT may be ignored) removes the application
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
