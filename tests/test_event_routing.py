@@ -131,7 +131,7 @@ def test_index_from_two_engines_events_equals_their_stores_and_walks_their_keys(
                 for r in "ab":
                     assert index.match(r, chain)[0] == engine_truth(engines[r], q_ids, q_salt)[1], (i, r)
         assert a.store.stats.evicted > 0, "the small memory tier never evicted"
-        assert "disk" in index.media("b") or b.store.summary()["tiers"][1]["entries"] == 0
+        assert "DISK" in index.media("b") or b.store.summary()["tiers"][1]["entries"] == 0
         # the tenant's prompt is not found without its salt, nor the open tenant's with it
         salted_ids = prompts[3][0]
         assert index.chain(salted_ids, tok(salted_ids)[1], published("tenant-x"))
@@ -262,6 +262,7 @@ def test_shared_redis_blocks_count_for_every_replica_and_local_copies_win_ties()
     assert router.scores(ids, spans, ["r0", "r1"]) == {"r0": (0, 0), "r1": (1, 1)}
     index.check()
     assert medium_kind("redis#2") == "redis" and is_shared("redis#2") and not is_shared("disk")
+    assert is_shared("EXTERNAL") and not is_shared("DISK") and not is_shared("GPU")  # the media kvboost publishes
     # no tokens (an unreadable body): balance only
     assert router.choose(None, None, ["r0", "r1"], {"r0": 2}).replica == "r1"
     with pytest.raises(ValueError):
@@ -333,7 +334,7 @@ ROOTS = ("", "t1")  # two tenants
 TREE = [("c0", None, (1, 2)), ("c1", "c0", (3, 4)), ("c2", "c1", (5, 6)), ("c3", "c0", (7, 8)),
         ("c4", None, (9, 9)), ("c5", "c4", (3, 4))]  # fmt: skip
 NODES = [(salt, name) for salt in ROOTS for name, _, _ in TREE]
-MEDIA = ("memory", "disk", "redis")
+MEDIA = ("GPU", "DISK", "EXTERNAL")  # as kvboost publishes memory, disk and Redis tiers
 REPLICAS = ("r0", "r1", "r2")
 
 
@@ -393,7 +394,7 @@ class IndexMachine(RuleBasedStateMachine):
             want = {m: {_h(*n) for n in nodes} for m, nodes in self.model[r].items() if nodes}
             assert self.index.media(r) == want
         anywhere = {n for r in REPLICAS for nodes in self.model[r].values() for n in nodes}
-        shared = {n for r in REPLICAS for m, nodes in self.model[r].items() if m == "redis" for n in nodes}
+        shared = {n for r in REPLICAS for m, nodes in self.model[r].items() if m == "EXTERNAL" for n in nodes}
         for salt in ROOTS:
             for name, _, _ in TREE:
                 path = _path(name)
@@ -405,7 +406,7 @@ class IndexMachine(RuleBasedStateMachine):
                     known += 1
                 assert chain == [_h(salt, n) for n in path[:known]]
                 for r in REPLICAS:
-                    local = {n for m, nodes in self.model[r].items() if m != "redis" for n in nodes}
+                    local = {n for m, nodes in self.model[r].items() if m != "EXTERNAL" for n in nodes}
                     matched = n_local = 0
                     for n in path[:known]:
                         if (salt, n) not in local | shared:

@@ -74,7 +74,7 @@ import os
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -245,6 +245,8 @@ class KVEventsConfig:
     block_hash: str = "int"
     data_parallel_rank: int = 0
     salt_key: str | None = None
+    block_size: int | None = None
+    media: dict[str, str] | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | KVEventsConfig | None) -> KVEventsConfig:
@@ -267,6 +269,13 @@ class KVEventsConfig:
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if int(getattr(config, name)) < 1:
                 raise ValueError(f"kv_events.{name} must be >= 1")
+        if config.block_size is not None and (isinstance(config.block_size, bool) or int(config.block_size) < 1):
+            raise ValueError(f"kv_events.block_size must be a positive integer or null, got {config.block_size!r}")
+        if config.media is not None:
+            config.media = dict(config.media)
+            unknown_media = sorted(set(config.media) - set(MEDIA))
+            if unknown_media:
+                raise ValueError(f"kv_events.media: unknown tier kind(s) {unknown_media}; accepted: {sorted(MEDIA)}")
         return config
 
     def build_publisher(self) -> Any:
@@ -338,6 +347,7 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=int(buffer_steps))
         self.dropped = 0
         self.published = 0
+        self._lost: list[KVEventBatch] = []  # dropped since the last take_dropped (the sink's resync reads them)
         self._queued = 0
         self._next_seq = 0
         self._ctx = zmq.Context.instance()
@@ -369,7 +379,7 @@ class ZmqEventPublisher:
             batch.data_parallel_rank = self.data_parallel_rank
         with self._lock:
             if len(self._queue) >= self._max_queue:
-                self._queue.popleft()
+                self._lost.append(self._queue.popleft())
                 self.dropped += 1
             self._queue.append(batch)
             self._queued += 1
@@ -377,6 +387,13 @@ class ZmqEventPublisher:
 
     def pending(self) -> int:
         return len(self._queue)
+
+    def take_dropped(self) -> list[KVEventBatch]:
+        """The batches dropped since the last call (oldest first), forgotten here: a resync re-sends their
+        removals (:meth:`KVEventSink.clear_events`)."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
 
     @property
     def last_seq(self) -> int:
@@ -420,6 +437,8 @@ class ZmqEventPublisher:
                 self._buffer.append((seq, payload))
                 self._next_seq += 1
             except Exception:
+                with self._lock:
+                    self._lost.append(batch)
                 self.dropped += 1
                 log.exception("kv_events: publishing a batch failed")
             else:
@@ -451,27 +470,65 @@ class ZmqEventPublisher:
 
 
 # ---------------------------------------------------------------------------------------------- the store's side
+#: the ``medium`` published for a tier, by tier kind (``kvboost.cache.store.KVStore.tier_names`` without ``#i``).
+#: Spelled as the consumers spell them: vLLM's ``MEDIUM_GPU = "GPU"`` / ``MEDIUM_CPU = "CPU"``
+#: (``vllm/distributed/kv_events.py``); Dynamo's ``StorageTier::from_kv_medium`` (``lib/kv-router/src/protocols.rs``)
+#: reads ``GPU``, ``CPU`` (``CPU_PINNED``), ``DISK`` and ``EXTERNAL`` and counts any other name as GPU-resident;
+#: llm-d lower-cases the medium into its device tier and weights ``gpu`` 1.0 and ``cpu`` 0.8 by default
+#: (``pkg/kvcache/backend.go``), any other name 1.0 unless configured (``disk``, ``external`` are configurable).
+#: - the first tier (the KV pool, or a memory tier): ``GPU``, the engine's working cache, as vLLM calls its primary
+#:   block pool whatever the device;
+#: - a memory tier below it (the host copy tier, ``kv.host_bytes``): ``CPU``, vLLM's CPU offload;
+#: - ``disk``: ``DISK`` (Dynamo's disk tier; vLLM's newer ``STORAGE`` only in some Dynamo versions);
+#: - ``redis``, shared by every replica on one namespace: ``EXTERNAL`` (Dynamo's shared external tier).
+#: ``kv_events.media`` overrides per kind (e.g. ``{"disk": "STORAGE"}``).
+MEDIA = {"memory": "GPU", "memory_below": "CPU", "disk": "DISK", "redis": "EXTERNAL"}
+
+
+def tier_medium(tier_name: str, media: Mapping[str, str] | None = None) -> str:
+    """The published medium of the store's tier ``tier_name`` (``memory``, ``memory#1``, ``disk``, ``redis#2``)."""
+    table = {**MEDIA, **(media or {})}
+    kind, _, index = tier_name.partition("#")
+    if kind == "memory" and index and int(index) > 0:
+        return table["memory_below"]
+    return table.get(kind, kind.upper())
+
+
 class KVEventSink:
     """Turns the store's movements (per tier: keys that arrived, keys that left) into event batches.
 
     ``hasher`` (optional) tells which parent keys are a tenant's root (``Hasher.salt_of_root``): such an entry is a
-    prompt's first chunk (``parent_block_hash=None``, the salt in ``extra_keys``)."""
+    prompt's first chunk (``parent_block_hash=None``, the salt's :func:`salt_tag` in ``extra_keys``).
+    ``block_size``: publish each prefix entry as fixed blocks of this many tokens (the router's block size), None:
+    one block per kvboost chunk (see the module docstring). ``media``: overrides of :data:`MEDIA`.
+
+    State: per key, the block hashes published for it and the media they were published in (a ``BlockRemoved``
+    names the same hashes, and entries never published, content-only or unaligned, publish no removal); the
+    batches the publisher reported lost since the last resync."""
 
     def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None,
-                 salt_key: bytes | str | None = None) -> None:  # fmt: skip
+                 salt_key: bytes | str | None = None, block_size: int | None = None,
+                 media: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        if block_size is not None and int(block_size) < 1:
+            raise ValueError(f"kv_events.block_size must be >= 1 (or null: one block per chunk), got {block_size}")
         self.publisher = publisher
         self.block_hash = block_hash
         self.hasher = hasher
+        self.block_size = None if block_size is None else int(block_size)
+        self.media = dict(media or {})
         self._salt_key = events_salt_key(salt_key) if not isinstance(salt_key, bytes) else salt_key
         self.batches = 0  # batches emitted (handed to the publisher)
         self.events = 0  # events in them
         self.resyncs = 0  # fresh snapshots sent after the publisher dropped batches
         self._dropped_seen = 0
+        # key -> (block hashes, how many tiers of each medium hold them: two tiers of one kind share a medium)
+        self._published: dict[str, tuple[tuple[Any, ...], Counter[str]]] = {}
 
     @classmethod
     def from_config(cls, config: KVEventsConfig, publisher: Any, *, hasher: Any = None) -> KVEventSink:
         """The sink of an engine's ``kv_events`` config (``config.build_publisher()`` gives ``publisher``)."""
-        return cls(publisher, block_hash=config.block_hash, hasher=hasher, salt_key=config.salt_key)
+        return cls(publisher, block_hash=config.block_hash, hasher=hasher, salt_key=config.salt_key,
+                   block_size=config.block_size, media=config.media)  # fmt: skip
 
     def published_salt(self, salt: str) -> str | None:
         """What a first block carries for ``salt`` in ``extra_keys`` (:func:`salt_tag`; None for the open
@@ -481,23 +538,82 @@ class KVEventSink:
     def hash_of(self, key: str) -> int | bytes:
         return external_hash(key, self.block_hash)
 
-    def stored_event(self, entry: Any, medium: str) -> BlockStored:
+    def medium(self, tier_name: str) -> str:
+        return tier_medium(tier_name, self.media)
+
+    def blocks_of(self, entry: Any) -> tuple[list[Any], list[int], int] | None:
+        """``(block hashes, their tokens, block size)`` published for ``entry``, or None when it is published as no
+        prefix block: a content-only entry (repaired KV, ``exact=False``: it is no prompt's prefix, and a consumer
+        would read a block without parent as a prompt's first block), or, with ``block_size`` B, an entry that does
+        not start on a multiple of B (a block across its start would need its parent's tokens) or holds fewer than
+        B tokens. Block ``j`` of a key is ``hash(key)`` when it ends the entry, else ``hash(key + "#j")``: the
+        last block of a parent that ends on a block boundary is then ``hash(parent key)``, the parent hash its
+        children name. Tokens after the last full block are not published (as vLLM publishes full blocks only)."""
+        if not entry.exact:
+            return None
+        tokens = [int(t) for t in entry.token_ids]
+        size = self.block_size
+        if size is None:
+            return [self.hash_of(entry.key)], tokens, len(tokens)
+        if int(entry.start) % size or len(tokens) < size:
+            return None
+        count = len(tokens) // size
+        hashes = [self.hash_of(entry.key if (j + 1) * size == len(tokens) else f"{entry.key}#{j}")
+                  for j in range(count)]  # fmt: skip
+        return hashes, tokens[: count * size], size
+
+    def stored_event(self, entry: Any, tier_name: str) -> BlockStored | None:
+        """The ``BlockStored`` of ``entry`` arriving in tier ``tier_name`` (None: nothing to publish)."""
+        blocks = self.blocks_of(entry)
+        if blocks is None:
+            return None
+        hashes, tokens, size = blocks
         salt = None
-        parent = entry.parent_key if entry.exact else None
+        parent = entry.parent_key
         if parent is not None and self.hasher is not None:
             salt = getattr(self.hasher, "salt_of_root", lambda _k: None)(parent)
-        if not entry.exact:
-            extra: Any = (SEGMENT_ONLY_EXTRA,)
-        elif salt:
-            extra = (self.published_salt(salt),)
-        else:
-            extra = None
+        extra = [(self.published_salt(salt),) if salt else None] + [None] * (len(hashes) - 1)
+        medium = self.medium(tier_name)
+        known, media = self._published.setdefault(entry.key, (tuple(hashes), Counter()))
+        media[medium] += 1
         return BlockStored(
-            block_hashes=[self.hash_of(entry.key)],
-            parent_block_hash=None if parent is None or salt is not None else self.hash_of(parent),
-            token_ids=[int(t) for t in entry.token_ids], block_size=len(entry.token_ids), medium=medium,
-            extra_keys=[extra],
+            block_hashes=list(known), parent_block_hash=None if parent is None or salt is not None else
+            self.hash_of(parent), token_ids=tokens, block_size=size, medium=medium, extra_keys=extra,
         )  # fmt: skip
+
+    def removed_event(self, keys: list[str], tier_name: str) -> BlockRemoved | None:
+        """The ``BlockRemoved`` of ``keys`` leaving tier ``tier_name``: the blocks published for them there."""
+        medium = self.medium(tier_name)
+        hashes: list[Any] = []
+        for key in keys:
+            known = self._published.get(key)
+            if known is None or known[1][medium] <= 0:
+                continue
+            hashes += known[0]
+            known[1][medium] -= 1
+            if not +known[1]:
+                del self._published[key]
+        return BlockRemoved(block_hashes=hashes, medium=medium) if hashes else None
+
+    def clear_events(self, *, lost: bool = False) -> list[Any]:
+        """What a clear (and a snapshot: ``AllBlocksCleared`` first) publishes: a ``BlockRemoved`` for every block
+        this stream published and still counts as held, with ``lost`` (a resync after dropped batches) also for
+        every block a lost batch removed, then ``AllBlocksCleared``. The removals are for consumers that ignore
+        ``AllBlocksCleared`` (llm-d only logs it, ``pkg/kvevents/pool.go``): they still end with what the store
+        holds, since the snapshot that follows stores again every block held. Lost ``BlockStored`` need nothing.
+        Nothing is published as held afterwards."""
+        drained = getattr(self.publisher, "take_dropped", None) if lost else None
+        removed: dict[Any, list[Any]] = {}
+        for batch in drained() if callable(drained) else []:
+            for event in batch.events:
+                if isinstance(event, BlockRemoved):
+                    removed.setdefault(event.medium, []).extend(event.block_hashes)
+        for hashes, media in self._published.values():
+            for medium, count in media.items():
+                removed.setdefault(medium, []).extend(list(hashes) * count)
+        self._published.clear()
+        events: list[Any] = [BlockRemoved(block_hashes=hs, medium=m) for m, hs in removed.items() if hs]
+        return [*events, AllBlocksCleared()]
 
     def emit(self, events: list[Any]) -> None:
         if not events:
@@ -531,9 +647,10 @@ class KVEventSink:
 # ---------------------------------------------------------------------------------------------- the subscriber's side
 @dataclass
 class KVEventIndex:
-    """What a router rebuilds from the events: per medium, the block hashes resident there."""
+    """What a router rebuilds from the events: per medium, the block hashes resident there, each with the number
+    of stores not yet removed (two tiers of one kind publish one medium: a block leaves it when both dropped it)."""
 
-    media: dict[str, set[Any]] = field(default_factory=dict)
+    media: dict[str, Counter[Any]] = field(default_factory=dict)
     batches: int = 0
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -542,29 +659,34 @@ class KVEventIndex:
             if isinstance(event, AllBlocksCleared):
                 self.media.clear()
             elif isinstance(event, BlockStored):
-                self.media.setdefault(event.medium, set()).update(_hashable(h) for h in event.block_hashes)
+                self.media.setdefault(event.medium, Counter()).update(_hashable(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 held = self.media.get(event.medium)
                 if held is not None:
-                    held.difference_update(_hashable(h) for h in event.block_hashes)
+                    held.subtract(_hashable(h) for h in event.block_hashes)
+                    self.media[event.medium] = held = +held  # a removal of what was never stored: no negative
                     if not held:
                         del self.media[event.medium]
 
     def as_dict(self) -> dict[str, set[Any]]:
-        return {medium: set(hashes) for medium, hashes in self.media.items() if hashes}
+        return {medium: set(+hashes) for medium, hashes in self.media.items() if +hashes}
 
 
 def _hashable(h: Any) -> Any:
     return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
 
 
-def store_index(store: Any, block_hash: str = "int") -> dict[str, set[Any]]:
-    """The store's own index as the events describe it: per tier name, the hashes of the keys it holds."""
+def store_index(store: Any, block_hash: str = "int", sink: KVEventSink | None = None) -> dict[str, set[Any]]:
+    """The store's own index as the events describe it: per medium, the block hashes of the entries its tiers hold
+    (as ``sink``, default the store's own or a plain one, publishes them: :meth:`KVEventSink.blocks_of`)."""
+    sink = sink or getattr(store, "events", None) or KVEventSink(None, block_hash=block_hash, salt_key=b"-")
     out: dict[str, set[Any]] = {}
     for name, tier in zip(store.tier_names, store.tiers):
-        hashes = {external_hash(k, block_hash) for k in tier.keys()}  # noqa: SIM118 (a tier, not a dict)
-        if hashes:
-            out[name] = hashes
+        for key in tier.keys():  # noqa: SIM118 (a tier, not a dict)
+            entry = tier.peek_meta(key)
+            blocks = sink.blocks_of(entry) if entry is not None else None
+            if blocks is not None:
+                out.setdefault(sink.medium(name), set()).update(_hashable(h) for h in blocks[0])
     return out
 
 
