@@ -134,7 +134,8 @@ def test_subscriber_index_matches_the_engine_through_evictions_and_a_restart(tmp
         stored = [e for _, b in sub.request_replay(0) for e in b.events if isinstance(e, BlockStored)]
         salted = [e for e in stored if e.extra_keys == [[salt_tag("tenant-a", "events-key")]]]
         assert salted and all(e.parent_block_hash is None for e in salted) and salted[0].medium == "GPU"
-        assert all(0 < e.block_size == len(e.token_ids) <= 16 for e in stored)  # a chunk each (the last may be short)
+        # blocks of the pool's 16 tokens (= the chunks here); a prompt's short last chunk is not published
+        assert all(e.block_size == 16 and len(e.token_ids) == 16 * len(e.block_hashes) for e in stored)
         assert any(e.parent_block_hash is not None for e in stored)  # chained chunks name their parent
 
         engine.close()  # spills memory into disk: the index keeps the disk tier only
@@ -236,7 +237,7 @@ class StoreEvents(RuleBasedStateMachine):
                              write_through=[False, self.write_through])  # fmt: skip
         self.recorder = Recorder()
         # every other run publishes fixed blocks of 4 tokens (the entries hold 4 or 8), the others one per chunk
-        self.sink = KVEventSink(self.recorder, block_size=4 if len(COUNTS) % 4 < 2 else None)
+        self.sink = KVEventSink(self.recorder, block_size=4 if len(COUNTS) % 4 < 2 else "chunk")
         self.store.attach_events(self.sink)
         self.index = KVEventIndex()
         self.ignoring = IgnoresAllBlocksCleared()  # llm-d's handling: AllBlocksCleared only logged
@@ -312,7 +313,7 @@ def test_store_events_for_each_movement():
     recorder = Recorder()
     fits = make_entry("k0").nbytes + make_entry("k1").nbytes
     store = KVStore([MemoryTier(capacity=fits), MemoryTier(capacity=4 * fits)])
-    store.attach_events(KVEventSink(recorder))
+    store.attach_events(KVEventSink(recorder, block_size="chunk"))  # one block per chunk (entries of 4 and 8 tokens)
     assert [type(e) for e in recorder.batches[-1].events] == [AllBlocksCleared]  # the (empty) snapshot
     for key in ("k1", "k0", "k3"):  # k3 (8 tokens, a child of k0) demotes k1 (8 tokens, a leaf), not its parent
         store.put(make_entry(key))

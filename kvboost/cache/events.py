@@ -30,25 +30,38 @@ implementation of that wire contract (written from vLLM 0.33.0's definitions, no
   ``[b"", b"", seq=-1 (8 bytes, signed), b""]``.
 
 How kvboost's cache maps onto the schema. kvboost's unit is a **chunk** (a run of tokens the chunker chose; fixed
-``chunk_size`` tokens or variable with the separator chunker), keyed by a prefix-chained hash (``kvboost.hashing``):
+``chunk_size`` tokens or variable with the separator chunker), keyed by a prefix-chained hash (``kvboost.hashing``).
+Routers index fixed blocks of their own size (llm-d re-chunks an event's tokens into its ``blockSize`` and chains
+them from the parent's; Dynamo indexes blocks of its ``kv_block_size``), so by default kvboost publishes **fixed
+blocks** (:meth:`KVEventSink.blocks_of`), ``kv_events.block_size`` tokens each (unset: the KV pool's ``kv.block_size``,
+16, which is also vLLM's and llm-d's default; set it to the router's):
 
-- one ``BlockStored`` per entry that lands in a tier: ``block_hashes=[hash(key)]``, ``parent_block_hash`` = the
-  hash of the previous chunk's key (``None`` for a prompt's first chunk, whose parent is the tenant's root key),
-  ``token_ids`` = the chunk's token ids, ``block_size`` = its token count (chunks can differ in size, hence one
-  event each); ``lora_id`` / ``lora_name`` are ``None`` (no adapters).
-- ``medium``: the name of the tier that took or dropped the entry: ``"memory"`` (the KV pool, or a memory tier),
-  ``"disk"``, ``"redis"`` (``"memory#1"`` etc. when a store has two tiers of one kind). A key can be in several
-  media at once (a write-through copy below).
-- ``extra_keys`` (one element per block): ``(salt_tag(salt),)`` for a first chunk stored under a tenant salt
+- one ``BlockStored`` per entry that lands in a tier: its full blocks from the prompt start (an entry starts at a
+  multiple of the block size when its ancestors are whole blocks; one that does not, or holds fewer tokens than a
+  block, is not published: a block across it would need its parent's tokens); ``block_hashes`` = block ``j``'s hash
+  (``hash(key)`` for a block that ends the entry, ``hash(key#j)`` for the others, so a child names its parent's
+  last block as ``hash(parent key)``); ``parent_block_hash`` = ``hash(parent key)`` (``None`` for a prompt's first
+  chunk, whose parent is the tenant's root key); ``token_ids`` = the blocks' tokens (tokens after the last full
+  block are not published, as vLLM publishes full blocks only); ``block_size`` = the block size; ``lora_id`` /
+  ``lora_name`` are ``None`` (no adapters). ``block_size: chunk`` publishes one block per chunk instead (what
+  kvboost's own router reads exactly; a router of another block size mis-reads it).
+- **content-only entries** (KV computed with repair, ``exact=False``: it serves content hits only and is no
+  prompt's prefix) are **not published**: as a block without parent a router would read it as a prompt's first
+  block, a false prefix hit; nor are their removals.
+- ``medium``: the tier that took or dropped the entry, in the consumers' vocabulary (:data:`MEDIA`,
+  :func:`tier_medium`): ``GPU`` (the first tier: the KV pool, the engine's working cache), ``CPU`` (a memory tier
+  below it), ``DISK``, ``EXTERNAL`` (Redis, shared by the replicas). A key can be in several media at once (a
+  write-through copy below); two tiers of one kind publish one medium (a counting consumer stays exact).
+- ``extra_keys`` (one element per block): ``(salt_tag(salt),)`` on a first block stored under a tenant salt
   (``cache_salt``), where vLLM carries ``cache_salt`` in its first block's extra keys: a keyed hash of the salt,
-  never the salt (:func:`salt_tag` says why); ``("kvboost:segment_only",)`` for an entry
-  computed with repair, which only serves content hits (it is not a prompt prefix); otherwise ``None``.
+  never the salt (:func:`salt_tag` says why); otherwise ``None``.
 - ``hash(key)``: ``block_hash="int"`` (default): the key's digest as a big-endian integer, low 64 bits (what vLLM
-  does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``"bytes"``: the whole digest. A key that is not hex (the
-  ``seg:`` prefix of segment-only entries) is hashed with SHA-256 first. :func:`external_hash` is the mapping.
+  does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``"bytes"``: the whole digest. A key that is not hex is
+  hashed with SHA-256 first. :func:`external_hash` is the mapping.
 - ``BlockRemoved`` when an entry leaves a tier (evicted, demoted to the next tier, removed, promoted out of a lower
-  tier); ``AllBlocksCleared`` when the store is cleared, and first of all when a publisher attaches to a store,
-  followed by a ``BlockStored`` for every entry it already holds (a disk tier's records after a restart).
+  tier), naming the blocks published for it. When the store is cleared: a ``BlockRemoved`` for every block held,
+  then ``AllBlocksCleared``; when a publisher attaches to a store: ``AllBlocksCleared`` and a ``BlockStored`` for
+  every entry it already holds (a disk tier's records after a restart).
 
 What a subscriber does (:class:`KVEventSubscriber`, :class:`KVEventIndex`): apply batches in ``seq`` order; on a gap
 (a late join, ZMQ's slow joiner, a PUB ``hwm`` drop) ask the replay socket for the missing ones; when ``seq`` goes
@@ -56,12 +69,25 @@ back, the engine restarted (a new publisher counts from 0 again): ask the replay
 apply it; it opens with ``AllBlocksCleared`` and the restarted store's entries, so the index is rebuilt. (A restart
 whose first batch seen has a ``seq`` above the old stream's last looks like a gap; a subscriber that knows the engine
 went away, e.g. from its health endpoint, should reset ``last_seq`` to -1 itself.) The index so rebuilt equals the
-store's own (``set(tier.keys())`` per tier), which ``tests/test_kv_events.py`` checks.
+store's own (:func:`store_index`), which ``tests/test_kv_events.py`` checks; ``tests/test_kv_event_consumers.py``
+checks consumers written from llm-d's and Dynamo's rules against the engine's store.
 
 Publishing never blocks the engine: :meth:`ZmqEventPublisher.publish` appends to a bounded queue that a publisher
-thread drains (encoding, sending, buffering for replay). When the queue is full the oldest batch is dropped and
-``dropped`` counts it (vLLM's queue blocks instead; its PUB socket drops beyond ``hwm``); the store then sends a
-fresh ``AllBlocksCleared`` + snapshot so subscribers converge again.
+thread drains (encoding, sending, buffering for replay). When the queue is full the oldest batch is dropped,
+``dropped`` counts it and the publisher keeps it for the sink (vLLM's queue blocks instead; its PUB socket drops
+beyond ``hwm``). The next store operation then resyncs: a ``BlockRemoved`` for every block a lost batch removed and
+for every block published as held, ``AllBlocksCleared``, and the snapshot. llm-d only logs ``AllBlocksCleared``
+(``pkg/kvevents/pool.go``), so the removals are what bring it back to the store's state. Gaps this cannot close: a
+batch the PUB socket drops beyond ``hwm`` (unseen by the publisher: a subscriber must ask the replay socket on the
+gap in ``seq``, which llm-d does not do), and a restarted engine's blocks of the previous process (the new
+publisher does not know them; a consumer that ignores ``AllBlocksCleared`` keeps them until they are evicted or the
+pod is forgotten, e.g. by llm-d's pod reconciler).
+
+Consumers: llm-d's vLLM adapter (``llm-d-kv-cache``, ``pkg/kvevents/engineadapter/vllm_adapter.go``) decodes events
+positionally (msgpack ``array``): give it ``encoding: array``. It reads the pod and model from the topic
+``kv@<pod>@<model>`` (kvboost-server sets that topic when none is given, ``kvboost.serving.cli``), and it does not
+read ``extra_keys``, so it scores tenants' salted blocks like the open tenant's (routing only: the engine's cache
+stays salted).
 """
 
 from __future__ import annotations
@@ -216,6 +242,20 @@ def events_salt_key(configured: str | None) -> bytes:
     return key.encode() if key else secrets.token_bytes(32)
 
 
+#: tokens per published block when ``kv_events.block_size`` is unset and the store has no KV pool tier: kvboost's
+#: pool default (``kvboost.kv.pool.DEFAULT_BLOCK_SIZE``), also vLLM's default ``--block-size`` and llm-d's default
+#: ``blockSize``
+DEFAULT_EVENT_BLOCK_SIZE = 16
+
+
+def check_block_size(block_size: Any) -> None:
+    """``kv_events.block_size``: a positive integer, ``"chunk"`` (one block per kvboost chunk) or None (the pool's)."""
+    if block_size is None or block_size == "chunk":
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"kv_events.block_size must be a positive integer, 'chunk' or null, got {block_size!r}")
+
+
 # ---------------------------------------------------------------------------------------------- config
 @dataclass
 class KVEventsConfig:
@@ -245,7 +285,7 @@ class KVEventsConfig:
     block_hash: str = "int"
     data_parallel_rank: int = 0
     salt_key: str | None = None
-    block_size: int | None = None
+    block_size: int | str | None = None
     media: dict[str, str] | None = None
 
     @classmethod
@@ -269,8 +309,7 @@ class KVEventsConfig:
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if int(getattr(config, name)) < 1:
                 raise ValueError(f"kv_events.{name} must be >= 1")
-        if config.block_size is not None and (isinstance(config.block_size, bool) or int(config.block_size) < 1):
-            raise ValueError(f"kv_events.block_size must be a positive integer or null, got {config.block_size!r}")
+        check_block_size(config.block_size)
         if config.media is not None:
             config.media = dict(config.media)
             unknown_media = sorted(set(config.media) - set(MEDIA))
@@ -387,6 +426,11 @@ class ZmqEventPublisher:
 
     def pending(self) -> int:
         return len(self._queue)
+
+    @property
+    def topic(self) -> str:
+        """The first frame of every message."""
+        return self._topic.decode()
 
     def take_dropped(self) -> list[KVEventBatch]:
         """The batches dropped since the last call (oldest first), forgotten here: a resync re-sends their
@@ -509,12 +553,14 @@ class KVEventSink:
     def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None,
                  salt_key: bytes | str | None = None, block_size: int | None = None,
                  media: Mapping[str, str] | None = None) -> None:  # fmt: skip
-        if block_size is not None and int(block_size) < 1:
-            raise ValueError(f"kv_events.block_size must be >= 1 (or null: one block per chunk), got {block_size}")
+        check_block_size(block_size)
         self.publisher = publisher
         self.block_hash = block_hash
         self.hasher = hasher
-        self.block_size = None if block_size is None else int(block_size)
+        #: tokens per published block; None: one block per chunk ("chunk"); resolved from the store when "auto"
+        self.block_size: int | None = None if block_size == "chunk" else (
+            DEFAULT_EVENT_BLOCK_SIZE if block_size is None else int(block_size))  # fmt: skip
+        self._auto_block_size = block_size is None
         self.media = dict(media or {})
         self._salt_key = events_salt_key(salt_key) if not isinstance(salt_key, bytes) else salt_key
         self.batches = 0  # batches emitted (handed to the publisher)
@@ -523,6 +569,13 @@ class KVEventSink:
         self._dropped_seen = 0
         # key -> (block hashes, how many tiers of each medium hold them: two tiers of one kind share a medium)
         self._published: dict[str, tuple[tuple[Any, ...], Counter[str]]] = {}
+
+    def bind_store(self, store: Any) -> None:
+        """Called when ``store`` attaches this sink: an unset ``block_size`` becomes the store's KV pool block size
+        (the engine's ``kv.block_size``), when the first tier is the pool."""
+        pool = getattr(store, "pool", None)
+        if self._auto_block_size and getattr(pool, "block_size", None):
+            self.block_size = int(pool.block_size)
 
     @classmethod
     def from_config(cls, config: KVEventsConfig, publisher: Any, *, hasher: Any = None) -> KVEventSink:

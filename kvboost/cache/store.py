@@ -529,8 +529,8 @@ class KVStore:
     # ------------------------------------------------------------------ KV events (kvboost.cache.events)
     @property
     def tier_names(self) -> list[str]:
-        """The tiers' names (``memory``, ``disk``, ``redis``; ``name#i`` when two tiers share one): the events'
-        ``medium``."""
+        """The tiers' names (``memory``, ``disk``, ``redis``; ``name#i`` when two tiers share one); the events'
+        ``medium`` of each is ``kvboost.cache.events.tier_medium`` of it."""
         return list(self._tier_names)
 
     def attach_events(self, sink: Any) -> None:
@@ -539,6 +539,8 @@ class KVStore:
         self.events = sink
         self._moved.clear()
         if sink is not None:
+            if hasattr(sink, "bind_store"):
+                sink.bind_store(self)
             self._publish_snapshot()
 
     def _publish_snapshot(self, resync: bool = False) -> None:

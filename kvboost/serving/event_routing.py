@@ -240,23 +240,29 @@ class RequestTokenizer:
     generation prompt), tokenized by the engine's chunker (which owns tokenization), token ids split by it.
     Build it from the served model's tokenizer and the engine's chunker config, bound to that tokenizer."""
 
-    def __init__(self, tokenizer: Any, chunker: Any, chat: bool | None = None) -> None:
+    def __init__(self, tokenizer: Any, chunker: Any, chat: bool | None = None, block_size: int | None = None) -> None:
         self.tokenizer, self.chunker, self.chat = tokenizer, chunker, chat
+        #: the replicas' published block size (``kv_events.block_size``): spans are its blocks; None: the chunks
+        self.block_size = block_size
 
     @classmethod
-    def from_config(cls, tokenizer: Any, chunker: Any = "fixed", chat: bool | None = None) -> RequestTokenizer:
+    def from_config(cls, tokenizer: Any, chunker: Any = "fixed", chat: bool | None = None,
+                    block_size: int | None = None) -> RequestTokenizer:  # fmt: skip
         """``chunker``: a config (name or mapping, the ``chunker`` group of the server's config) or an instance."""
         from kvboost.registry import CHUNKERS
 
         built = CHUNKERS.build(chunker) if isinstance(chunker, (str, Mapping)) else chunker
         built.bind_tokenizer(tokenizer)
-        return cls(tokenizer, built, chat)
+        return cls(tokenizer, built, chat, block_size)
 
     def __call__(self, prompt: Any, *, chat: bool | None = None) -> tuple[list[int], list[Any]]:
         from kvboost.prompts import prompt_text_or_ids
 
         what = prompt_text_or_ids(self.tokenizer, prompt, chat=self.chat if chat is None else chat)
         ids, spans = self.chunker.tokenize(self.tokenizer, what) if isinstance(what, str) else (list(what), None)
+        if self.block_size:  # the replicas publish fixed blocks from the prompt start: walk those
+            size = self.block_size
+            return list(ids), [(i, i + size) for i in range(0, len(ids) - size + 1, size)]
         return list(ids), list(spans if spans is not None else self.chunker.split(ids))
 
 

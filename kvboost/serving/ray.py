@@ -90,7 +90,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTERS = ("prefix", "round_robin", "events")
 #: the replicas' KV-event sockets for the events router: an ephemeral port each (reported to the router)
 EVENTS_ARGV = ("engine.kv_events.enabled=true", "engine.kv_events.endpoint=tcp://*:*",
-               "engine.kv_events.replay_endpoint=tcp://*:*", "engine.kv_events.topic=kvboost")
+               "engine.kv_events.replay_endpoint=tcp://*:*")  # topic: kv@<replica id>@<model>, llm-d's form
 # hop-by-hop / length headers: the ingress re-streams the body, so it sets its own framing
 _DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
@@ -220,7 +220,19 @@ def load_request_tokenizer(cfg: dict[str, Any]) -> RequestTokenizer:
     path = bundled_model_dir() if model_cfg.get("random_init") else resolve_model_path(model_cfg.get("name_or_path"))
     engine = dict(cfg.get("engine") or {})
     return RequestTokenizer.from_config(AutoTokenizer.from_pretrained(path), cfg.get("chunker", "fixed"),
-                                        engine.get("chat"))  # fmt: skip
+                                        engine.get("chat"), published_block_size(engine))  # fmt: skip
+
+
+def published_block_size(engine_cfg: dict[str, Any]) -> int | None:
+    """The block size the replicas publish (``engine.kv_events.block_size``; unset: the KV pool's ``kv.block_size``,
+    16 by default; ``"chunk"``: None, one block per chunk), as :class:`kvboost.cache.events.KVEventSink` resolves
+    it for a pool-backed first tier."""
+    from kvboost.cache.events import DEFAULT_EVENT_BLOCK_SIZE
+
+    size = (engine_cfg.get("kv_events") or {}).get("block_size")
+    if size == "chunk":
+        return None
+    return int(size or (engine_cfg.get("kv") or {}).get("block_size") or DEFAULT_EVENT_BLOCK_SIZE)
 
 
 class _ReplicaFeed:
@@ -235,7 +247,7 @@ class _ReplicaFeed:
 
 
 def connect_events(index: Any, replica: Hashable, endpoint: str, replay_endpoint: str | None,
-                   topic: str = "kvboost") -> Any:  # fmt: skip
+                   topic: str = "") -> Any:  # fmt: skip
     """A subscriber to one replica's KV events feeding ``index`` (a ClusterKVIndex) under ``replica``, caught up
     with what the replay buffer holds (the replica published its opening snapshot before anyone listened)."""
     from kvboost.cache.events import KVEventSubscriber
@@ -282,7 +294,7 @@ class RouteBook:
             return False
         try:
             self.subscribers[replica] = connect_events(self.events.index, replica, info["endpoint"],
-                                                       info.get("replay_endpoint"), info.get("topic", "kvboost"))
+                                                       info.get("replay_endpoint"), info.get("topic", ""))
         except Exception as exc:  # noqa: BLE001 - a replica we cannot follow is ranked as holding nothing
             log.warning("cannot follow the KV events of replica %s: %r", replica, exc)
             return False
@@ -562,16 +574,18 @@ if ray is not None:
                 # the events socket binds loopback by default; the router may be on another node: this node's
                 # address (not every interface)
                 server_argv = [*server_argv, f"engine.kv_events.host={ray.util.get_node_ip_address()}"]
+            context = serve.get_replica_context()
+            self.replica = context.replica_id.unique_id if context is not None else "local"
+            if "--kv-events-pod" not in server_argv:  # the topic kv@<pod>@<model> names this replica
+                server_argv = [*server_argv, "--kv-events-pod", self.replica]
             args = server_parser().parse_args(server_argv)
             self.engine, self.loop, self.app = build_served(args, compose_config(args), *tenant_keys(args),
                                                             refresh_shared_s=refresh_s)  # fmt: skip
-            context = serve.get_replica_context()
-            self.replica = context.replica_id.unique_id if context is not None else "local"
             self.kv_events = None
             publisher = getattr(getattr(self.engine, "kv_events", None), "publisher", None)
             if getattr(publisher, "endpoint", None):  # the events router subscribes here (bound: a wildcard address)
                 host = ray.util.get_node_ip_address()
-                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": "kvboost",
+                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": publisher.topic,
                                   "replay_endpoint": reachable(publisher.replay_endpoint, host)
                                   if publisher.replay_endpoint else None}  # fmt: skip
 
