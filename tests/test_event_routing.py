@@ -536,3 +536,29 @@ def test_events_router_on_ray_serve_follows_the_replicas_caches():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_request_tokens_walk_the_published_blocks_when_they_are_not_the_chunks():
+    """Replicas publishing 8-token blocks of 16-token chunks (``kv_events.block_size``): the ingress splits the
+    request into the same blocks (:func:`kvboost.serving.ray.published_block_size`) and the walk finds every block
+    of the prompt the replica holds. (The ingress's spans were tuples here, which request_route_tokens could not
+    read: every request went unmatched.)"""
+    recorder = Recorder()
+    engine = make_engine("llama", kv={"pool_bytes": 40 * BLOCK_BYTES}, decode="eager",
+                         kv_events={"enabled": True, "publisher": recorder, "block_size": 8, "salt_key": SALT_KEY})
+    index = ClusterKVIndex()
+    try:
+        ids = random_ids(40, seed=5)
+        engine.generate(ids, max_new_tokens=1)
+        recorder.feed(index, "r")
+        size = kray.published_block_size({"kv_events": {"block_size": 8}})
+        assert size == 8 and kray.published_block_size({"kv": {"block_size": 32}}) == 32
+        assert kray.published_block_size({"kv_events": {"block_size": "chunk"}}) is None
+        tokenize = RequestTokenizer(engine.tokenizer, engine.chunker, engine.chat, block_size=size)
+        body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1}).encode()
+        route = kray.request_route_tokens("/v1/completions", body, None, tokenize)
+        assert route is not None and route["spans"][:2] == [(0, 8), (8, 16)]
+        chain = index.chain(route["ids"], route["spans"], route["salt"])
+        assert len(chain) == 40 // 8 and index.match("r", chain) == (5, 5)  # 2 chunks of 16 + the tail's 8
+    finally:
+        engine.close()

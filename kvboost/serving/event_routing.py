@@ -261,8 +261,10 @@ class RequestTokenizer:
         what = prompt_text_or_ids(self.tokenizer, prompt, chat=self.chat if chat is None else chat)
         ids, spans = self.chunker.tokenize(self.tokenizer, what) if isinstance(what, str) else (list(what), None)
         if self.block_size:  # the replicas publish fixed blocks from the prompt start: walk those
+            from kvboost.types import ChunkSpan
+
             size = self.block_size
-            return list(ids), [(i, i + size) for i in range(0, len(ids) - size + 1, size)]
+            return list(ids), [ChunkSpan(i, i + size) for i in range(0, len(ids) - size + 1, size)]
         return list(ids), list(spans if spans is not None else self.chunker.split(ids))
 
 

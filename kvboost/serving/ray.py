@@ -42,7 +42,18 @@ Run (one machine: a local Ray; a cluster: ``--address auto`` on its head node, s
     python -m kvboost.serving.ray --replicas 2 --router events --redis-url redis://127.0.0.1:6379/0
 
 Everything not an option of this entry (``--dtype``, ``--max-running``, ``recompute=...``) goes to every replica's
-``kvboost-server`` command line. Ray is an optional dependency (extra ``cluster``); this module imports without it,
+``kvboost-server`` command line. The entry prints that command line with its secrets as ``***`` and filters them out
+of its log lines (:mod:`kvboost.serving.redact`).
+
+As a Serve application (``serve run``, ``serve deploy``, KubeRay's RayService): :func:`app_builder`, Ray's
+application-builder pattern (a function of the ``args`` that returns the bound ingress)::
+
+    serve run kvboost.serving.ray:app_builder replicas=2 router=events no_redis=true \
+        "server_args=model=tiny_random threads=1"
+    # or a Serve config file: import_path: kvboost.serving.ray:app_builder, args: {replicas: 2, router: prefix, ...}
+
+Every replica has a ``check_health`` (:func:`replica_health`): it raises when the replica's engine loop failed,
+stopped or does not answer a probe, so Serve stops routing to the replica and starts another. Ray is an optional dependency (extra ``cluster``); this module imports without it,
 and :func:`main` / the deployments say how to install it.
 """
 
@@ -589,6 +600,11 @@ if ray is not None:
                                   "replay_endpoint": reachable(publisher.replay_endpoint, host)
                                   if publisher.replay_endpoint else None}  # fmt: skip
 
+        async def check_health(self) -> None:
+            """Ray Serve calls it every ``health_check_period_s``: raising (the engine loop died, stopped or hangs,
+            :func:`replica_health`) makes Serve replace this replica and stop routing to it."""
+            await replica_health(self.loop)
+
         def record_replica_metadata(self) -> dict[str, Any]:
             """Static metadata the request router reads (Ray >= 2.5x): where this replica's KV events are."""
             return {"kv_events": self.kv_events} if self.kv_events else {}
@@ -739,6 +755,112 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
     return OpenAIIngress.bind(engines, router, chunk_chars, list(server_argv))
 
 
+def deployment_argv(server_argv: Sequence[str], *, redis_url: str | None, namespace: str = "kvboost",
+                    redaction: Any = None) -> list[str]:  # fmt: skip
+    """:func:`replica_argv` plus, with API keys and no salt secret given, one secret generated for every replica
+    (tenant salts must agree across replicas to share Redis entries; ``redaction``, a
+    :class:`~kvboost.serving.redact.RedactingFilter`, learns it so that no log line shows it)."""
+    secret = None
+    if _has_api_keys(server_argv) and "--salt-secret" not in server_argv and not os.environ.get("KVBOOST_SALT_SECRET"):
+        secret = secrets.token_hex(32)
+        if redaction is not None:
+            redaction.add(secret)
+        log.warning("one salt secret generated for this deployment; pass --salt-secret to keep salts across restarts")
+    return replica_argv(server_argv, redis_url=redis_url, namespace=namespace, salt_secret=secret)
+
+
+#: app_builder's arguments: name -> (type, default); ``server_args`` is the replicas' kvboost-server command line
+APP_ARGS: dict[str, tuple[Any, Any]] = {
+    "replicas": (int, 2), "router": (str, "prefix"), "redis_url": (str, None), "redis_namespace": (str, "kvboost"),
+    "no_redis": (bool, False), "refresh_s": (float, DEFAULT_REFRESH_S), "num_cpus": (float, 1.0),
+    "num_gpus": (float, 0.0), "max_ongoing": (int, 64), "max_imbalance": (int, DEFAULT_MAX_IMBALANCE),
+    "chunk_chars": (int, DEFAULT_CHUNK_CHARS), "server_args": (list, ()),
+}  # fmt: skip
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    import shlex
+
+    if kind is list:
+        return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"app argument {name}: expected true or false, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"app argument {name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def app_options(args: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`app_builder`'s arguments checked and typed (Ray passes ``serve run ... key=value`` as strings, a config
+    file's ``args:`` as YAML values): every name of :data:`APP_ARGS`, defaults filled in; the replicas' command line
+    prepared as ``python -m kvboost.serving.ray`` prepares it (:func:`deployment_argv`) and checked by composing
+    its config, so a bad one fails the deploy, not every replica."""
+    from kvboost.serving.cli import UsageError, compose_config
+    from kvboost.serving.cli import build_parser as server_parser
+
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(APP_ARGS))
+    if unknown:
+        raise ValueError(f"unknown app argument(s) {unknown}; accepted: {sorted(APP_ARGS)}")
+    opts = {name: _coerce(name, kind, args[name]) if name in args else default
+            for name, (kind, default) in APP_ARGS.items()}  # fmt: skip
+    if opts["router"] not in ROUTERS:
+        raise ValueError(f"app argument router: choose one of {list(ROUTERS)}, got {opts['router']!r}")
+    if opts["replicas"] < 1:
+        raise ValueError(f"app argument replicas must be >= 1, got {opts['replicas']}")
+    redis_url = None if opts["no_redis"] else (opts["redis_url"] or os.environ.get("KVBOOST_REDIS_URL")
+                                                or "redis://127.0.0.1:6379/0")  # fmt: skip
+    server_argv = deployment_argv(opts["server_args"], redis_url=redis_url, namespace=opts["redis_namespace"])
+    try:
+        compose_config(server_parser().parse_args(server_argv))
+    except (UsageError, ValueError) as exc:
+        from kvboost.serving.redact import RedactingFilter, secret_values
+
+        raise ValueError(f"app argument server_args: {RedactingFilter(secret_values(server_argv)).redact(str(exc))}"
+                         ) from None  # fmt: skip
+    return {"server_argv": server_argv, "replicas": opts["replicas"], "router": opts["router"],
+            "num_cpus": opts["num_cpus"], "num_gpus": opts["num_gpus"], "max_ongoing": opts["max_ongoing"],
+            "max_imbalance": opts["max_imbalance"], "chunk_chars": opts["chunk_chars"],
+            "refresh_s": opts["refresh_s"]}  # fmt: skip
+
+
+def app_builder(args: dict[str, Any] | None = None) -> Any:
+    """Ray Serve's application builder: the ingress over the engine replicas, from arguments (:data:`APP_ARGS`).
+
+    ``serve run kvboost.serving.ray:app_builder replicas=2 router=events no_redis=true "server_args=model=tiny_random
+    threads=1"``, or a Serve config file (``serve deploy``, KubeRay's RayService ``serveConfigV2``) with
+    ``import_path: kvboost.serving.ray:app_builder`` and these names under ``args:``. API keys and the salt secret
+    are best given as ``KVBOOST_API_KEYS`` / ``KVBOOST_SALT_SECRET`` in the application's ``runtime_env``
+    (``env_vars``) than in ``server_args``, which Serve shows in its status."""
+    require_ray()
+    opts = app_options(args)
+    return build_app(opts.pop("server_argv"), **opts)
+
+
+async def replica_health(loop: Any, probe_s: float = 20.0) -> None:
+    """Raise ``RuntimeError`` when a replica's engine loop cannot serve (Ray Serve's ``check_health`` then marks
+    the replica unhealthy, stops routing to it and starts another): the loop failed (``loop.error``), stopped, or
+    did not run a probe call within ``probe_s`` seconds (a step that hangs; calls run between steps, so this must
+    exceed the longest step)."""
+    if getattr(loop, "error", None) is not None:
+        raise RuntimeError(f"the engine loop failed: {loop.error!r}")
+    if not loop.running:
+        raise RuntimeError("the engine loop is not running")
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(loop.call(lambda _engine: True)), timeout=probe_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"the engine loop did not answer a probe within {probe_s:g} s") from None
+    except Exception as exc:  # LoopStopped: it died while the probe waited
+        raise RuntimeError(f"the engine loop stopped: {exc!r}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, server_argv = build_parser().parse_known_args(argv)
     if ray is None:
@@ -751,14 +873,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Every secret of the command line (and those generated below) is replaced by *** in every log line
     redaction = install_redaction(secret_values(server_argv))
-    # One secret for every replica: with API keys, tenant salts must agree across replicas to share Redis entries.
-    secret = None
-    if _has_api_keys(server_argv) and "--salt-secret" not in server_argv and not os.environ.get("KVBOOST_SALT_SECRET"):
-        secret = secrets.token_hex(32)
-        redaction.add(secret)
-        log.warning("one salt secret generated for this deployment; pass --salt-secret to keep salts across restarts")
-    server_argv = replica_argv(server_argv, redis_url=None if args.no_redis else args.redis_url,
-                               namespace=args.redis_namespace, salt_secret=secret)  # fmt: skip
+    server_argv = deployment_argv(server_argv, redis_url=None if args.no_redis else args.redis_url,
+                                  namespace=args.redis_namespace, redaction=redaction)  # fmt: skip
     try:
         compose_config(server_parser().parse_args(server_argv))  # a bad command line fails before Ray starts
     except (UsageError, ValueError) as exc:
