@@ -37,6 +37,7 @@ from kvboost.cache.events import (
     decode_batch,
     encode_batch,
     external_hash,
+    salt_tag,
     store_index,
 )
 from kvboost.serving import ray as kray
@@ -71,13 +72,21 @@ class Recorder:
         self.applied = len(self.batches)
 
 
+SALT_KEY = "routing-test-key"  # the deployment's kv_events.salt_key
+
+
+def published(salt: str) -> str:
+    """A tenant salt as the replicas publish it (and the ingress computes it)."""
+    return salt_tag(salt, SALT_KEY) if salt else ""
+
+
 def engine_with_events(memory_blocks: int, disk: str | None = None):
     recorder = Recorder()
     cache = [{"name": "memory", "capacity": memory_blocks * BLOCK_BYTES}]
     if disk is not None:
         cache.append({"name": "disk", "path": disk, "fsync": False})
     engine = make_engine("llama", cache=cache, kv={"pool_bytes": 40 * BLOCK_BYTES}, decode="eager",
-                         kv_events={"enabled": True, "publisher": recorder})  # fmt: skip
+                         kv_events={"enabled": True, "publisher": recorder, "salt_key": SALT_KEY})  # fmt: skip
     return engine, recorder
 
 
@@ -116,17 +125,17 @@ def test_index_from_two_engines_events_equals_their_stores_and_walks_their_keys(
                 q_ids_, spans = tok(q_ids)
                 assert q_ids_ == q_ids and [(s.start, s.end) for s in spans] == [
                     (s.start, s.end) for s in a.tokenize_with_spans(q_ids)[1]]  # fmt: skip
-                chain = index.chain(q_ids, spans, q_salt)
+                chain = index.chain(q_ids, spans, published(q_salt))
                 hashes, _ = engine_truth(a, q_ids, q_salt)
                 assert chain == hashes[: len(chain)]
                 for r in "ab":
                     assert index.match(r, chain)[0] == engine_truth(engines[r], q_ids, q_salt)[1], (i, r)
         assert a.store.stats.evicted > 0, "the small memory tier never evicted"
-        assert "disk" in index.media("b") or b.store.summary()["tiers"][1]["entries"] == 0
+        assert "DISK" in index.media("b") or b.store.summary()["tiers"][1]["entries"] == 0
         # the tenant's prompt is not found without its salt, nor the open tenant's with it
         salted_ids = prompts[3][0]
-        assert index.chain(salted_ids, tok(salted_ids)[1], "tenant-x")
-        assert index.chain(salted_ids, tok(salted_ids)[1], "tenant-y") == []
+        assert index.chain(salted_ids, tok(salted_ids)[1], published("tenant-x"))
+        assert index.chain(salted_ids, tok(salted_ids)[1], published("tenant-y")) == []
         # a restart: AllBlocksCleared then the snapshot; the index follows
         b.store.clear()
         recorders["b"].feed(index, "b")
@@ -161,8 +170,10 @@ def test_request_tokens_through_the_server_find_what_the_replica_stored():
         assert parts[0]["status"] == 200
         tenancy = Tenancy(["k1", "k2"], "s3cret")
         tokenize = RequestTokenizer(engine.tokenizer, engine.chunker, engine.chat)
-        route = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k1", tokenize, tenancy)
-        assert route is not None and route["salt"] == tenancy.authenticate("Bearer k1").cache_salt("c")
+        route = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k1", tokenize, tenancy, SALT_KEY)
+        assert route is not None and route["salt"] == published(tenancy.authenticate("Bearer k1").cache_salt("c"))
+        unkeyed = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k1", tokenize, tenancy)
+        assert unkeyed["salt"] == kray.UNKNOWN_SALT  # without the replicas' key: matches nothing
         deadline = time.monotonic() + 10
         while index.media("r") != store_index(engine.store):
             recorder.feed(index, "r")
@@ -171,7 +182,7 @@ def test_request_tokens_through_the_server_find_what_the_replica_stored():
         chain = index.chain(route["ids"], route["spans"], route["salt"])
         assert len(chain) == len(route["ids"]) // 16 > 0  # every full chunk of the prompt is held
         assert index.match("r", chain) == (len(chain), len(chain))
-        other = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k2", tokenize, tenancy)
+        other = kray.request_route_tokens("/v1/chat/completions", body, "Bearer k2", tokenize, tenancy, SALT_KEY)
         assert index.chain(other["ids"], other["spans"], other["salt"]) == []  # another tenant: nothing
         assert kray.request_route_tokens("/v1/chat/completions", body, "Bearer nope", tokenize, tenancy) is None
         assert kray.request_route_tokens("/v1/models", b"", None, tokenize) is None
@@ -251,6 +262,7 @@ def test_shared_redis_blocks_count_for_every_replica_and_local_copies_win_ties()
     assert router.scores(ids, spans, ["r0", "r1"]) == {"r0": (0, 0), "r1": (1, 1)}
     index.check()
     assert medium_kind("redis#2") == "redis" and is_shared("redis#2") and not is_shared("disk")
+    assert is_shared("EXTERNAL") and not is_shared("DISK") and not is_shared("GPU")  # the media kvboost publishes
     # no tokens (an unreadable body): balance only
     assert router.choose(None, None, ["r0", "r1"], {"r0": 2}).replica == "r1"
     with pytest.raises(ValueError):
@@ -322,7 +334,7 @@ ROOTS = ("", "t1")  # two tenants
 TREE = [("c0", None, (1, 2)), ("c1", "c0", (3, 4)), ("c2", "c1", (5, 6)), ("c3", "c0", (7, 8)),
         ("c4", None, (9, 9)), ("c5", "c4", (3, 4))]  # fmt: skip
 NODES = [(salt, name) for salt in ROOTS for name, _, _ in TREE]
-MEDIA = ("memory", "disk", "redis")
+MEDIA = ("GPU", "DISK", "EXTERNAL")  # as kvboost publishes memory, disk and Redis tiers
 REPLICAS = ("r0", "r1", "r2")
 
 
@@ -382,7 +394,7 @@ class IndexMachine(RuleBasedStateMachine):
             want = {m: {_h(*n) for n in nodes} for m, nodes in self.model[r].items() if nodes}
             assert self.index.media(r) == want
         anywhere = {n for r in REPLICAS for nodes in self.model[r].values() for n in nodes}
-        shared = {n for r in REPLICAS for m, nodes in self.model[r].items() if m == "redis" for n in nodes}
+        shared = {n for r in REPLICAS for m, nodes in self.model[r].items() if m == "EXTERNAL" for n in nodes}
         for salt in ROOTS:
             for name, _, _ in TREE:
                 path = _path(name)
@@ -394,7 +406,7 @@ class IndexMachine(RuleBasedStateMachine):
                     known += 1
                 assert chain == [_h(salt, n) for n in path[:known]]
                 for r in REPLICAS:
-                    local = {n for m, nodes in self.model[r].items() if m != "redis" for n in nodes}
+                    local = {n for m, nodes in self.model[r].items() if m != "EXTERNAL" for n in nodes}
                     matched = n_local = 0
                     for n in path[:known]:
                         if (salt, n) not in local | shared:
@@ -524,3 +536,29 @@ def test_events_router_on_ray_serve_follows_the_replicas_caches():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_request_tokens_walk_the_published_blocks_when_they_are_not_the_chunks():
+    """Replicas publishing 8-token blocks of 16-token chunks (``kv_events.block_size``): the ingress splits the
+    request into the same blocks (:func:`kvboost.serving.ray.published_block_size`) and the walk finds every block
+    of the prompt the replica holds. (The ingress's spans were tuples here, which request_route_tokens could not
+    read: every request went unmatched.)"""
+    recorder = Recorder()
+    engine = make_engine("llama", kv={"pool_bytes": 40 * BLOCK_BYTES}, decode="eager",
+                         kv_events={"enabled": True, "publisher": recorder, "block_size": 8, "salt_key": SALT_KEY})
+    index = ClusterKVIndex()
+    try:
+        ids = random_ids(40, seed=5)
+        engine.generate(ids, max_new_tokens=1)
+        recorder.feed(index, "r")
+        size = kray.published_block_size({"kv_events": {"block_size": 8}})
+        assert size == 8 and kray.published_block_size({"kv": {"block_size": 32}}) == 32
+        assert kray.published_block_size({"kv_events": {"block_size": "chunk"}}) is None
+        tokenize = RequestTokenizer(engine.tokenizer, engine.chunker, engine.chat, block_size=size)
+        body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1}).encode()
+        route = kray.request_route_tokens("/v1/completions", body, None, tokenize)
+        assert route is not None and route["spans"][:2] == [(0, 8), (8, 16)]
+        chain = index.chain(route["ids"], route["spans"], route["salt"])
+        assert len(chain) == 40 // 8 and index.match("r", chain) == (5, 5)  # 2 chunks of 16 + the tail's 8
+    finally:
+        engine.close()

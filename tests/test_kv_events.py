@@ -42,6 +42,7 @@ from kvboost.cache.events import (
     decode_batch,
     encode_batch,
     external_hash,
+    salt_tag,
     store_index,
 )
 from kvboost.quant.none import RawKV
@@ -86,6 +87,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.batches: list[KVEventBatch] = []
+        self.lost: list[KVEventBatch] = []
         self.dropped = 0
 
     def publish(self, batch: KVEventBatch) -> None:
@@ -93,8 +95,12 @@ class Recorder:
 
     def drop_last(self) -> None:
         if self.batches:
-            self.batches.pop()
+            self.lost.append(self.batches.pop())
             self.dropped += 1
+
+    def take_dropped(self) -> list[KVEventBatch]:
+        lost, self.lost = self.lost, []
+        return lost
 
     def shutdown(self) -> None:
         pass
@@ -108,7 +114,7 @@ def test_subscriber_index_matches_the_engine_through_evictions_and_a_restart(tmp
                   {"name": "disk", "path": str(tmp_path), "fsync": False}],
         "kv": {"pool_bytes": 40 * BLOCK_BYTES}, "decode": "eager",
         "kv_events": {"enabled": True, "endpoint": f"tcp://*:{pub_port}", "replay_endpoint": f"tcp://*:{replay_port}",
-                      "topic": "kvboost"},
+                      "topic": "kvboost", "salt_key": "events-key"},
     }  # fmt: skip
     sub = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
                             topic="kvboost")  # fmt: skip
@@ -122,20 +128,21 @@ def test_subscriber_index_matches_the_engine_through_evictions_and_a_restart(tmp
             assert sub.index.as_dict() == store_index(engine.store), f"after request {i}"
         summary = engine.store.summary()
         assert summary["demoted"] > 0 and summary["tiers"][1]["entries"] > 0, "the small memory tier never evicted"
-        assert sub.index.as_dict()["disk"], "nothing reached the disk tier"
+        assert sub.index.as_dict()["DISK"], "nothing reached the disk tier"
 
-        # the salted first chunk: parent None, its salt as the extra key (vLLM's cache_salt on a first block)
+        # the salted first chunk: parent None, its salt's keyed hash as the extra key (where vLLM puts cache_salt)
         stored = [e for _, b in sub.request_replay(0) for e in b.events if isinstance(e, BlockStored)]
-        salted = [e for e in stored if e.extra_keys == [["tenant-a"]]]
-        assert salted and all(e.parent_block_hash is None for e in salted) and salted[0].medium == "memory"
-        assert all(0 < e.block_size == len(e.token_ids) <= 16 for e in stored)  # a chunk each (the last may be short)
+        salted = [e for e in stored if e.extra_keys == [[salt_tag("tenant-a", "events-key")]]]
+        assert salted and all(e.parent_block_hash is None for e in salted) and salted[0].medium == "GPU"
+        # blocks of the pool's 16 tokens (= the chunks here); a prompt's short last chunk is not published
+        assert all(e.block_size == 16 and len(e.token_ids) == 16 * len(e.block_hashes) for e in stored)
         assert any(e.parent_block_hash is not None for e in stored)  # chained chunks name their parent
 
         engine.close()  # spills memory into disk: the index keeps the disk tier only
         last = engine.kv_events.publisher.last_seq
         wait_until(lambda: sub.last_seq >= last, sub)
         before_restart = store_index(engine.store)
-        assert set(before_restart) == {"disk"} and sub.index.as_dict() == before_restart
+        assert set(before_restart) == {"DISK"} and sub.index.as_dict() == before_restart
     finally:
         engine.close()
 
@@ -146,7 +153,7 @@ def test_subscriber_index_matches_the_engine_through_evictions_and_a_restart(tmp
         engine.generate(prompts[0] + random_ids(8, seed=99), max_new_tokens=3)
         synced(engine, sub, restarts=1)
         assert sub.index.as_dict() == store_index(engine.store)
-        assert "memory" in sub.index.as_dict()
+        assert "GPU" in sub.index.as_dict()
     finally:
         engine.close()
         sub.close()
@@ -183,7 +190,7 @@ def test_the_engine_config_group_turns_events_on():
         assert isinstance(engine.kv_events.publisher, ZmqEventPublisher)
         engine.generate("The quick brown fox jumps over the lazy dog. " * 3, max_new_tokens=2)
         synced(engine, sub)
-        assert sub.index.as_dict() == store_index(engine.store) and sub.index.as_dict()["memory"]
+        assert sub.index.as_dict() == store_index(engine.store) and sub.index.as_dict()["GPU"]
     finally:
         engine.close()
         sub.close()
@@ -209,6 +216,14 @@ def make_entry(key: str, pinned: bool = False) -> KVEntry:
 ENTRY_BYTES = make_entry("k0").nbytes
 
 
+class IgnoresAllBlocksCleared(KVEventIndex):
+    """An index that skips ``AllBlocksCleared``, as llm-d's event pool does (``pkg/kvevents/pool.go``: the event is
+    only logged)."""
+
+    def apply(self, batch: KVEventBatch) -> None:
+        super().apply(KVEventBatch(batch.ts, [e for e in batch.events if not isinstance(e, AllBlocksCleared)]))
+
+
 class StoreEvents(RuleBasedStateMachine):
     """A memory tier over a disk tier (write-through or write-back), small enough that puts evict and demote."""
 
@@ -221,8 +236,11 @@ class StoreEvents(RuleBasedStateMachine):
                               DiskTier(self.dir, capacity=5 * ENTRY_BYTES, fsync=False)],
                              write_through=[False, self.write_through])  # fmt: skip
         self.recorder = Recorder()
-        self.store.attach_events(KVEventSink(self.recorder))
+        # every other run publishes fixed blocks of 4 tokens (the entries hold 4 or 8), the others one per chunk
+        self.sink = KVEventSink(self.recorder, block_size=4 if len(COUNTS) % 4 < 2 else "chunk")
+        self.store.attach_events(self.sink)
         self.index = KVEventIndex()
+        self.ignoring = IgnoresAllBlocksCleared()  # llm-d's handling: AllBlocksCleared only logged
         self.applied = 0
 
     def teardown(self) -> None:
@@ -266,10 +284,16 @@ class StoreEvents(RuleBasedStateMachine):
     def index_from_events_equals_the_stores(self):
         for i, batch in enumerate(self.recorder.batches[self.applied :]):
             encoding = ("map", "array")[(self.applied + i) % 2]
-            self.index.apply(decode_batch(encode_batch(batch, encoding)))  # through the wire format, both layouts
+            decoded = decode_batch(encode_batch(batch, encoding))  # through the wire format, both layouts
+            self.index.apply(decoded)
+            self.ignoring.apply(decoded)
         self.applied = len(self.recorder.batches)
         self.store.verify()
-        assert self.index.as_dict() == store_index(self.store)
+        truth = store_index(self.store)
+        assert self.index.as_dict() == truth
+        # a consumer that ignores AllBlocksCleared ends right too: clears and resyncs remove what is gone
+        assert self.ignoring.as_dict() == truth
+        assert not any(str(k).startswith("seg:") for k in self.sink._published)  # content-only: never published
 
 
 COUNTS: list[int] = []
@@ -289,15 +313,15 @@ def test_store_events_for_each_movement():
     recorder = Recorder()
     fits = make_entry("k0").nbytes + make_entry("k1").nbytes
     store = KVStore([MemoryTier(capacity=fits), MemoryTier(capacity=4 * fits)])
-    store.attach_events(KVEventSink(recorder))
+    store.attach_events(KVEventSink(recorder, block_size="chunk"))  # one block per chunk (entries of 4 and 8 tokens)
     assert [type(e) for e in recorder.batches[-1].events] == [AllBlocksCleared]  # the (empty) snapshot
     for key in ("k1", "k0", "k3"):  # k3 (8 tokens, a child of k0) demotes k1 (8 tokens, a leaf), not its parent
         store.put(make_entry(key))
     moves = recorder.batches[-1].events
     assert [(type(e).__name__, e.medium, e.block_hashes) for e in moves] == [
-        ("BlockRemoved", "memory#0", [external_hash("k1")]),
-        ("BlockStored", "memory#0", [external_hash("k3")]),
-        ("BlockStored", "memory#1", [external_hash("k1")]),
+        ("BlockRemoved", "GPU", [external_hash("k1")]),
+        ("BlockStored", "GPU", [external_hash("k3")]),
+        ("BlockStored", "CPU", [external_hash("k1")]),
     ]
     k3 = moves[1]
     assert k3.parent_block_hash == external_hash("k0") and k3.token_ids == list(make_entry("k3").token_ids)
@@ -305,8 +329,11 @@ def test_store_events_for_each_movement():
     n = len(recorder.batches)
     store.peek("k0")  # nothing moves: no batch
     assert len(recorder.batches) == n
-    store.clear()
-    assert [type(e) for e in recorder.batches[-1].events] == [AllBlocksCleared]
+    store.clear()  # removals of what was held (for consumers that ignore AllBlocksCleared), then AllBlocksCleared
+    cleared = recorder.batches[-1].events
+    assert [type(e) for e in cleared] == [BlockRemoved, BlockRemoved, AllBlocksCleared]
+    assert {(e.medium, h) for e in cleared[:2] for h in e.block_hashes} == {
+        ("GPU", external_hash("k0")), ("GPU", external_hash("k3")), ("CPU", external_hash("k1"))}
 
 
 # ---------------------------------------------------------------------------------------------- (3) replay

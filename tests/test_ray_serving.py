@@ -217,6 +217,82 @@ def test_main_without_ray_says_how_to_install(monkeypatch, capsys):
     assert "pip install -e '.[cluster]'" in capsys.readouterr().err
 
 
+# ================================================================================= app builder and health (no Ray)
+def test_app_options_type_defaults_and_clear_errors(monkeypatch):
+    """What ``serve run kvboost.serving.ray:app_builder k=v ...`` / a Serve config file's ``args:`` become: typed
+    (Ray passes strings), defaults filled, the replicas' command line prepared and checked before any replica."""
+    monkeypatch.delenv("KVBOOST_API_KEYS", raising=False)
+    monkeypatch.delenv("KVBOOST_SALT_SECRET", raising=False)
+    opts = kray.app_options({"replicas": "3", "router": "events", "no_redis": "true", "max_imbalance": 2,
+                             "server_args": "model=tiny_random threads=1"})  # fmt: skip
+    assert opts["replicas"] == 3 and opts["router"] == "events" and opts["max_imbalance"] == 2
+    assert opts["server_argv"] == ["model=tiny_random", "threads=1"]  # no Redis tier added
+    with_redis = kray.app_options({"server_args": ["model=tiny_random"], "redis_url": "redis://h:1/0"})
+    assert "cache.1.url=redis://h:1/0" in with_redis["server_argv"] and with_redis["replicas"] == 2
+    keyed = kray.app_options({"no_redis": True, "server_args": "model=tiny_random --api-key k1"})
+    assert keyed["server_argv"][keyed["server_argv"].index("--salt-secret") + 1]  # one secret for all replicas
+    for bad, message in (({"replica": 2}, "unknown app argument"), ({"replicas": "two"}, "expected int"),
+                         ({"router": "random"}, "choose one of"), ({"no_redis": "maybe"}, "true or false"),
+                         ({"replicas": 0}, ">= 1"),
+                         ({"no_redis": True, "server_args": "model=tiny_random recompute=nope"}, "server_args")):
+        with pytest.raises(ValueError, match=message):
+            kray.app_options(bad)
+
+
+def test_app_builder_without_ray_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(kray, "ray", None)
+    with pytest.raises(ImportError, match="cluster"):
+        kray.app_builder({"replicas": 1})
+
+
+def test_replica_health_fails_once_the_engine_loop_died():
+    """check_health's logic on a real engine loop: healthy while it runs; after its thread died of an error in a
+    step (as a crashed kernel would end it) and after a shutdown, it raises, so Serve replaces the replica."""
+    from kvboost_testkit.tiny import make_engine
+
+    from kvboost.engine.loop import EngineLoop
+
+    engine = make_engine("llama", decode="eager")
+    loop = EngineLoop(engine).start()
+    try:
+        asyncio.run(kray.replica_health(loop, probe_s=10))  # healthy: no error
+
+        def crash():
+            raise RuntimeError("kernel fault")
+
+        loop.core.has_work = lambda: True
+        loop.core.step = crash
+        loop.core.wake()
+        deadline = time.monotonic() + 10
+        while loop.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="kernel fault"):
+            asyncio.run(kray.replica_health(loop, probe_s=10))
+    finally:
+        loop.shutdown()
+        engine.close()
+    stopped = EngineLoop(make_engine("llama", decode="eager")).start()
+    stopped.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        asyncio.run(kray.replica_health(stopped, probe_s=10))
+    stopped.engine.close()
+
+
+def test_replica_health_fails_when_the_loop_hangs():
+    """A loop whose step never returns answers no probe: unhealthy after ``probe_s``."""
+
+    class Hung:
+        error, running = None, True
+
+        def call(self, fn):
+            return Future()  # never run
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not answer"):
+        asyncio.run(kray.replica_health(Hung(), probe_s=0.2))
+    assert time.monotonic() - start < 5
+
+
 # ====================================================================================== a real (local) Ray Serve
 def _free_port() -> int:
     import socket

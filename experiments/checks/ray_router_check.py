@@ -131,7 +131,7 @@ def run_one(layout: str, router: str, trace: list[lt.TraceRequest], redis_url: s
 
 
 # ------------------------------------------------------------------------------------------- without Ray
-def _inprocess_ingress(apps: dict[str, Any], book: Any, tokenize: Any, tenancy: Any) -> Any:
+def _inprocess_ingress(apps: dict[str, Any], book: Any, tokenize: Any, tenancy: Any, salt_key: Any = None) -> Any:
     """What OpenAIIngress + the Ray request router do, in one process: rank with ``book``, forward through the
     ASGI bridge, count requests in flight per replica (the router's queue lengths)."""
     from collections import Counter
@@ -162,7 +162,7 @@ def _inprocess_ingress(apps: dict[str, Any], book: Any, tokenize: Any, tenancy: 
         path = "/" + path
         auth = request.headers.get("authorization")
         if book.policy == "events":
-            keys = kray.request_route_tokens(path, body, auth, tokenize, tenancy)
+            keys = kray.request_route_tokens(path, body, auth, tokenize, tenancy, salt_key)
         else:
             keys = kray.request_route_keys(path, body, auth)
         rid = book.rank(keys, list(apps))[0]
@@ -205,6 +205,7 @@ def run_one_in_process(layout: str, router: str, trace: list[lt.TraceRequest], r
                              events=router == "events")  # fmt: skip
     if router == "events":  # several publishers in one process: loopback, an ephemeral port each
         argv = [a.replace("tcp://*:*", "tcp://127.0.0.1:*") for a in argv]
+        argv.append("engine.kv_events.salt_key=ray-router-check")  # one key for the replicas and the ingress
     server_args = server_parser().parse_args(argv)
     cfg = compose_config(server_args)
     keys, secret = tenant_keys(server_args)
@@ -222,9 +223,10 @@ def run_one_in_process(layout: str, router: str, trace: list[lt.TraceRequest], r
             if router == "events":
                 pub = engine.kv_events.publisher
                 assert book.subscribe(rid, {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
-                                            "topic": "kvboost"}), "cannot follow the replica's KV events"
+                                            "topic": pub.topic}), "cannot follow the replica's KV events"
         tokenize = kray.load_request_tokenizer(cfg) if router == "events" else None
-        ingress = _inprocess_ingress(apps, book, tokenize, Tenancy(keys, secret) if keys else None)
+        ingress = _inprocess_ingress(apps, book, tokenize, Tenancy(keys, secret) if keys else None,
+                                     cfg["engine"]["kv_events"].get("salt_key"))
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(ingress, host="127.0.0.1", port=port, log_level="warning",
                                                lifespan="off"))  # fmt: skip

@@ -30,24 +30,38 @@ implementation of that wire contract (written from vLLM 0.33.0's definitions, no
   ``[b"", b"", seq=-1 (8 bytes, signed), b""]``.
 
 How kvboost's cache maps onto the schema. kvboost's unit is a **chunk** (a run of tokens the chunker chose; fixed
-``chunk_size`` tokens or variable with the separator chunker), keyed by a prefix-chained hash (``kvboost.hashing``):
+``chunk_size`` tokens or variable with the separator chunker), keyed by a prefix-chained hash (``kvboost.hashing``).
+Routers index fixed blocks of their own size (llm-d re-chunks an event's tokens into its ``blockSize`` and chains
+them from the parent's; Dynamo indexes blocks of its ``kv_block_size``), so by default kvboost publishes **fixed
+blocks** (:meth:`KVEventSink.blocks_of`), ``kv_events.block_size`` tokens each (unset: the KV pool's ``kv.block_size``,
+16, which is also vLLM's and llm-d's default; set it to the router's):
 
-- one ``BlockStored`` per entry that lands in a tier: ``block_hashes=[hash(key)]``, ``parent_block_hash`` = the
-  hash of the previous chunk's key (``None`` for a prompt's first chunk, whose parent is the tenant's root key),
-  ``token_ids`` = the chunk's token ids, ``block_size`` = its token count (chunks can differ in size, hence one
-  event each); ``lora_id`` / ``lora_name`` are ``None`` (no adapters).
-- ``medium``: the name of the tier that took or dropped the entry: ``"memory"`` (the KV pool, or a memory tier),
-  ``"disk"``, ``"redis"`` (``"memory#1"`` etc. when a store has two tiers of one kind). A key can be in several
-  media at once (a write-through copy below).
-- ``extra_keys`` (one element per block): ``(salt,)`` for a first chunk stored under a tenant salt (``cache_salt``),
-  as vLLM carries ``cache_salt`` in its first block's extra keys; ``("kvboost:segment_only",)`` for an entry
-  computed with repair, which only serves content hits (it is not a prompt prefix); otherwise ``None``.
+- one ``BlockStored`` per entry that lands in a tier: its full blocks from the prompt start (an entry starts at a
+  multiple of the block size when its ancestors are whole blocks; one that does not, or holds fewer tokens than a
+  block, is not published: a block across it would need its parent's tokens); ``block_hashes`` = block ``j``'s hash
+  (``hash(key)`` for a block that ends the entry, ``hash(key#j)`` for the others, so a child names its parent's
+  last block as ``hash(parent key)``); ``parent_block_hash`` = ``hash(parent key)`` (``None`` for a prompt's first
+  chunk, whose parent is the tenant's root key); ``token_ids`` = the blocks' tokens (tokens after the last full
+  block are not published, as vLLM publishes full blocks only); ``block_size`` = the block size; ``lora_id`` /
+  ``lora_name`` are ``None`` (no adapters). ``block_size: chunk`` publishes one block per chunk instead (what
+  kvboost's own router reads exactly; a router of another block size mis-reads it).
+- **content-only entries** (KV computed with repair, ``exact=False``: it serves content hits only and is no
+  prompt's prefix) are **not published**: as a block without parent a router would read it as a prompt's first
+  block, a false prefix hit; nor are their removals.
+- ``medium``: the tier that took or dropped the entry, in the consumers' vocabulary (:data:`MEDIA`,
+  :func:`tier_medium`): ``GPU`` (the first tier: the KV pool, the engine's working cache), ``CPU`` (a memory tier
+  below it), ``DISK``, ``EXTERNAL`` (Redis, shared by the replicas). A key can be in several media at once (a
+  write-through copy below); two tiers of one kind publish one medium (a counting consumer stays exact).
+- ``extra_keys`` (one element per block): ``(salt_tag(salt),)`` on a first block stored under a tenant salt
+  (``cache_salt``), where vLLM carries ``cache_salt`` in its first block's extra keys: a keyed hash of the salt,
+  never the salt (:func:`salt_tag` says why); otherwise ``None``.
 - ``hash(key)``: ``block_hash="int"`` (default): the key's digest as a big-endian integer, low 64 bits (what vLLM
-  does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``"bytes"``: the whole digest. A key that is not hex (the
-  ``seg:`` prefix of segment-only entries) is hashed with SHA-256 first. :func:`external_hash` is the mapping.
+  does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``"bytes"``: the whole digest. A key that is not hex is
+  hashed with SHA-256 first. :func:`external_hash` is the mapping.
 - ``BlockRemoved`` when an entry leaves a tier (evicted, demoted to the next tier, removed, promoted out of a lower
-  tier); ``AllBlocksCleared`` when the store is cleared, and first of all when a publisher attaches to a store,
-  followed by a ``BlockStored`` for every entry it already holds (a disk tier's records after a restart).
+  tier), naming the blocks published for it. When the store is cleared: a ``BlockRemoved`` for every block held,
+  then ``AllBlocksCleared``; when a publisher attaches to a store: ``AllBlocksCleared`` and a ``BlockStored`` for
+  every entry it already holds (a disk tier's records after a restart).
 
 What a subscriber does (:class:`KVEventSubscriber`, :class:`KVEventIndex`): apply batches in ``seq`` order; on a gap
 (a late join, ZMQ's slow joiner, a PUB ``hwm`` drop) ask the replay socket for the missing ones; when ``seq`` goes
@@ -55,21 +69,38 @@ back, the engine restarted (a new publisher counts from 0 again): ask the replay
 apply it; it opens with ``AllBlocksCleared`` and the restarted store's entries, so the index is rebuilt. (A restart
 whose first batch seen has a ``seq`` above the old stream's last looks like a gap; a subscriber that knows the engine
 went away, e.g. from its health endpoint, should reset ``last_seq`` to -1 itself.) The index so rebuilt equals the
-store's own (``set(tier.keys())`` per tier), which ``tests/test_kv_events.py`` checks.
+store's own (:func:`store_index`), which ``tests/test_kv_events.py`` checks; ``tests/test_kv_event_consumers.py``
+checks consumers written from llm-d's and Dynamo's rules against the engine's store.
 
 Publishing never blocks the engine: :meth:`ZmqEventPublisher.publish` appends to a bounded queue that a publisher
-thread drains (encoding, sending, buffering for replay). When the queue is full the oldest batch is dropped and
-``dropped`` counts it (vLLM's queue blocks instead; its PUB socket drops beyond ``hwm``); the store then sends a
-fresh ``AllBlocksCleared`` + snapshot so subscribers converge again.
+thread drains (encoding, sending, buffering for replay). When the queue is full the oldest batch is dropped,
+``dropped`` counts it and the publisher keeps it for the sink (vLLM's queue blocks instead; its PUB socket drops
+beyond ``hwm``). The next store operation then resyncs: a ``BlockRemoved`` for every block a lost batch removed and
+for every block published as held, ``AllBlocksCleared``, and the snapshot. llm-d only logs ``AllBlocksCleared``
+(``pkg/kvevents/pool.go``), so the removals are what bring it back to the store's state. Gaps this cannot close: a
+batch the PUB socket drops beyond ``hwm`` (unseen by the publisher: a subscriber must ask the replay socket on the
+gap in ``seq``, which llm-d does not do), and a restarted engine's blocks of the previous process (the new
+publisher does not know them; a consumer that ignores ``AllBlocksCleared`` keeps them until they are evicted or the
+pod is forgotten, e.g. by llm-d's pod reconciler).
+
+Consumers: llm-d's vLLM adapter (``llm-d-kv-cache``, ``pkg/kvevents/engineadapter/vllm_adapter.go``) decodes events
+positionally (msgpack ``array``): give it ``encoding: array``. It reads the pod and model from the topic
+``kv@<pod>@<model>`` (kvboost-server sets that topic when none is given, ``kvboost.serving.cli``), and it does not
+read ``extra_keys``, so it scores tenants' salted blocks like the open tenant's (routing only: the engine's cache
+stays salted).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 import logging
+import os
+import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -78,6 +109,12 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SEGMENT_ONLY_EXTRA = "kvboost:segment_only"
+#: prefix of the published form of a tenant salt (:func:`salt_tag`)
+SALT_TAG_PREFIX = "kvboost-salt:"
+#: where the key of :func:`salt_tag` comes from when ``kv_events.salt_key`` is unset
+SALT_KEY_ENV = "KVBOOST_KV_EVENTS_KEY"
+#: interfaces that mean "every interface" in a bound endpoint
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
 ENCODINGS = ("map", "array")
 BLOCK_HASHES = ("int", "bytes")
 
@@ -184,6 +221,41 @@ def external_hash(key: str, block_hash: str = "int") -> int | bytes:
     return int.from_bytes(digest, "big") & ((1 << 64) - 1)
 
 
+def salt_tag(salt: str, key: bytes | str) -> str:
+    """The published form of a tenant salt: ``kvboost-salt:`` + the first 128 bits of HMAC-SHA256(``key``, salt).
+
+    Why a keyed hash. The salt is what keeps tenants apart (``kvboost.serving.tenancy``): a request's own
+    ``cache_salt`` is a secret its sender chose, and on a deployment without API keys it is the whole salt, so
+    publishing it would let anyone who reads the socket send requests under another tenant's salt and time its
+    prefix hits. A router needs equality only (two first blocks of one tenant carry the same extra key, of two
+    tenants different ones), which a keyed hash keeps; without the key the salt cannot be recovered nor a guessed
+    salt checked (an unkeyed hash of a low-entropy ``cache_salt`` could be)."""
+    key_bytes = key.encode() if isinstance(key, str) else bytes(key)
+    return SALT_TAG_PREFIX + hmac.new(key_bytes, salt.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def events_salt_key(configured: str | None) -> bytes:
+    """The key of :func:`salt_tag`: ``kv_events.salt_key``, else ``$KVBOOST_KV_EVENTS_KEY``, else a random key of
+    this process (equality within this publisher's stream only: a router that matches a request's salt itself,
+    or the salts of several replicas, needs one key set on all of them)."""
+    key = configured or os.environ.get(SALT_KEY_ENV)
+    return key.encode() if key else secrets.token_bytes(32)
+
+
+#: tokens per published block when ``kv_events.block_size`` is unset and the store has no KV pool tier: kvboost's
+#: pool default (``kvboost.kv.pool.DEFAULT_BLOCK_SIZE``), also vLLM's default ``--block-size`` and llm-d's default
+#: ``blockSize``
+DEFAULT_EVENT_BLOCK_SIZE = 16
+
+
+def check_block_size(block_size: Any) -> None:
+    """``kv_events.block_size``: a positive integer, ``"chunk"`` (one block per kvboost chunk) or None (the pool's)."""
+    if block_size is None or block_size == "chunk":
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"kv_events.block_size must be a positive integer, 'chunk' or null, got {block_size!r}")
+
+
 # ---------------------------------------------------------------------------------------------- config
 @dataclass
 class KVEventsConfig:
@@ -192,13 +264,18 @@ class KVEventsConfig:
     ``enabled``: off by default (vLLM's ``enable_kv_cache_events`` is accepted as its alias). ``publisher``:
     ``"zmq"``, ``"null"``, or an object with ``publish(batch)`` and ``shutdown()`` (tests). ``endpoint``: the PUB
     address (bound when it has ``*``, ``::``, ``ipc://`` or ``inproc://``, connected otherwise, as vLLM does);
-    ``replay_endpoint``: the ROUTER address (None: no replay); ``topic``: the first frame of every message;
+    ``host``: the interface a bound TCP endpoint with a wildcard host listens on, loopback by default (the events
+    carry every cached prompt's token ids, unauthenticated): ``"*"`` (or an address) binds elsewhere, with a
+    warning; ``replay_endpoint``: the ROUTER address (None: no replay), bound on ``host`` likewise;
+    ``salt_key``: the key of the tenant salts' published form (:func:`salt_tag`, :func:`events_salt_key`);
+    ``topic``: the first frame of every message;
     ``buffer_steps``: batches kept for replay; ``hwm``: the PUB socket's high-water mark; ``max_queue_size``:
     batches waiting for the publisher thread before the oldest is dropped."""
 
     enabled: bool = False
     publisher: Any = "zmq"
     endpoint: str = "tcp://*:5557"
+    host: str = "127.0.0.1"
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
@@ -207,6 +284,9 @@ class KVEventsConfig:
     encoding: str = "map"
     block_hash: str = "int"
     data_parallel_rank: int = 0
+    salt_key: str | None = None
+    block_size: int | str | None = None
+    media: dict[str, str] | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | KVEventsConfig | None) -> KVEventsConfig:
@@ -229,6 +309,12 @@ class KVEventsConfig:
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if int(getattr(config, name)) < 1:
                 raise ValueError(f"kv_events.{name} must be >= 1")
+        check_block_size(config.block_size)
+        if config.media is not None:
+            config.media = dict(config.media)
+            unknown_media = sorted(set(config.media) - set(MEDIA))
+            if unknown_media:
+                raise ValueError(f"kv_events.media: unknown tier kind(s) {unknown_media}; accepted: {sorted(MEDIA)}")
         return config
 
     def build_publisher(self) -> Any:
@@ -238,7 +324,8 @@ class KVEventsConfig:
         if not isinstance(self.publisher, str):
             return self.publisher
         return ZmqEventPublisher(
-            self.endpoint, replay_endpoint=self.replay_endpoint, topic=self.topic, buffer_steps=self.buffer_steps,
+            self.endpoint, host=self.host, replay_endpoint=self.replay_endpoint, topic=self.topic,
+            buffer_steps=self.buffer_steps,
             hwm=self.hwm, max_queue_size=self.max_queue_size, encoding=self.encoding,
             data_parallel_rank=self.data_parallel_rank,
         )  # fmt: skip
@@ -249,6 +336,32 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_address(endpoint: str, host: str = "127.0.0.1") -> str:
+    """The address a bound endpoint listens on: a TCP endpoint's wildcard host (``tcp://*:5557``,
+    ``tcp://0.0.0.0:*``) replaced by ``host``; other endpoints as given. Logs a warning when the result listens
+    beyond loopback (the events are unauthenticated)."""
+    if endpoint.startswith("tcp://"):
+        where, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if sep and where in _WILDCARDS:
+            where = host if host not in _WILDCARDS else "*"
+            if ":" in where and not where.startswith("["):
+                where = f"[{where}]"
+            endpoint = f"tcp://{where}:{port}"
+        if not _is_loopback(where):
+            log.warning("kv_events: publishing on %s, beyond loopback and unauthenticated: whoever reaches it reads "
+                        "every cached prompt's token ids (bind loopback, or restrict the port)", endpoint)  # fmt: skip
+    return endpoint
+
+
 class ZmqEventPublisher:
     """PUB socket + ROUTER replay socket, driven by one daemon thread; ``publish`` never blocks.
 
@@ -257,7 +370,8 @@ class ZmqEventPublisher:
 
     SHUTDOWN_TIMEOUT = 2.0
 
-    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: str | None = None, topic: str = "",
+    def __init__(self, endpoint: str = "tcp://*:5557", *, host: str = "127.0.0.1", replay_endpoint: str | None = None,
+                 topic: str = "",
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
                  encoding: str = "map", data_parallel_rank: int = 0) -> None:  # fmt: skip
         import zmq
@@ -272,6 +386,7 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=int(buffer_steps))
         self.dropped = 0
         self.published = 0
+        self._lost: list[KVEventBatch] = []  # dropped since the last take_dropped (the sink's resync reads them)
         self._queued = 0
         self._next_seq = 0
         self._ctx = zmq.Context.instance()
@@ -279,7 +394,7 @@ class ZmqEventPublisher:
         self._pub.set_hwm(int(hwm))
         self._pub.setsockopt(zmq.LINGER, 0)
         if _binds(endpoint):
-            self._pub.bind(endpoint)
+            self._pub.bind(bind_address(endpoint, host))
         else:
             self._pub.connect(endpoint)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
@@ -289,7 +404,7 @@ class ZmqEventPublisher:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, 2 * (int(buffer_steps) + 1))
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
+            self._replay.bind(bind_address(replay_endpoint, host))
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvboost-kv-events", daemon=True)
@@ -303,7 +418,7 @@ class ZmqEventPublisher:
             batch.data_parallel_rank = self.data_parallel_rank
         with self._lock:
             if len(self._queue) >= self._max_queue:
-                self._queue.popleft()
+                self._lost.append(self._queue.popleft())
                 self.dropped += 1
             self._queue.append(batch)
             self._queued += 1
@@ -311,6 +426,18 @@ class ZmqEventPublisher:
 
     def pending(self) -> int:
         return len(self._queue)
+
+    @property
+    def topic(self) -> str:
+        """The first frame of every message."""
+        return self._topic.decode()
+
+    def take_dropped(self) -> list[KVEventBatch]:
+        """The batches dropped since the last call (oldest first), forgotten here: a resync re-sends their
+        removals (:meth:`KVEventSink.clear_events`)."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
 
     @property
     def last_seq(self) -> int:
@@ -354,6 +481,8 @@ class ZmqEventPublisher:
                 self._buffer.append((seq, payload))
                 self._next_seq += 1
             except Exception:
+                with self._lock:
+                    self._lost.append(batch)
                 self.dropped += 1
                 log.exception("kv_events: publishing a batch failed")
             else:
@@ -385,41 +514,159 @@ class ZmqEventPublisher:
 
 
 # ---------------------------------------------------------------------------------------------- the store's side
+#: the ``medium`` published for a tier, by tier kind (``kvboost.cache.store.KVStore.tier_names`` without ``#i``).
+#: Spelled as the consumers spell them: vLLM's ``MEDIUM_GPU = "GPU"`` / ``MEDIUM_CPU = "CPU"``
+#: (``vllm/distributed/kv_events.py``); Dynamo's ``StorageTier::from_kv_medium`` (``lib/kv-router/src/protocols.rs``)
+#: reads ``GPU``, ``CPU`` (``CPU_PINNED``), ``DISK`` and ``EXTERNAL`` and counts any other name as GPU-resident;
+#: llm-d lower-cases the medium into its device tier and weights ``gpu`` 1.0 and ``cpu`` 0.8 by default
+#: (``pkg/kvcache/backend.go``), any other name 1.0 unless configured (``disk``, ``external`` are configurable).
+#: - the first tier (the KV pool, or a memory tier): ``GPU``, the engine's working cache, as vLLM calls its primary
+#:   block pool whatever the device;
+#: - a memory tier below it (the host copy tier, ``kv.host_bytes``): ``CPU``, vLLM's CPU offload;
+#: - ``disk``: ``DISK`` (Dynamo's disk tier; vLLM's newer ``STORAGE`` only in some Dynamo versions);
+#: - ``redis``, shared by every replica on one namespace: ``EXTERNAL`` (Dynamo's shared external tier).
+#: ``kv_events.media`` overrides per kind (e.g. ``{"disk": "STORAGE"}``).
+MEDIA = {"memory": "GPU", "memory_below": "CPU", "disk": "DISK", "redis": "EXTERNAL"}
+
+
+def tier_medium(tier_name: str, media: Mapping[str, str] | None = None) -> str:
+    """The published medium of the store's tier ``tier_name`` (``memory``, ``memory#1``, ``disk``, ``redis#2``)."""
+    table = {**MEDIA, **(media or {})}
+    kind, _, index = tier_name.partition("#")
+    if kind == "memory" and index and int(index) > 0:
+        return table["memory_below"]
+    return table.get(kind, kind.upper())
+
+
 class KVEventSink:
     """Turns the store's movements (per tier: keys that arrived, keys that left) into event batches.
 
     ``hasher`` (optional) tells which parent keys are a tenant's root (``Hasher.salt_of_root``): such an entry is a
-    prompt's first chunk (``parent_block_hash=None``, the salt in ``extra_keys``)."""
+    prompt's first chunk (``parent_block_hash=None``, the salt's :func:`salt_tag` in ``extra_keys``).
+    ``block_size``: publish each prefix entry as fixed blocks of this many tokens (the router's block size), None:
+    one block per kvboost chunk (see the module docstring). ``media``: overrides of :data:`MEDIA`.
 
-    def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None) -> None:
+    State: per key, the block hashes published for it and the media they were published in (a ``BlockRemoved``
+    names the same hashes, and entries never published, content-only or unaligned, publish no removal); the
+    batches the publisher reported lost since the last resync."""
+
+    def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None,
+                 salt_key: bytes | str | None = None, block_size: int | None = None,
+                 media: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        check_block_size(block_size)
         self.publisher = publisher
         self.block_hash = block_hash
         self.hasher = hasher
+        #: tokens per published block; None: one block per chunk ("chunk"); resolved from the store when "auto"
+        self.block_size: int | None = None if block_size == "chunk" else (
+            DEFAULT_EVENT_BLOCK_SIZE if block_size is None else int(block_size))  # fmt: skip
+        self._auto_block_size = block_size is None
+        self.media = dict(media or {})
+        self._salt_key = events_salt_key(salt_key) if not isinstance(salt_key, bytes) else salt_key
         self.batches = 0  # batches emitted (handed to the publisher)
         self.events = 0  # events in them
         self.resyncs = 0  # fresh snapshots sent after the publisher dropped batches
         self._dropped_seen = 0
+        # key -> (block hashes, how many tiers of each medium hold them: two tiers of one kind share a medium)
+        self._published: dict[str, tuple[tuple[Any, ...], Counter[str]]] = {}
+
+    def bind_store(self, store: Any) -> None:
+        """Called when ``store`` attaches this sink: an unset ``block_size`` becomes the store's KV pool block size
+        (the engine's ``kv.block_size``), when the first tier is the pool."""
+        pool = getattr(store, "pool", None)
+        if self._auto_block_size and getattr(pool, "block_size", None):
+            self.block_size = int(pool.block_size)
+
+    @classmethod
+    def from_config(cls, config: KVEventsConfig, publisher: Any, *, hasher: Any = None) -> KVEventSink:
+        """The sink of an engine's ``kv_events`` config (``config.build_publisher()`` gives ``publisher``)."""
+        return cls(publisher, block_hash=config.block_hash, hasher=hasher, salt_key=config.salt_key,
+                   block_size=config.block_size, media=config.media)  # fmt: skip
+
+    def published_salt(self, salt: str) -> str | None:
+        """What a first block carries for ``salt`` in ``extra_keys`` (:func:`salt_tag`; None for the open
+        tenant's empty salt, which has nothing to hide)."""
+        return salt_tag(salt, self._salt_key) if salt else None
 
     def hash_of(self, key: str) -> int | bytes:
         return external_hash(key, self.block_hash)
 
-    def stored_event(self, entry: Any, medium: str) -> BlockStored:
+    def medium(self, tier_name: str) -> str:
+        return tier_medium(tier_name, self.media)
+
+    def blocks_of(self, entry: Any) -> tuple[list[Any], list[int], int] | None:
+        """``(block hashes, their tokens, block size)`` published for ``entry``, or None when it is published as no
+        prefix block: a content-only entry (repaired KV, ``exact=False``: it is no prompt's prefix, and a consumer
+        would read a block without parent as a prompt's first block), or, with ``block_size`` B, an entry that does
+        not start on a multiple of B (a block across its start would need its parent's tokens) or holds fewer than
+        B tokens. Block ``j`` of a key is ``hash(key)`` when it ends the entry, else ``hash(key + "#j")``: the
+        last block of a parent that ends on a block boundary is then ``hash(parent key)``, the parent hash its
+        children name. Tokens after the last full block are not published (as vLLM publishes full blocks only)."""
+        if not entry.exact:
+            return None
+        tokens = [int(t) for t in entry.token_ids]
+        size = self.block_size
+        if size is None:
+            return [self.hash_of(entry.key)], tokens, len(tokens)
+        if int(entry.start) % size or len(tokens) < size:
+            return None
+        count = len(tokens) // size
+        hashes = [self.hash_of(entry.key if (j + 1) * size == len(tokens) else f"{entry.key}#{j}")
+                  for j in range(count)]  # fmt: skip
+        return hashes, tokens[: count * size], size
+
+    def stored_event(self, entry: Any, tier_name: str) -> BlockStored | None:
+        """The ``BlockStored`` of ``entry`` arriving in tier ``tier_name`` (None: nothing to publish)."""
+        blocks = self.blocks_of(entry)
+        if blocks is None:
+            return None
+        hashes, tokens, size = blocks
         salt = None
-        parent = entry.parent_key if entry.exact else None
+        parent = entry.parent_key
         if parent is not None and self.hasher is not None:
             salt = getattr(self.hasher, "salt_of_root", lambda _k: None)(parent)
-        if not entry.exact:
-            extra: Any = (SEGMENT_ONLY_EXTRA,)
-        elif salt:
-            extra = (salt,)
-        else:
-            extra = None
+        extra = [(self.published_salt(salt),) if salt else None] + [None] * (len(hashes) - 1)
+        medium = self.medium(tier_name)
+        known, media = self._published.setdefault(entry.key, (tuple(hashes), Counter()))
+        media[medium] += 1
         return BlockStored(
-            block_hashes=[self.hash_of(entry.key)],
-            parent_block_hash=None if parent is None or salt is not None else self.hash_of(parent),
-            token_ids=[int(t) for t in entry.token_ids], block_size=len(entry.token_ids), medium=medium,
-            extra_keys=[extra],
+            block_hashes=list(known), parent_block_hash=None if parent is None or salt is not None else
+            self.hash_of(parent), token_ids=tokens, block_size=size, medium=medium, extra_keys=extra,
         )  # fmt: skip
+
+    def removed_event(self, keys: list[str], tier_name: str) -> BlockRemoved | None:
+        """The ``BlockRemoved`` of ``keys`` leaving tier ``tier_name``: the blocks published for them there."""
+        medium = self.medium(tier_name)
+        hashes: list[Any] = []
+        for key in keys:
+            known = self._published.get(key)
+            if known is None or known[1][medium] <= 0:
+                continue
+            hashes += known[0]
+            known[1][medium] -= 1
+            if not +known[1]:
+                del self._published[key]
+        return BlockRemoved(block_hashes=hashes, medium=medium) if hashes else None
+
+    def clear_events(self, *, lost: bool = False) -> list[Any]:
+        """What a clear (and a snapshot: ``AllBlocksCleared`` first) publishes: a ``BlockRemoved`` for every block
+        this stream published and still counts as held, with ``lost`` (a resync after dropped batches) also for
+        every block a lost batch removed, then ``AllBlocksCleared``. The removals are for consumers that ignore
+        ``AllBlocksCleared`` (llm-d only logs it, ``pkg/kvevents/pool.go``): they still end with what the store
+        holds, since the snapshot that follows stores again every block held. Lost ``BlockStored`` need nothing.
+        Nothing is published as held afterwards."""
+        drained = getattr(self.publisher, "take_dropped", None) if lost else None
+        removed: dict[Any, list[Any]] = {}
+        for batch in drained() if callable(drained) else []:
+            for event in batch.events:
+                if isinstance(event, BlockRemoved):
+                    removed.setdefault(event.medium, []).extend(event.block_hashes)
+        for hashes, media in self._published.values():
+            for medium, count in media.items():
+                removed.setdefault(medium, []).extend(list(hashes) * count)
+        self._published.clear()
+        events: list[Any] = [BlockRemoved(block_hashes=hs, medium=m) for m, hs in removed.items() if hs]
+        return [*events, AllBlocksCleared()]
 
     def emit(self, events: list[Any]) -> None:
         if not events:
@@ -453,9 +700,10 @@ class KVEventSink:
 # ---------------------------------------------------------------------------------------------- the subscriber's side
 @dataclass
 class KVEventIndex:
-    """What a router rebuilds from the events: per medium, the block hashes resident there."""
+    """What a router rebuilds from the events: per medium, the block hashes resident there, each with the number
+    of stores not yet removed (two tiers of one kind publish one medium: a block leaves it when both dropped it)."""
 
-    media: dict[str, set[Any]] = field(default_factory=dict)
+    media: dict[str, Counter[Any]] = field(default_factory=dict)
     batches: int = 0
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -464,29 +712,34 @@ class KVEventIndex:
             if isinstance(event, AllBlocksCleared):
                 self.media.clear()
             elif isinstance(event, BlockStored):
-                self.media.setdefault(event.medium, set()).update(_hashable(h) for h in event.block_hashes)
+                self.media.setdefault(event.medium, Counter()).update(_hashable(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 held = self.media.get(event.medium)
                 if held is not None:
-                    held.difference_update(_hashable(h) for h in event.block_hashes)
+                    held.subtract(_hashable(h) for h in event.block_hashes)
+                    self.media[event.medium] = held = +held  # a removal of what was never stored: no negative
                     if not held:
                         del self.media[event.medium]
 
     def as_dict(self) -> dict[str, set[Any]]:
-        return {medium: set(hashes) for medium, hashes in self.media.items() if hashes}
+        return {medium: set(+hashes) for medium, hashes in self.media.items() if +hashes}
 
 
 def _hashable(h: Any) -> Any:
     return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
 
 
-def store_index(store: Any, block_hash: str = "int") -> dict[str, set[Any]]:
-    """The store's own index as the events describe it: per tier name, the hashes of the keys it holds."""
+def store_index(store: Any, block_hash: str = "int", sink: KVEventSink | None = None) -> dict[str, set[Any]]:
+    """The store's own index as the events describe it: per medium, the block hashes of the entries its tiers hold
+    (as ``sink``, default the store's own or a plain one, publishes them: :meth:`KVEventSink.blocks_of`)."""
+    sink = sink or getattr(store, "events", None) or KVEventSink(None, block_hash=block_hash, salt_key=b"-")
     out: dict[str, set[Any]] = {}
     for name, tier in zip(store.tier_names, store.tiers):
-        hashes = {external_hash(k, block_hash) for k in tier.keys()}  # noqa: SIM118 (a tier, not a dict)
-        if hashes:
-            out[name] = hashes
+        for key in tier.keys():  # noqa: SIM118 (a tier, not a dict)
+            entry = tier.peek_meta(key)
+            blocks = sink.blocks_of(entry) if entry is not None else None
+            if blocks is not None:
+                out.setdefault(sink.medium(name), set()).update(_hashable(h) for h in blocks[0])
     return out
 
 

@@ -9,7 +9,6 @@ from typing import Any
 
 from kvboost.cache.block_run import is_pooled, standalone
 from kvboost.cache.entry import KVEntry, segment_only_key
-from kvboost.cache.events import AllBlocksCleared, BlockRemoved
 from kvboost.cache.tier_base import CacheTier
 
 
@@ -525,13 +524,13 @@ class KVStore:
         self._segment_only = 0
         if self.events is not None:
             self._moved.clear()
-            self.events.emit([AllBlocksCleared()])
+            self.events.emit(self.events.clear_events())
 
     # ------------------------------------------------------------------ KV events (kvboost.cache.events)
     @property
     def tier_names(self) -> list[str]:
-        """The tiers' names (``memory``, ``disk``, ``redis``; ``name#i`` when two tiers share one): the events'
-        ``medium``."""
+        """The tiers' names (``memory``, ``disk``, ``redis``; ``name#i`` when two tiers share one); the events'
+        ``medium`` of each is ``kvboost.cache.events.tier_medium`` of it."""
         return list(self._tier_names)
 
     def attach_events(self, sink: Any) -> None:
@@ -540,15 +539,20 @@ class KVStore:
         self.events = sink
         self._moved.clear()
         if sink is not None:
+            if hasattr(sink, "bind_store"):
+                sink.bind_store(self)
             self._publish_snapshot()
 
-    def _publish_snapshot(self) -> None:
-        events: list[Any] = [AllBlocksCleared()]
+    def _publish_snapshot(self, resync: bool = False) -> None:
+        """``AllBlocksCleared`` and every entry the tiers hold; after lost batches (``resync``) opened by the removals
+        a consumer that ignores ``AllBlocksCleared`` needs (``KVEventSink.clear_events``)."""
+        events: list[Any] = self.events.clear_events(lost=resync)
         for i, tier in enumerate(self.tiers):
             for key in tier.keys():  # noqa: SIM118 (a tier, not a dict)
                 entry = tier.peek_meta(key)
-                if entry is not None:
-                    events.append(self.events.stored_event(entry, self._tier_names[i]))
+                stored = self.events.stored_event(entry, self._tier_names[i]) if entry is not None else None
+                if stored is not None:
+                    events.append(stored)
         self.events.emit(events)
 
     def _locations(self, key: str) -> frozenset[int]:
@@ -569,7 +573,7 @@ class KVStore:
             return
         moved, self._moved = self._moved, {}
         if resync:  # the publisher dropped batches: subscribers start over from a snapshot
-            self._publish_snapshot()
+            self._publish_snapshot(resync=True)
             return
         removed: dict[int, list[str]] = {}
         stored: dict[int, list[str]] = {}
@@ -581,13 +585,15 @@ class KVStore:
                 stored.setdefault(t, []).append(key)
         events: list[Any] = []
         for t in sorted(removed):
-            events.append(BlockRemoved(block_hashes=[self.events.hash_of(k) for k in removed[t]],
-                                       medium=self._tier_names[t]))  # fmt: skip
+            gone = self.events.removed_event(removed[t], self._tier_names[t])
+            if gone is not None:
+                events.append(gone)
         for t in sorted(stored):
             for key in stored[t]:
                 entry = self.tiers[t].peek_meta(key)
-                if entry is not None:
-                    events.append(self.events.stored_event(entry, self._tier_names[t]))
+                arrived = self.events.stored_event(entry, self._tier_names[t]) if entry is not None else None
+                if arrived is not None:
+                    events.append(arrived)
         self.events.emit(events)
 
     # ------------------------------------------------------------------ bookkeeping (no tensors)

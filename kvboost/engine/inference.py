@@ -243,7 +243,7 @@ class InferenceEngine:
         self.kv_events: KVEventSink | None = None
         self._events_finalizer = None
         if publisher is not None:
-            self.kv_events = KVEventSink(publisher, block_hash=events_config.block_hash, hasher=hasher)
+            self.kv_events = KVEventSink.from_config(events_config, publisher, hasher=hasher)
             self._events_finalizer = weakref.finalize(self, publisher.shutdown)
             hasher.root_key(self.fingerprint, "")  # the untenanted root: its first chunks publish parent None
         self._store_finalizer = weakref.finalize(self, store.close)

@@ -61,6 +61,12 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _kv_events_block_size(text: str) -> int | str:
+    if text == "chunk":
+        return text
+    return _positive_int(text)
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -147,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-requests", action="store_true",
                    help="refuse unknown request fields with a 400 (default: ignored, with a log line and the "
                         "X-Kvboost-Ignored-Fields response header, as vLLM ignores them)")  # fmt: skip
+    p.add_argument("--kv-events-block-size", type=_kv_events_block_size, metavar="N",
+                   help="KV events (engine.kv_events.enabled=true): tokens per published block, the router's block "
+                        "size (llm-d's blockSize, Dynamo's --kv-block-size; default: the KV pool's, 16; 'chunk': one "
+                        "block per kvboost chunk) (= engine.kv_events.block_size)")  # fmt: skip
+    p.add_argument("--kv-events-host", metavar="HOST",
+                   help="KV events: the interface a bound endpoint listens on (default 127.0.0.1; '*' = every "
+                        "interface: the events are unauthenticated) (= engine.kv_events.host)")  # fmt: skip
+    p.add_argument("--kv-events-pod", metavar="NAME", default=None,
+                   help="KV events: the pod name in the topic kv@<pod>@<model> (llm-d reads the replica from it; "
+                        "default $POD_NAME, else the host name); an explicit engine.kv_events.topic wins")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of kvboost/configs/config.yaml")
     return p
@@ -173,6 +189,10 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, str]:
         out["quant"] = KV_BITS[args.kv_cache_bits]
     if args.chunk_size is not None:
         out["chunker.chunk_size"] = str(args.chunk_size)
+    if getattr(args, "kv_events_block_size", None) is not None:
+        out["engine.kv_events.block_size"] = str(args.kv_events_block_size)
+    if getattr(args, "kv_events_host", None):
+        out["engine.kv_events.host"] = args.kv_events_host
     return out
 
 
@@ -221,6 +241,27 @@ def compose_config(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as exc:
         raise UsageError(f"config: {exc}") from exc
     return plain
+
+
+def events_topic(pod: str | None, model: str) -> str:
+    """llm-d's topic ``kv@<pod>@<model>`` (its vLLM adapter splits the topic on ``@`` into three parts, and takes
+    the pod and the model name from it: ``pkg/kvevents/engineadapter/vllm_adapter.go``, ``parseVLLMTopic``)."""
+    import socket
+
+    pod = pod or os.environ.get("POD_NAME") or socket.gethostname()
+    if "@" in pod or "@" in model:
+        raise UsageError(f"the KV events topic kv@{pod}@{model} would not split in three on '@': pass --kv-events-pod "
+                         "or engine.kv_events.topic")  # fmt: skip
+    return f"kv@{pod}@{model}"
+
+
+def with_events_topic(cfg: dict[str, Any], pod: str | None, model: str) -> dict[str, Any]:
+    """``cfg`` with ``engine.kv_events.topic`` set to :func:`events_topic` when events are on and no topic is set."""
+    events = dict((cfg.get("engine") or {}).get("kv_events") or {})
+    if not events.get("enabled") or events.get("topic"):
+        return cfg
+    events["topic"] = events_topic(pod, model)
+    return {**cfg, "engine": {**cfg["engine"], "kv_events": events}}
 
 
 def served_names(args: argparse.Namespace, cfg: dict[str, Any]) -> list[str]:
@@ -280,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = compose_config(args)
+        with_events_topic(cfg, args.kv_events_pod, served_names(args, cfg)[0])  # a topic llm-d cannot split: now
         from kvboost.serving.tenancy import SECRET_ENV, Tenancy
 
         keys, secret = tenant_keys(args)
@@ -328,7 +370,7 @@ def build_served(args: argparse.Namespace, cfg: dict[str, Any], keys: list[str],
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     torch.manual_seed(int(cfg.get("seed") or 0))
-    cfg = serving_config(cfg)
+    cfg = with_events_topic(serving_config(cfg), getattr(args, "kv_events_pod", None), served_names(args, cfg)[0])
     engine = build_engine(cfg)
     try:
         if cfg.get("warmup", True):

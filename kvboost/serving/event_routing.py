@@ -55,8 +55,9 @@ from typing import Any
 from kvboost.cache.events import SEGMENT_ONLY_EXTRA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvboost.serving.routing import DEFAULT_MAX_IMBALANCE, RouteDecision, rank_replicas
 
-#: media whose blocks every replica can read (one Redis namespace shared by the deployment)
-SHARED_MEDIA = frozenset({"redis"})
+#: media whose blocks every replica can read (one Redis namespace shared by the deployment): ``EXTERNAL`` is what a
+#: Redis tier publishes (``kvboost.cache.events.MEDIA``); ``redis`` is the name kvboost published before
+SHARED_MEDIA = frozenset({"EXTERNAL", "redis"})
 
 
 def medium_kind(medium: str | None) -> str:
@@ -87,6 +88,18 @@ def stored_parent(event: BlockStored) -> Any | None:
     return _hashable(event.parent_block_hash)
 
 
+def _block_tokens(event: BlockStored) -> list[tuple[int, ...] | None]:
+    """Each block's tokens: the event's token ids in ``block_size`` pieces (vLLM's multi-block events, kvboost's
+    fixed blocks), or the whole for a one-block event (a kvboost chunk); None where they cannot be told apart."""
+    hashes, tokens = event.block_hashes, [int(t) for t in event.token_ids]
+    if len(hashes) == 1:
+        return [tuple(tokens)]
+    size = int(event.block_size or 0)
+    if size > 0 and len(tokens) == size * len(hashes):
+        return [tuple(tokens[i * size : (i + 1) * size]) for i in range(len(hashes))]
+    return [None] * len(hashes)
+
+
 # ------------------------------------------------------------------------------------------------- the index
 class ClusterKVIndex:
     """Every replica's cache as its KV events describe it, and the chain of blocks to walk requests along.
@@ -115,13 +128,13 @@ class ClusterKVIndex:
             elif isinstance(event, BlockStored):
                 parent = stored_parent(event)
                 held = media.setdefault(event.medium, set())
-                for h in event.block_hashes:
+                for h, tokens in zip(event.block_hashes, _block_tokens(event)):
                     h = _hashable(h)
-                    # one event per kvboost chunk; several hashes (vLLM's multi-block events) share the tokens:
-                    # only a single-hash event names its block's tokens exactly
-                    if parent is not None and h not in self._node and len(event.block_hashes) == 1:
-                        self._node[h] = (parent, tuple(int(t) for t in event.token_ids))
+                    # block i's parent is block i-1 of the event (the first's: the event's parent)
+                    if parent is not None and tokens is not None and h not in self._node:
+                        self._node[h] = (parent, tokens)
                         self._link[self._node[h]] = h
+                    parent = h
                     if h not in held:
                         held.add(h)
                         self._count(h, event.medium, +1)
@@ -227,23 +240,31 @@ class RequestTokenizer:
     generation prompt), tokenized by the engine's chunker (which owns tokenization), token ids split by it.
     Build it from the served model's tokenizer and the engine's chunker config, bound to that tokenizer."""
 
-    def __init__(self, tokenizer: Any, chunker: Any, chat: bool | None = None) -> None:
+    def __init__(self, tokenizer: Any, chunker: Any, chat: bool | None = None, block_size: int | None = None) -> None:
         self.tokenizer, self.chunker, self.chat = tokenizer, chunker, chat
+        #: the replicas' published block size (``kv_events.block_size``): spans are its blocks; None: the chunks
+        self.block_size = block_size
 
     @classmethod
-    def from_config(cls, tokenizer: Any, chunker: Any = "fixed", chat: bool | None = None) -> RequestTokenizer:
+    def from_config(cls, tokenizer: Any, chunker: Any = "fixed", chat: bool | None = None,
+                    block_size: int | None = None) -> RequestTokenizer:  # fmt: skip
         """``chunker``: a config (name or mapping, the ``chunker`` group of the server's config) or an instance."""
         from kvboost.registry import CHUNKERS
 
         built = CHUNKERS.build(chunker) if isinstance(chunker, (str, Mapping)) else chunker
         built.bind_tokenizer(tokenizer)
-        return cls(tokenizer, built, chat)
+        return cls(tokenizer, built, chat, block_size)
 
     def __call__(self, prompt: Any, *, chat: bool | None = None) -> tuple[list[int], list[Any]]:
         from kvboost.prompts import prompt_text_or_ids
 
         what = prompt_text_or_ids(self.tokenizer, prompt, chat=self.chat if chat is None else chat)
         ids, spans = self.chunker.tokenize(self.tokenizer, what) if isinstance(what, str) else (list(what), None)
+        if self.block_size:  # the replicas publish fixed blocks from the prompt start: walk those
+            from kvboost.types import ChunkSpan
+
+            size = self.block_size
+            return list(ids), [ChunkSpan(i, i + size) for i in range(0, len(ids) - size + 1, size)]
         return list(ids), list(spans if spans is not None else self.chunker.split(ids))
 
 

@@ -42,7 +42,18 @@ Run (one machine: a local Ray; a cluster: ``--address auto`` on its head node, s
     python -m kvboost.serving.ray --replicas 2 --router events --redis-url redis://127.0.0.1:6379/0
 
 Everything not an option of this entry (``--dtype``, ``--max-running``, ``recompute=...``) goes to every replica's
-``kvboost-server`` command line. Ray is an optional dependency (extra ``cluster``); this module imports without it,
+``kvboost-server`` command line. The entry prints that command line with its secrets as ``***`` and filters them out
+of its log lines (:mod:`kvboost.serving.redact`).
+
+As a Serve application (``serve run``, ``serve deploy``, KubeRay's RayService): :func:`app_builder`, Ray's
+application-builder pattern (a function of the ``args`` that returns the bound ingress)::
+
+    serve run kvboost.serving.ray:app_builder replicas=2 router=events no_redis=true \
+        "server_args=model=tiny_random threads=1"
+    # or a Serve config file: import_path: kvboost.serving.ray:app_builder, args: {replicas: 2, router: prefix, ...}
+
+Every replica has a ``check_health`` (:func:`replica_health`): it raises when the replica's engine loop failed,
+stopped or does not answer a probe, so Serve stops routing to the replica and starts another. Ray is an optional dependency (extra ``cluster``); this module imports without it,
 and :func:`main` / the deployments say how to install it.
 """
 
@@ -90,7 +101,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTERS = ("prefix", "round_robin", "events")
 #: the replicas' KV-event sockets for the events router: an ephemeral port each (reported to the router)
 EVENTS_ARGV = ("engine.kv_events.enabled=true", "engine.kv_events.endpoint=tcp://*:*",
-               "engine.kv_events.replay_endpoint=tcp://*:*", "engine.kv_events.topic=kvboost")
+               "engine.kv_events.replay_endpoint=tcp://*:*")  # topic: kv@<replica id>@<model>, llm-d's form
 # hop-by-hop / length headers: the ingress re-streams the body, so it sets its own framing
 _DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
@@ -174,12 +185,17 @@ def request_route_keys(path: str, body: bytes, authorization: str | None,
         return None
 
 
+#: the published salt of a request whose salt the router cannot hash (no key): matches no replica's blocks
+UNKNOWN_SALT = "kvboost-salt:unknown"
+
+
 def request_route_tokens(path: str, body: bytes, authorization: str | None, tokenize: RequestTokenizer,
-                         tenancy: Any = None) -> dict[str, Any] | None:  # fmt: skip
+                         tenancy: Any = None, salt_key: str | bytes | None = None) -> dict[str, Any] | None:  # fmt: skip
     """What the events router matches: the prompt's token ids and chunk spans as the engine computes them, and the
     cache salt the server derives (``tenancy``: a :class:`kvboost.serving.tenancy.Tenancy` with the replicas' keys
-    and secret; None: the open tenant). None when the body is not a generation request the router can read, or its
-    key is unknown (the replica answers the error)."""
+    and secret; None: the open tenant) in the form the replicas publish it (:func:`kvboost.cache.events.salt_tag`
+    with their ``kv_events.salt_key``; without the key a salted request matches nothing). None when the body is not
+    a generation request the router can read, or its key is unknown (the replica answers the error)."""
     if path not in GENERATION_PATHS:
         return None
     try:
@@ -197,6 +213,10 @@ def request_route_tokens(path: str, body: bytes, authorization: str | None, toke
         salt = tenant.cache_salt(data.get("cache_salt"))
     except Exception:  # noqa: BLE001 - anything unreadable is the replica's to refuse, with its own error
         return None
+    if salt:
+        from kvboost.cache.events import salt_tag
+
+        salt = salt_tag(salt, salt_key) if salt_key else UNKNOWN_SALT
     return {"ids": ids, "spans": [(sp.start, sp.end) for sp in spans], "salt": salt}
 
 
@@ -211,7 +231,19 @@ def load_request_tokenizer(cfg: dict[str, Any]) -> RequestTokenizer:
     path = bundled_model_dir() if model_cfg.get("random_init") else resolve_model_path(model_cfg.get("name_or_path"))
     engine = dict(cfg.get("engine") or {})
     return RequestTokenizer.from_config(AutoTokenizer.from_pretrained(path), cfg.get("chunker", "fixed"),
-                                        engine.get("chat"))  # fmt: skip
+                                        engine.get("chat"), published_block_size(engine))  # fmt: skip
+
+
+def published_block_size(engine_cfg: dict[str, Any]) -> int | None:
+    """The block size the replicas publish (``engine.kv_events.block_size``; unset: the KV pool's ``kv.block_size``,
+    16 by default; ``"chunk"``: None, one block per chunk), as :class:`kvboost.cache.events.KVEventSink` resolves
+    it for a pool-backed first tier."""
+    from kvboost.cache.events import DEFAULT_EVENT_BLOCK_SIZE
+
+    size = (engine_cfg.get("kv_events") or {}).get("block_size")
+    if size == "chunk":
+        return None
+    return int(size or (engine_cfg.get("kv") or {}).get("block_size") or DEFAULT_EVENT_BLOCK_SIZE)
 
 
 class _ReplicaFeed:
@@ -226,7 +258,7 @@ class _ReplicaFeed:
 
 
 def connect_events(index: Any, replica: Hashable, endpoint: str, replay_endpoint: str | None,
-                   topic: str = "kvboost") -> Any:  # fmt: skip
+                   topic: str = "") -> Any:  # fmt: skip
     """A subscriber to one replica's KV events feeding ``index`` (a ClusterKVIndex) under ``replica``, caught up
     with what the replay buffer holds (the replica published its opening snapshot before anyone listened)."""
     from kvboost.cache.events import KVEventSubscriber
@@ -273,7 +305,7 @@ class RouteBook:
             return False
         try:
             self.subscribers[replica] = connect_events(self.events.index, replica, info["endpoint"],
-                                                       info.get("replay_endpoint"), info.get("topic", "kvboost"))
+                                                       info.get("replay_endpoint"), info.get("topic", ""))
         except Exception as exc:  # noqa: BLE001 - a replica we cannot follow is ranked as holding nothing
             log.warning("cannot follow the KV events of replica %s: %r", replica, exc)
             return False
@@ -548,18 +580,30 @@ if ray is not None:
             from kvboost.serving.cli import build_parser as server_parser
             from kvboost.serving.cli import build_served, compose_config, tenant_keys
 
+            if any(a.startswith("engine.kv_events.enabled=true") for a in server_argv) and not any(
+                    a.split("=", 1)[0] == "engine.kv_events.host" for a in server_argv):
+                # the events socket binds loopback by default; the router may be on another node: this node's
+                # address (not every interface)
+                server_argv = [*server_argv, f"engine.kv_events.host={ray.util.get_node_ip_address()}"]
+            context = serve.get_replica_context()
+            self.replica = context.replica_id.unique_id if context is not None else "local"
+            if "--kv-events-pod" not in server_argv:  # the topic kv@<pod>@<model> names this replica
+                server_argv = [*server_argv, "--kv-events-pod", self.replica]
             args = server_parser().parse_args(server_argv)
             self.engine, self.loop, self.app = build_served(args, compose_config(args), *tenant_keys(args),
                                                             refresh_shared_s=refresh_s)  # fmt: skip
-            context = serve.get_replica_context()
-            self.replica = context.replica_id.unique_id if context is not None else "local"
             self.kv_events = None
             publisher = getattr(getattr(self.engine, "kv_events", None), "publisher", None)
             if getattr(publisher, "endpoint", None):  # the events router subscribes here (bound: a wildcard address)
                 host = ray.util.get_node_ip_address()
-                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": "kvboost",
+                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": publisher.topic,
                                   "replay_endpoint": reachable(publisher.replay_endpoint, host)
                                   if publisher.replay_endpoint else None}  # fmt: skip
+
+        async def check_health(self) -> None:
+            """Ray Serve calls it every ``health_check_period_s``: raising (the engine loop died, stopped or hangs,
+            :func:`replica_health`) makes Serve replace this replica and stop routing to it."""
+            await replica_health(self.loop)
 
         def record_replica_metadata(self) -> dict[str, Any]:
             """Static metadata the request router reads (Ray >= 2.5x): where this replica's KV events are."""
@@ -606,13 +650,16 @@ if ray is not None:
             self.served: Counter[str] = Counter()
             self.tokenize: RequestTokenizer | None = None
             self.tenancy = None
+            self.salt_key: str | None = None
             if router == "events":  # the events router matches token ids: the replicas' tokenizer and chunker
                 from kvboost.serving.cli import build_parser as server_parser
                 from kvboost.serving.cli import compose_config, tenant_keys
                 from kvboost.serving.tenancy import Tenancy
 
                 args = server_parser().parse_args(list(server_argv or []))
-                self.tokenize = load_request_tokenizer(compose_config(args))
+                cfg = compose_config(args)
+                self.tokenize = load_request_tokenizer(cfg)
+                self.salt_key = ((cfg.get("engine") or {}).get("kv_events") or {}).get("salt_key")
                 keys, secret = tenant_keys(args)
                 self.tenancy = Tenancy(keys, secret) if keys else None
 
@@ -660,7 +707,7 @@ if ray is not None:
             path = "/" + path
             if self.tokenize is not None:
                 keys = request_route_tokens(path, body, request.headers.get("authorization"), self.tokenize,
-                                            self.tenancy)  # fmt: skip
+                                            self.tenancy, self.salt_key)  # fmt: skip
             else:
                 keys = request_route_keys(path, body, request.headers.get("authorization"), self.chunk_chars)
             message = {"method": request.method, "path": path, "query": request.url.query.encode("latin-1"),
@@ -696,6 +743,9 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
         raise ValueError(f"unknown router {router!r}; choose one of {list(ROUTERS)}")
     if router == "events":
         server_argv = replica_argv(server_argv, redis_url=None, events=True)
+        if not any(a.split("=", 1)[0].lstrip("+~") == "engine.kv_events.salt_key" for a in server_argv):
+            # one key for every replica and the ingress: the router matches a request's salt to what they publish
+            server_argv = [*server_argv, f"engine.kv_events.salt_key={secrets.token_hex(32)}"]
     router_config = RequestRouterConfig(request_router_class=ROUTER_CLASSES[router],
                                         request_router_kwargs={"max_imbalance": max_imbalance},
                                         request_routing_stats_period_s=1.0)  # fmt: skip
@@ -703,6 +753,112 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
                                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                                      request_router_config=router_config).bind(list(server_argv), refresh_s)  # fmt: skip
     return OpenAIIngress.bind(engines, router, chunk_chars, list(server_argv))
+
+
+def deployment_argv(server_argv: Sequence[str], *, redis_url: str | None, namespace: str = "kvboost",
+                    redaction: Any = None) -> list[str]:  # fmt: skip
+    """:func:`replica_argv` plus, with API keys and no salt secret given, one secret generated for every replica
+    (tenant salts must agree across replicas to share Redis entries; ``redaction``, a
+    :class:`~kvboost.serving.redact.RedactingFilter`, learns it so that no log line shows it)."""
+    secret = None
+    if _has_api_keys(server_argv) and "--salt-secret" not in server_argv and not os.environ.get("KVBOOST_SALT_SECRET"):
+        secret = secrets.token_hex(32)
+        if redaction is not None:
+            redaction.add(secret)
+        log.warning("one salt secret generated for this deployment; pass --salt-secret to keep salts across restarts")
+    return replica_argv(server_argv, redis_url=redis_url, namespace=namespace, salt_secret=secret)
+
+
+#: app_builder's arguments: name -> (type, default); ``server_args`` is the replicas' kvboost-server command line
+APP_ARGS: dict[str, tuple[Any, Any]] = {
+    "replicas": (int, 2), "router": (str, "prefix"), "redis_url": (str, None), "redis_namespace": (str, "kvboost"),
+    "no_redis": (bool, False), "refresh_s": (float, DEFAULT_REFRESH_S), "num_cpus": (float, 1.0),
+    "num_gpus": (float, 0.0), "max_ongoing": (int, 64), "max_imbalance": (int, DEFAULT_MAX_IMBALANCE),
+    "chunk_chars": (int, DEFAULT_CHUNK_CHARS), "server_args": (list, ()),
+}  # fmt: skip
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    import shlex
+
+    if kind is list:
+        return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"app argument {name}: expected true or false, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"app argument {name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def app_options(args: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`app_builder`'s arguments checked and typed (Ray passes ``serve run ... key=value`` as strings, a config
+    file's ``args:`` as YAML values): every name of :data:`APP_ARGS`, defaults filled in; the replicas' command line
+    prepared as ``python -m kvboost.serving.ray`` prepares it (:func:`deployment_argv`) and checked by composing
+    its config, so a bad one fails the deploy, not every replica."""
+    from kvboost.serving.cli import UsageError, compose_config
+    from kvboost.serving.cli import build_parser as server_parser
+
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(APP_ARGS))
+    if unknown:
+        raise ValueError(f"unknown app argument(s) {unknown}; accepted: {sorted(APP_ARGS)}")
+    opts = {name: _coerce(name, kind, args[name]) if name in args else default
+            for name, (kind, default) in APP_ARGS.items()}  # fmt: skip
+    if opts["router"] not in ROUTERS:
+        raise ValueError(f"app argument router: choose one of {list(ROUTERS)}, got {opts['router']!r}")
+    if opts["replicas"] < 1:
+        raise ValueError(f"app argument replicas must be >= 1, got {opts['replicas']}")
+    redis_url = None if opts["no_redis"] else (opts["redis_url"] or os.environ.get("KVBOOST_REDIS_URL")
+                                                or "redis://127.0.0.1:6379/0")  # fmt: skip
+    server_argv = deployment_argv(opts["server_args"], redis_url=redis_url, namespace=opts["redis_namespace"])
+    try:
+        compose_config(server_parser().parse_args(server_argv))
+    except (UsageError, ValueError) as exc:
+        from kvboost.serving.redact import RedactingFilter, secret_values
+
+        raise ValueError(f"app argument server_args: {RedactingFilter(secret_values(server_argv)).redact(str(exc))}"
+                         ) from None  # fmt: skip
+    return {"server_argv": server_argv, "replicas": opts["replicas"], "router": opts["router"],
+            "num_cpus": opts["num_cpus"], "num_gpus": opts["num_gpus"], "max_ongoing": opts["max_ongoing"],
+            "max_imbalance": opts["max_imbalance"], "chunk_chars": opts["chunk_chars"],
+            "refresh_s": opts["refresh_s"]}  # fmt: skip
+
+
+def app_builder(args: dict[str, Any] | None = None) -> Any:
+    """Ray Serve's application builder: the ingress over the engine replicas, from arguments (:data:`APP_ARGS`).
+
+    ``serve run kvboost.serving.ray:app_builder replicas=2 router=events no_redis=true "server_args=model=tiny_random
+    threads=1"``, or a Serve config file (``serve deploy``, KubeRay's RayService ``serveConfigV2``) with
+    ``import_path: kvboost.serving.ray:app_builder`` and these names under ``args:``. API keys and the salt secret
+    are best given as ``KVBOOST_API_KEYS`` / ``KVBOOST_SALT_SECRET`` in the application's ``runtime_env``
+    (``env_vars``) than in ``server_args``, which Serve shows in its status."""
+    require_ray()
+    opts = app_options(args)
+    return build_app(opts.pop("server_argv"), **opts)
+
+
+async def replica_health(loop: Any, probe_s: float = 20.0) -> None:
+    """Raise ``RuntimeError`` when a replica's engine loop cannot serve (Ray Serve's ``check_health`` then marks
+    the replica unhealthy, stops routing to it and starts another): the loop failed (``loop.error``), stopped, or
+    did not run a probe call within ``probe_s`` seconds (a step that hangs; calls run between steps, so this must
+    exceed the longest step)."""
+    if getattr(loop, "error", None) is not None:
+        raise RuntimeError(f"the engine loop failed: {loop.error!r}")
+    if not loop.running:
+        raise RuntimeError("the engine loop is not running")
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(loop.call(lambda _engine: True)), timeout=probe_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"the engine loop did not answer a probe within {probe_s:g} s") from None
+    except Exception as exc:  # LoopStopped: it died while the probe waited
+        raise RuntimeError(f"the engine loop stopped: {exc!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -713,17 +869,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvboost.serving.cli import UsageError, compose_config
     from kvboost.serving.cli import build_parser as server_parser
 
-    # One secret for every replica: with API keys, tenant salts must agree across replicas to share Redis entries.
-    secret = None
-    if _has_api_keys(server_argv) and "--salt-secret" not in server_argv and not os.environ.get("KVBOOST_SALT_SECRET"):
-        secret = secrets.token_hex(32)
-        log.warning("one salt secret generated for this deployment; pass --salt-secret to keep salts across restarts")
-    server_argv = replica_argv(server_argv, redis_url=None if args.no_redis else args.redis_url,
-                               namespace=args.redis_namespace, salt_secret=secret)  # fmt: skip
+    from kvboost.serving.redact import install_redaction, redact_argv, secret_values
+
+    # Every secret of the command line (and those generated below) is replaced by *** in every log line
+    redaction = install_redaction(secret_values(server_argv))
+    server_argv = deployment_argv(server_argv, redis_url=None if args.no_redis else args.redis_url,
+                                  namespace=args.redis_namespace, redaction=redaction)  # fmt: skip
     try:
         compose_config(server_parser().parse_args(server_argv))  # a bad command line fails before Ray starts
     except (UsageError, ValueError) as exc:
-        print(f"kvboost.serving.ray: error: {exc}", file=sys.stderr)
+        print(f"kvboost.serving.ray: error: {redaction.redact(str(exc))}", file=sys.stderr)
         return 2
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
@@ -732,7 +887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     chunk_chars=args.chunk_chars, refresh_s=args.refresh_s)  # fmt: skip
     serve.run(app, name=args.app_name, route_prefix="/")
     print(f"kvboost on Ray Serve ready: http://{args.host}:{args.port}/v1 ({args.replicas} replicas, router "
-          f"{args.router}; replica command line: {' '.join(server_argv)})", flush=True)
+          f"{args.router}; replica command line: {' '.join(redact_argv(server_argv))})", flush=True)
     # Ctrl-C or SIGTERM (also when started in the background, where SIGINT may be ignored) removes the application
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
