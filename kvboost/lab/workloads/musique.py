@@ -44,7 +44,8 @@ which is the error CacheBlend's recompute exists to repair. In ``shared_prefix``
 that error, so ``none`` is far stronger there than in the paper (issue 59).
 
 Scored per record: ``f1_ref``, the reference code's F1 (:func:`tokenizer_f1`: tokenizer ids of
-:func:`parse_generation`'s first line, yes/no folded); ``f1``, the SQuAD / MuSiQue token F1 (:func:`token_f1`) of the answer's first non-empty line
+:func:`parse_generation`'s first line, yes/no folded); ``f1``, the SQuAD / MuSiQue token F1 (:func:`token_f1`)
+of the answer's first non-empty line
 against the best gold answer, and ``correct``, its normalised exact match with one of them; the summary's
 ``accuracy`` gives per mode the exact-match rate and ``f1_mean``.
 
@@ -350,7 +351,8 @@ class Musique(PassagesAfterHead, Workload):
     def score(self, request: Request, output_text: str) -> dict[str, float]:
         """``f1``: SQuAD's token F1 of the first line; ``f1_ref``: the reference code's (:func:`tokenizer_f1`)."""
         gold = self._gold(request)
-        return {"f1": token_f1(answer_line(output_text), gold), "f1_ref": tokenizer_f1(output_text, gold, self.tokenizer)}
+        return {"f1": token_f1(answer_line(output_text), gold),
+                "f1_ref": tokenizer_f1(output_text, gold, self.tokenizer)}
 
     def stats(self) -> dict[str, Any]:
         return {"queries": len(self.items), "num_passages": self.cfg.num_passages, "layout": self.cfg.layout,
