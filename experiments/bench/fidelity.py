@@ -100,8 +100,12 @@ def run(args: argparse.Namespace) -> None:
             for layout, cfg in cfgs.items():
                 name, fields, _, _ = split_workload_config(cfg)
                 workloads[layout] = WORKLOADS.build({"name": name, **fields}, env=env)
+            # question by question, every layout of a question before the next one: a run stopped early leaves
+            # paired cells (the same questions in each layout)
+            per_layout = {layout: list(w.requests()) for layout, w in workloads.items()}
             todo = [(layout, req, [a for a in arms if (req.request_id, a.label, layout, model) not in done])
-                    for layout, w in workloads.items() for req in w.requests()]  # fmt: skip
+                    for i in range(max(map(len, per_layout.values())))
+                    for layout, reqs in per_layout.items() if i < len(reqs) for req in [reqs[i]]]  # fmt: skip
             todo = [(layout, req, missing) for layout, req, missing in todo if missing]
             total = sum(len(m) for _, _, m in todo)
             with open(records_path, "a") as sink, tqdm(total=total, desc=f"fidelity {model}", unit="arm") as bar:
