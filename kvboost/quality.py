@@ -6,6 +6,7 @@ greedy match and first divergence, first-token KL, and teacher-forced log-probab
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,12 +55,52 @@ def continuation_logprob(
     """
     if not answer_ids:
         raise ValueError("continuation_logprob needs at least one answer token")
-    total = float(torch.log_softmax(first_logits.double(), -1)[answer_ids[0]])
+    first = torch.log_softmax(first_logits.double().reshape(1, -1), -1)
+    total = float(first[0, answer_ids[0]])
+    rows = [first]
     if len(answer_ids) > 1:
         logits = forward(list(answer_ids[:-1])).double()
         logp = torch.log_softmax(logits, -1)
         total += float(logp[torch.arange(len(answer_ids) - 1), torch.tensor(answer_ids[1:])].sum())
+        rows.append(logp)
+    sink = _TEACHER_FORCED.get()
+    if sink is not None:
+        sink.append(torch.cat(rows).float())
     return total
+
+
+_TEACHER_FORCED: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar("teacher_forced",
+                                                                                             default=None)
+
+
+@contextmanager
+def capture_teacher_forced() -> Iterator[list[torch.Tensor]]:
+    """While active, every :func:`continuation_logprob` in this context (the engine's ``score_ids`` requests run
+    by ``engine.generate`` in the calling thread) appends its per-position log-distributions ``[len(answer),
+    vocab]`` (float32) to the yielded list: row ``i`` is log p(. | prompt, answer[:i]). The fidelity measures
+    (:func:`answer_fidelity`) compare these between a reference and a reuse arm. The engine reports only the
+    summed log-probability; this reads the rows it already computed, at no extra forward."""
+    sink: list[torch.Tensor] = []
+    token = _TEACHER_FORCED.set(sink)
+    try:
+        yield sink
+    finally:
+        _TEACHER_FORCED.reset(token)
+
+
+def answer_fidelity(reference: torch.Tensor, arm: torch.Tensor) -> dict[str, float]:
+    """How closely an arm's teacher-forced distributions follow the reference's over the same answer.
+
+    ``reference`` / ``arm``: ``[tokens, vocab]`` log-probabilities (:func:`capture_teacher_forced`) of one answer
+    after the same prompt. Returns ``answer_kl``, the mean over the answer's positions of KL(reference || arm)
+    (float64, clamped at 0 against rounding), and ``first_token_kl``, the first position's. ValueError when the
+    shapes differ or are empty."""
+    if reference.ndim != 2 or reference.shape != arm.shape or reference.shape[0] == 0:
+        raise ValueError(f"answer_fidelity needs two [tokens, vocab] tensors of one shape, got "
+                         f"{tuple(reference.shape)} and {tuple(arm.shape)}")  # fmt: skip
+    p, q = reference.double(), arm.double()
+    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
+    return {"answer_kl": float(kl.mean()), "first_token_kl": float(kl[0])}
 
 
 #: First-token KL(cold || reuse) an exact hit stays within where the arithmetic is reproducible up to fp32

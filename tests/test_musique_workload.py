@@ -305,3 +305,68 @@ def test_rag_reorder_runs_in_both_layouts(layout, tmp_path, smollm_tokenizer):
     # being the one it was warmed after; the others are content hits)
     assert kvboost["reuse_ratio"] > 0.75 and kvboost["content_ratio"] > 0.3, kvboost
     assert summary["accuracy"]["kvboost"]["n"] == 2
+
+
+# ------------------------------------------------------------------ issue 59: reference F1 and layouts
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\n\nExeter College\nbecause", "Exeter College"),  # leading newlines dropped, first line kept
+        ("yes, it is", "Yes"),
+        ("Yes.", "Yes"),
+        ("Nope, never", "No"),  # the first word starts with "No"
+        ("Norway", "No"),  # the reference folds this too (a fact of its code, kept)
+        ("not at all", "not at all"),
+        ("", ""),
+    ],
+)
+def test_parse_generation_as_the_reference_code(text, expected):
+    assert mq.parse_generation(text) == expected
+
+
+def test_tokenizer_f1_counts_tokenizer_ids_of_the_parsed_first_line(smollm_tokenizer):
+    tok = smollm_tokenizer
+
+    def ids(t):
+        return tok(t, add_special_tokens=False)["input_ids"]
+
+    gold = "Exeter College"
+    assert mq.tokenizer_f1("Exeter College\nmore text", [gold], tok) == 1.0
+    pred = "Exeter College, Oxford"
+    p, g = ids(pred), ids(gold)
+    same = sum(1 for t in set(g) if t in p)  # no repeated ids here: checked below
+    assert len(set(p)) == len(p) and len(set(g)) == len(g)
+    expected = 2 * (same / len(p)) * (same / len(g)) / (same / len(p) + same / len(g))
+    assert mq.tokenizer_f1(pred, ["Paris", gold], tok) == pytest.approx(expected) and 0 < expected < 1
+    assert mq.tokenizer_f1("yes indeed", ["Yes"], tok) == 1.0  # folded before scoring
+    assert mq.tokenizer_f1("London", ["Paris"], tok) == 0.0 and mq.tokenizer_f1("x", [], tok) == 0.0
+
+
+def test_independent_layout_encodes_each_passage_alone_after_bos(data_file, smollm_tokenizer):
+    w = mq.Musique(env=_env(smollm_tokenizer), data_path=str(data_file), layout="independent")
+    item = w.items[0]
+    assert w.cfg.num_passages is None and len(item.passages) == len(FIXTURE[0]["ctxs"])  # every passage
+    request = next(w.requests())
+    pieces = request.prompt.split("\n\n")
+    assert pieces[1 : 1 + len(item.passages)] == item.passages
+    assert pieces[-1].split("<|im_end|>")[0].endswith(f"Question: {item.question}\nAnswer:")
+    bos = smollm_tokenizer.bos_token
+    assert bos and w.request_context(request) == [bos + "\n\n" + p for p in item.passages]
+    # the default layout: after the shared head, 6 passages (num_passages null)
+    shared = mq.Musique(env=_env(smollm_tokenizer), data_path=str(data_file), num_passages=3)
+    assert shared.cfg.layout == "shared_prefix"
+    assert shared.request_context(next(shared.requests()))[0].startswith(shared.shared_head() + "\n\n")
+    assert w.score(request, "The Silver River") == {"f1": 1.0, "f1_ref": 1.0}
+    with pytest.raises(ValueError, match="workload.layout"):
+        mq.Musique(env=_env(smollm_tokenizer), data_path=str(data_file), layout="apart")
+
+
+def test_independent_layout_without_a_bos_token_warms_the_passage_alone(data_file, smollm_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(smollm_tokenizer)
+    tok.bos_token = None
+    w = mq.Musique(env=_env(tok), data_path=str(data_file), layout="independent", num_passages=2)
+    assert w.request_context(next(w.requests())) == w.items[0].passages

@@ -79,3 +79,45 @@ def test_bf16_accepts_greedy_tokens_that_part_only_at_a_near_tie():
     assert not VerifiedCorrectness(**common, tie_margins=[2.0], near_tie=NEAR_TIE_LOGITS).passed
     assert not VerifiedCorrectness(**common, tie_margins=[0.1], near_tie=None).passed  # fp32: no tie is accepted
     assert not VerifiedCorrectness(**{**common, "kl_tolerance": 1e-4}, tie_margins=[0.1], near_tie=0.5).passed
+
+
+# ------------------------------------------------------------------ issue 59: teacher-forced fidelity
+
+
+def test_captured_teacher_forced_rows_are_the_models_distributions_over_the_answer():
+    """The rows capture_teacher_forced collects from a score_ids request equal a plain forward of prompt + answer
+    (fp32 rounding), and their gathered log-probabilities sum to the engine's answer_logprob."""
+    from kvboost.quality import capture_teacher_forced
+
+    engine = _engine()
+    prompt, answer = PROMPTS[0], [5, 9, 17, 3]
+    with capture_teacher_forced() as rows:
+        result = engine.generate(prompt, max_new_tokens=2, mode="cold", score_ids=answer)
+    assert len(rows) == 1 and rows[0].shape == (len(answer), engine.model.config.vocab_size)
+    logp = rows[0].double()
+    assert float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum()) == \
+        __import__("pytest").approx(result.extra["answer_logprob"], abs=1e-4)  # fmt: skip
+    ids = torch.tensor([list(prompt) + answer[:-1]])
+    with torch.no_grad():
+        direct = torch.log_softmax(engine.model(ids).logits[0, len(prompt) - 1 :].double(), -1)
+    assert torch.allclose(logp, direct, atol=1e-4)
+    with capture_teacher_forced() as none_scored:
+        engine.generate(prompt, max_new_tokens=2, mode="cold")
+    assert none_scored == []  # only score_ids requests are captured
+
+
+def test_answer_fidelity_hand_computed_and_zero_against_itself():
+    import pytest
+
+    from kvboost.quality import answer_fidelity
+
+    p = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    q = torch.log(torch.tensor([[0.25, 0.75], [0.9, 0.1]]))
+    kl0 = 0.5 * torch.log(torch.tensor(0.5 / 0.25)) + 0.5 * torch.log(torch.tensor(0.5 / 0.75))
+    out = answer_fidelity(p, q)
+    assert out["first_token_kl"] == pytest.approx(float(kl0)) and out["answer_kl"] == pytest.approx(float(kl0) / 2)
+    assert answer_fidelity(p, p) == {"answer_kl": 0.0, "first_token_kl": 0.0}
+    with pytest.raises(ValueError, match="one shape"):
+        answer_fidelity(p, q[:1])
+    with pytest.raises(ValueError, match="one shape"):
+        answer_fidelity(p[:0], q[:0])

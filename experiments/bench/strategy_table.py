@@ -54,7 +54,8 @@ Outputs in ``--out``:
   prefill's score as a horizontal line (ratio-driven strategies at their configured ratio, the others at their
   measured fraction of reused (token, layer) pairs recomputed);
 - ``summary.json``: all of it as numbers (and the plot data); ``summary.md``: per workload and model, the best
-  strategy at each ratio, and whether any strategy at >= 2.5x TTFT is within 0.02 of the full prefill's score;
+  strategy at each ratio, and whether any strategy at >= 2.5x TTFT is at parity with the full prefill's score
+  (two-sided TOST by question, margin 0.02: a large gain is not parity);
 - ``--logger wandb``: one W&B run (``kvboost/configs/logger/wandb.yaml``, offline unless configured) with the leaderboard
   as a ``wandb.Table`` (all cells, and one per cell) and the plots as images.
 """
@@ -91,6 +92,9 @@ SHORTHAND = {"strategy": "ratio", "workload": "layout"}
 WORKLOAD_EXPANSIONS = {"rag_reorder": ("layout", ("question_both", "question_after"))}
 SCORE_LABELS = {"correct": "exact match", "f1": "token F1"}
 SPEEDUP_TARGET = 2.5
+#: the equivalence margin of the parity verdict: an arm is at parity with the full prefill when a two-sided TOST
+#: of its per-question score differences (draws averaged per question) shows them within +-PARITY at alpha 0.05
+#: (``kvboost.lab.fidelity_stats.tost``); a large gain is not parity (issue 59: "within 0.03" counted it)
 PARITY = 0.02
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
@@ -370,7 +374,22 @@ def _cell(pairs: list[tuple[dict[str, Any], dict[str, Any]]], arm: str, binary: 
                 if s.get("recompute_ratio") is not None and s.get("content_ratio")]  # fmt: skip
         cell["content_recomputed_mean"] = _mean(used)
         cell["greedy_match"] = sum(bool(s.get("greedy_match")) for _, s in pairs) / n
+        cell["score_tost"] = _tost_by_question(pairs)
     return cell
+
+
+def _tost_by_question(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """TOST of the arm's score against the baseline's, each question's draws averaged first: the question is the
+    unit (passage orders of one question are not independent samples)."""
+    from kvboost.lab.fidelity_stats import tost
+
+    arm_q: dict[str, list[float]] = defaultdict(list)
+    base_q: dict[str, list[float]] = defaultdict(list)
+    for b, s in pairs:
+        arm_q[str(s.get("query"))].append(float(s["score"]))
+        base_q[str(b.get("query"))].append(float(b["score"]))
+    return tost({q: sum(v) / len(v) for q, v in arm_q.items()}, {q: sum(v) / len(v) for q, v in base_q.items()},
+                PARITY)
 
 
 # ------------------------------------------------------------------------------------------- plot data
@@ -530,7 +549,8 @@ def _score(cell: dict[str, Any], graded: bool) -> str:
 def verdicts(summary: dict[str, Any], ratios: list[float]) -> dict[str, Any]:
     """Per ratio the best arm (highest pooled score, then speedup) among the ratio-driven arms at that ratio and
     the strategies without a ratio that recomputed at most that fraction; and whether any arm (not ``full``) at
-    >= :data:`SPEEDUP_TARGET` x TTFT is within :data:`PARITY` of the full prefill's score."""
+    >= :data:`SPEEDUP_TARGET` x TTFT is equivalent to the full prefill's score (two-sided TOST by question, margin
+    :data:`PARITY`)."""
     pooled = {arm: rows["pooled"] for arm, rows in summary["arms"].items() if arm != BASELINE and "pooled" in rows}
     info = summary.get("arm_info", {})
     candidates = {arm: c for arm, c in pooled.items() if info.get(arm, {}).get("strategy") != FULL}
@@ -546,7 +566,7 @@ def verdicts(summary: dict[str, Any], ratios: list[float]) -> dict[str, Any]:
             best[_ratio_text(r)] = {"arm": arm, "score": c["score"], "score_diff": c["score_diff"],
                                     "score_diff_ci": c["score_diff_ci"], "speedup": c["speedup"]}  # fmt: skip
     fast = {arm: c for arm, c in candidates.items() if c["speedup"] is not None and c["speedup"] >= SPEEDUP_TARGET}
-    near = sorted((arm for arm, c in fast.items() if c["score_diff"] >= -PARITY - 1e-12),
+    near = sorted((arm for arm, c in fast.items() if (c.get("score_tost") or {}).get("equivalent")),
                   key=lambda a: -fast[a]["score_diff"])  # fmt: skip
     closest = max(fast, key=lambda a: fast[a]["score_diff"]) if fast else None
     base = summary["arms"].get(BASELINE, {}).get("pooled") or {}
@@ -568,8 +588,9 @@ def format_overview(cells: dict[str, dict[str, Any]], meta: dict[str, Any]) -> s
                 if meta.get("interrupted") else ""), "",
              ("Best = the highest pooled score among the strategies at that ratio (ratio-driven ones configured at "
               "it, the others where they recomputed at most that fraction of the reused tokens); `full` excluded. "
-              f"Parity = a strategy at >= {SPEEDUP_TARGET}x TTFT (median per-query speedup) whose score is within "
-              f"{PARITY} of the full prefill's (point estimate; the interval is in the cell's table)."), ""]  # fmt: skip
+              f"Parity = a strategy at >= {SPEEDUP_TARGET}x TTFT (median per-query speedup) whose score is "
+              f"equivalent to the full prefill's: a two-sided TOST of the per-question differences (draws averaged "
+              f"per question) within +-{PARITY} at alpha 0.05; a large gain is not parity."), ""]  # fmt: skip
     for key, cell in cells.items():
         summary, verdict = cell["summary"], cell["verdicts"]
         base = summary["arms"].get(BASELINE, {}).get("pooled")
@@ -589,19 +610,19 @@ def format_overview(cells: dict[str, dict[str, Any]], meta: dict[str, Any]) -> s
         parity = verdict["parity"]
         lines.append("")
         if parity.get("at_floor"):
-            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT within {PARITY} of the full prefill: **no verdict**: the "
+            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT at parity with the full prefill: **no verdict**: the "
                          "full prefill scores 0 here, so every strategy ties with it at the floor (the score cannot "
                          "tell the strategies apart; see first-token KL and greedy match in the table).")  # fmt: skip
         elif parity["met"]:
-            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT within {PARITY} of the full prefill: **yes**: "
+            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT at parity with the full prefill: **yes**: "
                          + ", ".join(f"{d['arm']} ({d['score_diff']:+.3f} at {d['speedup']:.2f}x)"
                                      for d in parity["details"]) + ".")  # fmt: skip
         elif parity["closest_fast"]:
-            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT within {PARITY} of the full prefill: **no**; the closest at "
+            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT at parity with the full prefill: **no**; the closest at "
                          f">= {SPEEDUP_TARGET}x: {parity['closest_fast']} ({parity['closest_fast_diff']:+.3f} at "
                          f"{parity['closest_fast_speedup']:.2f}x).")  # fmt: skip
         else:
-            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT within {PARITY} of the full prefill: **no**; no strategy "
+            lines.append(f"At >= {SPEEDUP_TARGET}x TTFT at parity with the full prefill: **no**; no strategy "
                          f"reached {SPEEDUP_TARGET}x.")  # fmt: skip
         lines.append("")
     return "\n".join(lines)

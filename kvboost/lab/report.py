@@ -56,7 +56,7 @@ _COLLAPSED_FIELDS = tuple(dict.fromkeys(name for name, _ in _STAT_FIELDS.values(
 _QUALITY_FIELDS = ("greedy_match", "first_token_kl", "first_divergence", "max_abs_logit_diff",
                    "answer_logprob_delta")
 #: answer scores a workload writes into its records (``Workload.score``): ``accuracy[mode]`` gets ``<name>_mean``
-_SCORE_FIELDS = ("f1",)
+_SCORE_FIELDS = ("f1", "f1_ref")
 DEFAULT_BOOTSTRAP = 2000
 
 

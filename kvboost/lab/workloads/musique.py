@@ -7,7 +7,8 @@ CacheBlend authors evaluated on (MuSiQue, Trivedi et al., TACL 2022, CC BY 4.0; 
 A relative ``data_path`` is resolved against the project root; a missing file fails at start-up (the config
 check, before any model loads) naming the path and ``workload.data_path``.
 
-Per question (the first ``num_queries`` of the file, null: all), the top ``num_passages`` passages (default 6:
+Per question (the first ``num_queries`` of the file, null: all), the top ``num_passages`` passages (null: 6 in
+``shared_prefix``, all in ``independent``;
 the first ones of ``ctxs`` in file order, which is the retriever's) each become one ``separator``-delimited
 piece of the prompt, and the question comes after them. Prompt layout (:meth:`Musique.render`), ``S`` the
 separator (default ``"\\n\\n"``)::
@@ -32,7 +33,19 @@ passage is then found only where an earlier question stored it). ``seed`` 0 keep
 the top passages; any other seed shuffles each question's top passages (a draw: the same passages, another
 order). Greedy, ``max_new_tokens`` (32) answer tokens.
 
-Scored per record: ``f1``, the SQuAD / MuSiQue token F1 (:func:`token_f1`) of the answer's first non-empty line
+Layouts (``layout``): ``shared_prefix`` (default, kvboost's first setting and APE's) caches each passage after the
+whole shared head, as above; ``independent`` caches each passage on its own after the tokenizer's BOS only
+(``<BOS>{S}<passage>``; the passage alone where the tokenizer has no BOS), uses every passage of an item (10 in
+the default file) unless ``num_passages`` says otherwise, and ends the question with the "Answer:" cue. The
+``independent`` layout is the one that reproduces the CacheBlend paper's setting (its reference code,
+``example/blend_musique.py``, encodes each passage alone after BOS, the system prompt its own first chunk, all
+10 passages, the question last): a passage's cached KV then carries no cross-attention to anything before it,
+which is the error CacheBlend's recompute exists to repair. In ``shared_prefix`` the shared head removes most of
+that error, so ``none`` is far stronger there than in the paper (issue 59).
+
+Scored per record: ``f1_ref``, the reference code's F1 (:func:`tokenizer_f1`: tokenizer ids of
+:func:`parse_generation`'s first line, yes/no folded); ``f1``, the SQuAD / MuSiQue token F1 (:func:`token_f1`)
+of the answer's first non-empty line
 against the best gold answer, and ``correct``, its normalised exact match with one of them; the summary's
 ``accuracy`` gives per mode the exact-match rate and ``f1_mean``.
 
@@ -64,6 +77,14 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 QUESTION_TEMPLATE = "Answer the question based on the passages above, in at most 5 words.\nQuestion: {question}"
 PASSAGES_HEADER = "Passages:"
+#: the reference code's answer cue after the question (``independent`` layout)
+ANSWER_CUE = "\nAnswer:"
+#: ``shared_prefix``: each passage cached after the prompts' whole shared head (APE's setting, kvboost's first);
+#: ``independent``: each passage cached on its own after BOS only (the CacheBlend reference code's setting)
+LAYOUTS = ("shared_prefix", "independent")
+#: passages per question when ``num_passages`` is null: the paper's 6 for ``shared_prefix``, every passage of the
+#: item (10 in the default file) for ``independent``, as the reference code uses them
+DEFAULT_NUM_PASSAGES = {"shared_prefix": 6, "independent": None}
 
 _BLANK_LINES = re.compile(r"\n[ \t]*(?:\n[ \t]*)+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -108,6 +129,38 @@ def answer_line(output_text: str) -> str:
     return next((line.strip() for line in output_text.splitlines() if line.strip()), "")
 
 
+def parse_generation(text: str) -> str:
+    """The CacheBlend reference code's answer parsing (``example/utils.py`` of github.com/YaoJiayi/CacheBlend, as
+    read for issue 59): the first line after leading newlines; an answer starting with "Yes"/"yes" becomes "Yes",
+    one whose first word starts with "No" becomes "No"."""
+    line = text.lstrip("\n").split("\n")[0]
+    if line.startswith(("Yes", "yes")):
+        return "Yes"
+    words = line.split()
+    if words and words[0].startswith("No"):
+        return "No"
+    return line
+
+
+def tokenizer_f1(prediction: str, golds: Sequence[str], tokenizer: Any) -> float:
+    """F1 as the CacheBlend reference scores it (``f1_ref``): :func:`parse_generation` of the prediction, then
+    the multiset F1 of the model's tokenizer ids (no special tokens, no normalisation) against each gold answer;
+    the best over the golds (0.0 without any)."""
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    pred = ids(parse_generation(prediction))
+    best = 0.0
+    for gold in golds:
+        ref = ids(gold)
+        same = sum((Counter(pred) & Counter(ref)).values())
+        if same:
+            precision, recall = same / len(pred), same / len(ref)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
 # ------------------------------------------------------------------------------------------------ data
 @dataclass
 class MusiqueItem:
@@ -146,9 +199,10 @@ def passage_text(ctx: dict[str, Any]) -> str:
     return _BLANK_LINES.sub("\n", joined.replace("\r\n", "\n"))
 
 
-def load_items(data_path: str | Path, num_passages: int, num_queries: int | None = None) -> list[MusiqueItem]:
+def load_items(data_path: str | Path, num_passages: int | None, num_queries: int | None = None) -> list[MusiqueItem]:
     """The first ``num_queries`` questions (None: all) of a MuSiQue-format file, with their top ``num_passages``
-    passages. Raises FileNotFoundError / ValueError naming the file and the entry at fault."""
+    passages (None: all of each item's). Raises FileNotFoundError / ValueError naming the file and the entry at
+    fault."""
     path = check_data_path(data_path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -171,7 +225,7 @@ def load_items(data_path: str | Path, num_passages: int, num_queries: int | None
             raise ValueError(f"{where}: 'answers' must be a non-empty list of non-empty strings")
         if not isinstance(ctxs, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in ctxs):
             raise ValueError(f"{where}: 'ctxs' must be a list of {{'title', 'text'}} objects")
-        if len(ctxs) < num_passages:
+        if num_passages is not None and len(ctxs) < num_passages:
             raise ValueError(f"{where}: {len(ctxs)} passages, fewer than workload.num_passages={num_passages}")
         items.append(MusiqueItem(item_id=f"musique{i:03d}", question=question.strip(), answers=list(answers),
                                  passages=[passage_text(c) for c in ctxs[:num_passages]]))  # fmt: skip
@@ -183,7 +237,8 @@ def load_items(data_path: str | Path, num_passages: int, num_queries: int | None
 class MusiqueConfig:
     data_path: str = DEFAULT_DATA_PATH
     num_queries: int | None = None  # the first N questions of the file; None: all
-    num_passages: int = 6
+    num_passages: int | None = None  # None: DEFAULT_NUM_PASSAGES[layout] (6, or all of an item's)
+    layout: str = "shared_prefix"  # shared_prefix | independent (LAYOUTS)
     separator: str = "\n\n"
     warm_passages: str = "per_query"  # per_query | all | none (WARM_PASSAGES)
     seed: int = 0  # 0: the retriever's passage order; other: each question's top passages in a seeded order
@@ -191,7 +246,12 @@ class MusiqueConfig:
     system_prompt: str | None = None  # None: DEFAULT_SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
-        for name in ("num_passages", "max_new_tokens") + (("num_queries",) if self.num_queries is not None else ()):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"workload.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.num_passages is None:
+            self.num_passages = DEFAULT_NUM_PASSAGES[self.layout]
+        optional = tuple(n for n in ("num_queries", "num_passages") if getattr(self, n) is not None)
+        for name in ("max_new_tokens", *optional):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload.{name} must be a positive integer, got {value!r}")
@@ -231,8 +291,12 @@ class Musique(PassagesAfterHead, Workload):
                                      "would not be one chunk")  # fmt: skip
 
     def messages(self, item: MusiqueItem) -> list[dict[str, str]]:
-        """The chat messages of a question: system prompt, then passages and question in the user turn."""
-        pieces = [PASSAGES_HEADER, *item.passages, QUESTION_TEMPLATE.format(question=item.question)]
+        """The chat messages of a question: system prompt, then passages and question in the user turn (the
+        ``independent`` layout ends the question with the reference's "Answer:" cue)."""
+        question = QUESTION_TEMPLATE.format(question=item.question)
+        if self.cfg.layout == "independent":
+            question += ANSWER_CUE
+        pieces = [PASSAGES_HEADER, *item.passages, question]
         return [{"role": "system", "content": self.system_prompt},
                 {"role": "user", "content": self.cfg.separator.join(pieces)}]  # fmt: skip
 
@@ -242,6 +306,32 @@ class Musique(PassagesAfterHead, Workload):
 
     def item_prompt(self, item: MusiqueItem) -> str:
         return self.render(item)
+
+    def passage_encodings(self, passages: Sequence[str]) -> list[str]:
+        """The texts each passage is cached as (warmed): after the shared head (``shared_prefix``), or alone after
+        the tokenizer's BOS and the separator (``independent``; the passage alone where the tokenizer has no BOS,
+        e.g. Qwen2.5), so its KV is what the passage computes on its own, as the reference code encodes it."""
+        if self.cfg.layout == "shared_prefix":
+            head = self._head_and_separator()
+        else:
+            bos = getattr(self.tokenizer, "bos_token", None)
+            head = bos + self.cfg.separator if bos else ""
+        return [head + p for p in passages]
+
+    def shared_context(self) -> list[str]:
+        """``warm_passages: all``: every distinct passage of the run once, encoded as the layout says."""
+        if self.cfg.warm_passages != "all":
+            return []
+        return self.passage_encodings(list(dict.fromkeys(p for item in self.items for p in item.passages)))
+
+    def request_context(self, request: Request) -> list[str]:
+        """``warm_passages: per_query``: the request's passages, encoded as the layout says (else nothing)."""
+        if self.cfg.warm_passages != "per_query":
+            return []
+        by_id = getattr(self, "_items_by_id", None)
+        if by_id is None:
+            by_id = self._items_by_id = {item.item_id: item for item in self.items}
+        return self.passage_encodings(by_id[request.request_id].passages)
 
     def requests(self) -> Iterator[Request]:
         for item in self.items:
@@ -259,8 +349,11 @@ class Musique(PassagesAfterHead, Workload):
         return exact_match(answer_line(output_text), self._gold(request))
 
     def score(self, request: Request, output_text: str) -> dict[str, float]:
-        return {"f1": token_f1(answer_line(output_text), self._gold(request))}
+        """``f1``: SQuAD's token F1 of the first line; ``f1_ref``: the reference code's (:func:`tokenizer_f1`)."""
+        gold = self._gold(request)
+        return {"f1": token_f1(answer_line(output_text), gold),
+                "f1_ref": tokenizer_f1(output_text, gold, self.tokenizer)}
 
     def stats(self) -> dict[str, Any]:
-        return {"queries": len(self.items), "num_passages": self.cfg.num_passages,
+        return {"queries": len(self.items), "num_passages": self.cfg.num_passages, "layout": self.cfg.layout,
                 "data_path": str(resolve_data_path(self.cfg.data_path))}  # fmt: skip
