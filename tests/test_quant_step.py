@@ -167,6 +167,33 @@ def test_every_build_gives_the_scalar_builds_product_bits(isa, act):
                                scalar.q8_matmul(x, q8.codes, q8.scale, ACT[act])), rows  # fmt: skip
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_amx_build_runs_many_rows_on_tiles_and_few_on_vnni(wide):
+    """The amx build's products run on AMX tiles from ``AMX_MIN_ROWS`` integer rows (int8 and int16, tiles of 8 and
+    wide tiles, 4-bit and 8-bit weights) and on its AVX-512 VNNI kernels below that and for fp32 rows: counted by the
+    extension. Their bits are the scalar build's (test_every_build_gives_the_scalar_builds_product_bits[amx-*])."""
+    from kvboost.runtime.quant_step import AMX_MIN_ROWS, amx_unavailable_reason
+
+    ext = _build_or_skip("amx")
+    if amx_unavailable_reason(ext) is not None:
+        pytest.skip(amx_unavailable_reason(ext))
+    assert ext.amx_min_rows == AMX_MIN_ROWS
+    g = torch.Generator().manual_seed(2)
+    q8 = Q8Weight(torch.randint(-128, 128, (32, 128), generator=g, dtype=torch.int8), torch.rand(32, 4, generator=g))
+    for act in ("int8", "int16"):
+        w = _q4(64, 128, seed=1, bias=True, wide_for=act if wide else None)
+        for rows, act_code, on_tiles in ((AMX_MIN_ROWS, ACT[act], 2 - wide), (AMX_MIN_ROWS - 1, ACT[act], 0),
+                                         (AMX_MIN_ROWS, ACT["fp32"], 0)):  # fmt: skip
+            if wide and act_code == ACT["fp32"]:
+                continue
+            x = torch.randn(rows, 128, generator=g)
+            before = ext.amx_products()
+            ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, act_code)
+            if not wide:
+                ext.q8_matmul(x, q8.codes, q8.scale, act_code)
+            assert ext.amx_products() - before == on_tiles, (act, rows, act_code)
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds' instructions")
 @pytest.mark.parametrize("isa", ("scalar", *SIMD_ISAS))
 def test_each_build_holds_only_its_own_instructions(isa):

@@ -98,6 +98,9 @@ _ISA_CPU_FLAGS = {
 _PREFERENCE = ("avx512_vnni", "avx_vnni", "avx2", "scalar")
 #: Environment variable that picks the build (one of :data:`QUANT_ISAS`) instead of the best this CPU runs (A/B runs).
 QUANT_ISA_ENV = "KVBOOST_QUANT_ISA"
+#: Integer rows from which the amx build's products run on AMX tiles (fewer, and fp32 rows: its AVX-512 VNNI
+#: kernels); kvboost/csrc/cpu_quant.cpp kAmxMinRows.
+AMX_MIN_ROWS = 16
 
 
 def isa_unavailable_reason(isa: str) -> str | None:
@@ -230,11 +233,13 @@ def _load_quant_extension(isa: str) -> Any:
     except Exception as exc:
         raise RuntimeError(f"decode='quantized': building {_SOURCE.name} ({isa}) failed ({type(exc).__name__}); it "
                            "needs g++ and ninja") from exc  # fmt: skip
-    if isa == "amx":
-        reason = str(ext.amx_unavailable_reason())  # asks the kernel for the tile state once (arch_prctl)
-        if reason:
-            raise RuntimeError(f"decode='quantized': the amx build cannot use AMX tiles here: {reason}")
     return ext
+
+
+def amx_unavailable_reason(ext: Any) -> str | None:
+    """Why extension ``ext``'s products do not run on AMX tiles (not the amx build, or Linux refused the tile
+    state: then the amx build runs its AVX-512 VNNI kernels, the same bits), or None."""
+    return str(ext.amx_unavailable_reason()) or None
 
 
 #: Output features per tile of the kernel's layouts (kvboost/csrc/cpu_quant.cpp: kTile).
@@ -292,7 +297,7 @@ def wide_tiles_for(activations: str, isa: str) -> bool:
     """Whether the step packs its 4-bit weights in wide tiles: int16 or int8 activations on the avx512_vnni build,
     whose kernel for them (``wide_tile_rows``) unpacks 16 features by 8 k per 512-bit load with masks and shifts. Every
     layout gives the same bits; the wide ones are the faster there (experiments/results/README.md)."""
-    return activations in WIDE_ACTIVATIONS and isa == "avx512_vnni"
+    return activations in WIDE_ACTIVATIONS and isa in ("avx512_vnni", "amx")
 
 
 def pack_q4_codes(q: torch.Tensor, wide_for: str | None = None) -> torch.Tensor:
