@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -109,35 +111,149 @@ def test_a_rows_result_does_not_depend_on_the_batch(ext, act):
         assert torch.equal(together8[r], ext.q8_matmul(x[r:r + 1], w8.codes, w8.scale, ACT[act])[0])
 
 
-@pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
-def test_the_vnni_build_gives_the_avx2_builds_bits(act):
-    """The AVX-512 VNNI build (vpdpwssd / vpdpbusd, 8 rows a pass; int16 rows two to a 512-bit vector from 2 rows
-    on, 16 a pass) sums the same integers exactly and scales them with the same fp32 operations as the AVX2 build:
-    the same bits for every row count, 4-bit and 8-bit. Both prepare the rows alike (from 16 rows on every thread)."""
-    from kvboost.runtime.quant_step import load_quant_extension, vnni_unavailable_reason
+def _build_or_skip(isa: str):
+    """Build ``isa`` of the quantized kernels, or skip naming why this CPU cannot run it."""
+    from kvboost.runtime.quant_step import isa_unavailable_reason, load_quant_extension
 
-    if vnni_unavailable_reason() is not None:
-        pytest.skip(vnni_unavailable_reason())
-    avx2, vnni = load_quant_extension("avx2"), load_quant_extension("avx512_vnni")
-    assert (avx2.isa, vnni.isa) == ("avx2", "avx512_vnni")
-    w = _q4(64, 192, seed=5, bias=True)
-    g = torch.Generator().manual_seed(9)
-    w8 = Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8), torch.rand(32, 6, generator=g))
-    half = Q4Weight(torch.randint(0, 16, (64, 192), generator=g, dtype=torch.uint8),
-                    torch.rand(64, 6, generator=g).half(), -torch.rand(64, 6, generator=g).half())  # fmt: skip
-    half8 = Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8),
-                     torch.rand(32, 6, generator=g).half())  # fmt: skip
-    assert (w.scale.dtype, half.scale.dtype, half8.scale.dtype) == (torch.float32, torch.float16, torch.float16)
-    for rows in (1, 2, 3, 6, 7, 8, 13, 15, 17, 32, 33):  # one row; tails of 8- and 16-row passes; full passes
+    reason = isa_unavailable_reason(isa)
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        return load_quant_extension(isa)
+    except RuntimeError as exc:  # the amx build where Linux refuses the tile state
+        if isa == "amx" and "AMX tiles" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+SIMD_ISAS = ("avx2", "avx_vnni", "avx512_vnni", "amx")
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8", "int16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+def test_every_build_gives_the_scalar_builds_product_bits(isa, act):
+    """The scalar build (plain C++, no SIMD intrinsics) is the bit reference: every vector build this CPU runs gives
+    its bits for every row count (1 row; the tails and full passes of 4-, 8- and 16-row blocks; the amx build's tile
+    passes from 16 rows), 4-bit and 8-bit weights, fp32 and fp16 group values, with a bias, and (avx512_vnni, amx)
+    4-bit weights in wide tiles. Exact equality holds by construction, not by luck: each 32-value group's integer
+    products are summed exactly in int32 (|code| <= 32767, |w| <= 128, 32 terms: far from overflow), and every build
+    then applies the same fp32 operations in the same order (fp32 activations: the same chain of fused multiply-adds
+    over k; integers: float(isum) * (scale * d) fused into the sum, then min * group_sum; bias; accumulate), with
+    -ffp-contract=off so no build fuses what the source did not; the rows' rounding (max, one division,
+    round-to-nearest-even) and group sums (one fixed lane order) are the same operations in both paths."""
+    from kvboost.runtime.quant_step import load_quant_extension
+
+    scalar, ext = load_quant_extension("scalar"), _build_or_skip(isa)
+    assert (scalar.isa, ext.isa) == ("scalar", isa)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (64, 192), generator=g, dtype=torch.uint8)
+    full = (torch.rand(64, 6, generator=g) * 0.02, -torch.rand(64, 6, generator=g) * 0.1)
+    bias = torch.randn(64, generator=g)
+    weights = [Q4Weight(q, *full, bias), Q4Weight(q, *(v.half() for v in full), bias)]
+    wide = []
+    if act != "fp32" and isa in ("avx512_vnni", "amx"):
+        wide = [Q4Weight(q, *full, bias, wide_for=act), Q4Weight(q, *(v.half() for v in full), bias, wide_for=act)]
+    q8s = [Q8Weight(torch.randint(-128, 128, (32, 192), generator=g, dtype=torch.int8), scale)
+           for scale in (torch.rand(32, 6, generator=g), torch.rand(32, 6, generator=g).half())]  # fmt: skip
+    assert (weights[1].scale.dtype, q8s[1].scale.dtype) == (torch.float16, torch.float16)
+    for rows in (1, 2, 3, 6, 7, 8, 13, 15, 16, 17, 32, 33, 48):
         x = torch.randn(rows, 192, generator=g) * 4
-        for ext in (avx2, vnni):
-            assert ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]).shape == (rows, 64)
-        for q4 in (w, half):  # fp32 and fp16 group values
-            assert torch.equal(avx2.q4_matmul(x, q4.codes, q4.scale, q4.minv, q4.bias, ACT[act]),
-                               vnni.q4_matmul(x, q4.codes, q4.scale, q4.minv, q4.bias, ACT[act]))  # fmt: skip
-        for q8 in (w8, half8):
-            assert torch.equal(avx2.q8_matmul(x, q8.codes, q8.scale, ACT[act]),
-                               vnni.q8_matmul(x, q8.codes, q8.scale, ACT[act]))  # fmt: skip
+        for w, ref_w in [(w, w) for w in weights] + list(zip(wide, weights)):
+            ref = scalar.q4_matmul(x, ref_w.codes, ref_w.scale, ref_w.minv, ref_w.bias, ACT[act])
+            assert ref.shape == (rows, 64)
+            assert torch.equal(ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, ACT[act]), ref), (rows, w.wide_for)
+        for q8 in q8s:
+            assert torch.equal(ext.q8_matmul(x, q8.codes, q8.scale, ACT[act]),
+                               scalar.q8_matmul(x, q8.codes, q8.scale, ACT[act])), rows  # fmt: skip
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_amx_build_runs_many_rows_on_tiles_and_few_on_vnni(wide):
+    """The amx build's products run on AMX tiles from ``AMX_MIN_ROWS`` integer rows (int8 and int16, tiles of 8 and
+    wide tiles, 4-bit and 8-bit weights) and on its AVX-512 VNNI kernels below that and for fp32 rows: counted by the
+    extension. Their bits are the scalar build's (test_every_build_gives_the_scalar_builds_product_bits[amx-*])."""
+    from kvboost.runtime.quant_step import AMX_MIN_ROWS, amx_unavailable_reason
+
+    ext = _build_or_skip("amx")
+    if amx_unavailable_reason(ext) is not None:
+        pytest.skip(amx_unavailable_reason(ext))
+    assert ext.amx_min_rows == AMX_MIN_ROWS
+    g = torch.Generator().manual_seed(2)
+    q8 = Q8Weight(torch.randint(-128, 128, (32, 128), generator=g, dtype=torch.int8), torch.rand(32, 4, generator=g))
+    for act in ("int8", "int16"):
+        w = _q4(64, 128, seed=1, bias=True, wide_for=act if wide else None)
+        for rows, act_code, on_tiles in ((AMX_MIN_ROWS, ACT[act], 2 - wide), (AMX_MIN_ROWS - 1, ACT[act], 0),
+                                         (AMX_MIN_ROWS, ACT["fp32"], 0)):  # fmt: skip
+            if wide and act_code == ACT["fp32"]:
+                continue
+            x = torch.randn(rows, 128, generator=g)
+            before = ext.amx_products()
+            ext.q4_matmul(x, w.codes, w.scale, w.minv, w.bias, act_code)
+            if not wide:
+                ext.q8_matmul(x, q8.codes, q8.scale, act_code)
+            assert ext.amx_products() - before == on_tiles, (act, rows, act_code)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds' instructions")
+@pytest.mark.parametrize("isa", ("scalar", *SIMD_ISAS))
+def test_each_build_holds_only_its_own_instructions(isa):
+    """A build runs on every CPU of its kind: the scalar build holds no AVX instruction (no ymm / zmm register), the
+    avx2 and avx_vnni builds no AVX-512 one (no zmm; the avx2 build was compiled with AVX-512 flags on AVX-512
+    machines before, so it never ran what an AVX2-only CPU runs), and only the builds with VNNI dot products hold
+    vpdpwssd / vpdpbusd. Read from the built library's disassembly."""
+    from kvboost.runtime.quant_step import load_quant_extension
+
+    ext = _build_or_skip(isa) if isa != "scalar" else load_quant_extension("scalar")
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", ext.__file__], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    has = {"ymm": "ymm" in text, "zmm": "zmm" in text, "dot": "vpdpwssd" in text or "vpdpbusd" in text}
+    expected = {"scalar": (False, False, False), "avx2": (True, False, False), "avx_vnni": (True, False, True),
+                "avx512_vnni": (True, True, True), "amx": (True, True, True)}[isa]  # fmt: skip
+    assert (has["ymm"], has["zmm"], has["dot"]) == expected, has
+
+
+@pytest.mark.parametrize("act", ["int16", "fp32"])
+def test_every_build_runs_the_scalar_builds_decode_step(tmp_path, act):
+    """A whole step (a prompt chunk of three sequences, then batched decode steps) on every build this CPU runs,
+    against the scalar build. Bit for bit between builds compiled for one CPU capability (avx2 / avx_vnni: AVX2;
+    avx512_vnni / amx: AVX512): their products are the scalar bits (the test above), and norms, RoPE, SiLU and the
+    paged attention kernel are the same code compiled for the same vector width. Across capabilities only close:
+    the attention kernel's fp32 sums and torch's vectorized exp run over 8 lanes under AVX2, 16 under AVX512 and
+    one at a time in the scalar build (issue 61), another summation order; that is why the build's capability is in
+    the engine's cache fingerprint (test_the_kernels_capability_is_in_the_cache_fingerprint)."""
+    from kvboost.kv.block_table import BlockTable
+    from kvboost.runtime.batch import ForwardBatch, SeqInput
+    from kvboost.runtime.quant_step import ISA_CAPABILITY, QUANT_ISAS, QuantDecodeStep, isa_unavailable_reason
+
+    model = gguf_model(tmp_path, "qwen2", seed=4)
+    engine = _engine(model, decode="quantized", decode_activations=act)
+    prompts = [random_ids(n, seed=n) for n in (3, 21, 40)]
+    runs = {}
+    for isa in QUANT_ISAS:
+        if isa_unavailable_reason(isa) is not None:
+            continue
+        try:
+            step = QuantDecodeStep(engine.runner, act, isa=isa)
+        except RuntimeError as exc:  # amx: no tile state from Linux
+            assert isa == "amx" and "AMX tiles" in str(exc)
+            continue
+        assert step.describe()["isa"] == isa
+        tables = [BlockTable(engine.pool) for _ in prompts]
+        logits = [step.run(ForwardBatch.build([SeqInput(t, p) for t, p in zip(tables, prompts, strict=True)]))]
+        for i in range(3):
+            logits.append(step.run(ForwardBatch.build([SeqInput(t, [5 + i + j]) for j, t in enumerate(tables)])))
+        keys = [engine.pool.keys[layer][:, tables[2].slots(0, 43)].clone() for layer in range(engine.pool.num_layers)]
+        runs[isa] = logits + keys
+        for t in tables:
+            t.release()
+    engine.close()
+    assert "scalar" in runs
+    for isa, outs in runs.items():
+        same_width = [other for other in runs if other != isa and ISA_CAPABILITY[other] == ISA_CAPABILITY[isa]]
+        for other in same_width:
+            assert all(torch.equal(a, b) for a, b in zip(outs, runs[other], strict=True)), (isa, other)
+        for a, b in zip(outs, runs["scalar"], strict=True):
+            assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item()), isa
 
 
 @pytest.mark.parametrize("act", ["int8", "int16"])
@@ -345,19 +461,65 @@ def test_the_decode_pool_is_off_in_process_and_on_in_the_engine_loop(tmp_path):
 
 
 def test_the_kernels_build_is_chosen_from_the_cpu_or_the_environment(monkeypatch):
-    """``quant_isa``: $KVBOOST_QUANT_ISA when set (a bad value is refused by name), else VNNI where the CPU has it."""
+    """``quant_isa``: $KVBOOST_QUANT_ISA when set (an unknown name, or a build whose instructions the CPU lacks, is
+    refused naming why), else the widest build the CPU's flags allow (flags faked here: every CPU kind's choice)."""
+    import kvboost.env
     from kvboost.runtime import quant_step
 
-    monkeypatch.setenv(quant_step.QUANT_ISA_ENV, "avx2")
-    assert quant_step.quant_isa() == "avx2"
+    monkeypatch.setenv(quant_step.QUANT_ISA_ENV, "scalar")
+    assert quant_step.quant_isa() == "scalar" and quant_step.quant_isa_reason() == "$KVBOOST_QUANT_ISA"
     monkeypatch.setenv(quant_step.QUANT_ISA_ENV, "avx1024")
     with pytest.raises(ValueError, match="KVBOOST_QUANT_ISA='avx1024'"):
         quant_step.quant_isa()
     monkeypatch.delenv(quant_step.QUANT_ISA_ENV)
-    expected = "avx512_vnni" if quant_step.vnni_unavailable_reason() is None else "avx2"
-    assert quant_step.quant_isa() == expected
+    avx2 = {"avx2", "fma", "f16c"}
+    zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    for flags, expected in ((set(), "scalar"), (avx2, "avx2"), (avx2 | {"avx_vnni"}, "avx_vnni"), (zen4, "avx512_vnni"),
+                            (zen4 | {"avx_vnni", "amx_tile", "amx_int8"}, "avx512_vnni")):  # fmt: skip
+        monkeypatch.setattr(kvboost.env, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert quant_step.quant_isa() == expected, flags
+        assert quant_step.quant_isa_reason().startswith("the best build the CPU's flags allow")
+    monkeypatch.setattr(kvboost.env, "cpu_flags", lambda: frozenset(avx2))
+    monkeypatch.setenv(quant_step.QUANT_ISA_ENV, "avx512_vnni")
+    with pytest.raises(ValueError, match="cannot run here: the CPU has no avx512f"):
+        quant_step.quant_isa()
+    assert "avx2: the CPU has no" not in str(quant_step.isa_unavailable_reason("avx2"))
     with pytest.raises(ValueError, match="must be one of"):
         quant_step.load_quant_extension("sse2")
+
+
+def test_the_kernels_capability_is_in_the_cache_fingerprint(tmp_path, monkeypatch):
+    """Two builds whose decode steps can write other K/V bits (another vector width: issue 61) give two engine
+    fingerprints, for the quantized step (avx2 against avx512_vnni) and for the cpu_kernel attention backend and the
+    compiled decode's attention (AVX2 against AVX512 capability); builds of one width (avx512_vnni, amx) share one,
+    their bits being equal (test_every_build_runs_the_scalar_builds_decode_step)."""
+    import kvboost.attention.cpu_ext as cpu_ext
+    from kvboost.runtime import quant_step
+
+    assert quant_step.quant_arithmetic_tag("avx2") != quant_step.quant_arithmetic_tag("avx512_vnni")
+    assert quant_step.quant_arithmetic_tag("amx") == quant_step.quant_arithmetic_tag("avx512_vnni")
+    assert quant_step.quant_arithmetic_tag("scalar") not in {quant_step.quant_arithmetic_tag(i) for i in SIMD_ISAS}
+    model = gguf_model(tmp_path, "llama")
+    prints = {}
+    for isa in ("avx2", "avx512_vnni"):
+        if quant_step.isa_unavailable_reason(isa) is None:
+            monkeypatch.setenv(quant_step.QUANT_ISA_ENV, isa)
+            engine = _engine(model, decode="quantized")
+            assert engine.decode_info()["quantized"]["isa"] == isa
+            prints[isa] = engine.fingerprint
+            engine.close()
+    monkeypatch.delenv(quant_step.QUANT_ISA_ENV)
+    if len(prints) == 2:
+        assert prints["avx2"] != prints["avx512_vnni"]
+    attn = {}
+    for cap in ("AVX2", "AVX512"):
+        monkeypatch.setattr(cpu_ext, "cpu_capability", lambda cap=cap: cap)
+        for options in ({"attn": "cpu_kernel", "decode": "eager"}, {"decode": "compiled"}):
+            engine = _engine(model, **options)
+            attn[cap, options.get("attn", "compiled")] = engine.fingerprint
+            engine.close()
+    assert attn["AVX2", "cpu_kernel"] != attn["AVX512", "cpu_kernel"]
+    assert attn["AVX2", "compiled"] != attn["AVX512", "compiled"]
 
 
 def test_the_tiled_layout_round_trips_and_refuses_partial_tiles():

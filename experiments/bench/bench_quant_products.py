@@ -41,7 +41,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
-from kvboost.attention.cpu_ext import build_cpu_source
 from kvboost.lab.environment import describe_environment
 from kvboost.runtime.quant_step import (
     ACTIVATION_CODES,
@@ -50,7 +49,7 @@ from kvboost.runtime.quant_step import (
     Q4Weight,
     Q8Weight,
     load_quant_extension,
-    quant_build_flags,
+    build_quant_source,
     quant_isa,
 )
 
@@ -72,7 +71,7 @@ def build_baseline(rev: str, isa: str) -> Any:
         text = subprocess.run(["git", "show", f"{sha}:kvboost/csrc/{name}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
         (folder / name).write_text(text)
-    ext = build_cpu_source(f"kvboost_quant_baseline_{sha}_{isa}", folder / "cpu_quant.cpp", quant_build_flags(isa))
+    ext = build_quant_source(f"kvboost_quant_baseline_{sha}", folder / "cpu_quant.cpp", isa)
     return ext, sha
 
 

@@ -80,18 +80,29 @@ def toolchain_unavailable_reason(source: Path) -> str | None:
     return None
 
 
-def build_cpu_source(ext_name: str, source: Path, extra_isa_flags: tuple[str, ...] = ()) -> Any:
-    """Compile ``source`` with OpenMP for this CPU's vector ISA (:func:`cpu_capability`; ``extra_isa_flags`` added
-    unless it is ``DEFAULT``) and load it as extension ``<ext_name>_<isa>``: torch caches the binary, and
+def build_cpu_source(ext_name: str, source: Path, extra_isa_flags: tuple[str, ...] = (), capability: str | None = None,
+                     extra_flags: tuple[str, ...] = ()) -> Any:
+    """Compile ``source`` with OpenMP for a vector ISA (``capability``: ``AVX512``, ``AVX2`` or ``DEFAULT``; default
+    :func:`cpu_capability`, this CPU's; ``extra_isa_flags`` added unless it is ``DEFAULT``; ``extra_flags`` always)
+    and load it as extension ``<ext_name>_<capability>``: torch caches the binary, and
     ``kvboost.attention.ext_build`` lets one builder at a time through. Raises what the build raised."""
     from kvboost.attention.ext_build import load_extension
 
-    cap = cpu_capability()
-    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])]
+    cap = cpu_capability() if capability is None else capability
+    if cap not in (*_CAPABILITY_FLAGS, "DEFAULT"):
+        raise ValueError(f"capability must be one of {(*_CAPABILITY_FLAGS, 'DEFAULT')}, got {cap!r}")
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, []), *extra_flags]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}", *extra_isa_flags]
     return load_extension(f"{ext_name}_{cap.lower()}", sources=[str(source)], extra_cflags=flags,
                           extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+
+
+def attention_build_tag() -> str:
+    """The build of the attention kernel this process loads (:func:`load_cpu_extension`), for the engine's cache
+    fingerprint: its CPU capability sets the lanes its fp32 sums run over (8 under AVX2, 16 under AVX512, scalar
+    under DEFAULT; issue 61), so K/V it helps compute differ between two CPU kinds."""
+    return f"cpu_kernel[{cpu_capability()}]"
 
 
 @functools.cache

@@ -53,6 +53,10 @@ class CpuKernelBackend(FlashKernelBackend):
         super().__init__()
         self.tile = check_tile(tile, "attn.tile")
         self._forward = None
+        from kvboost.attention.cpu_ext import attention_build_tag
+
+        # in the engine's cache fingerprint: the build's lane count sets the kernel's fp32 summation order
+        self.fingerprint_tag = attention_build_tag()
 
     def check_available(self) -> None:
         """Build (or load the cached build of) the kernel; RuntimeError with the reason where it cannot run."""

@@ -80,6 +80,7 @@ void parallel_rows(int64_t M, const F& body) {
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -91,6 +92,27 @@ void parallel_rows(int64_t M, const F& body) {
 // way, so both builds give the same bits (tests/test_quant_step.py compares them).
 #if defined(KVB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define KVB_VNNI 1
+#endif
+// The 256-bit dot products of tile_rows: AVX-512 VNNI's (EVEX) where the build has them, else AVX-VNNI's VEX-encoded
+// ones (Intel client CPUs from Alder Lake, which have no AVX-512): the same integer sums, fewer instructions than
+// AVX2's vpmaddwd + vpaddd (int16) and vpmaddubsw + vpmaddwd + vpaddd (int8).
+#if defined(KVB_VNNI)
+#define KVB_DOT256 1
+#define KVB_DPWSSD256(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#define KVB_DPBUSD256(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#elif defined(KVB_AVX2) && defined(__AVXVNNI__)
+#define KVB_DOT256 1
+#define KVB_AVXVNNI 1
+#define KVB_DPWSSD256(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#define KVB_DPBUSD256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
+// AMX-INT8 tiles (Intel Xeon since Sapphire Rapids): the amx build is the VNNI build plus amx_tile_product for
+// products of kAmxMinRows rows or more.
+#if defined(KVB_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KVB_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cerrno>
 #endif
 
 namespace {
@@ -336,7 +358,7 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
     } else {
       __m256i ia[RB];
       for (int r = 0; r < RB; ++r) ia[r] = _mm256_setzero_si256();
-#ifdef KVB_VNNI
+#ifdef KVB_DOT256
       __m256i ib[RB];
       for (int r = 0; r < RB; ++r) ib[r] = _mm256_setzero_si256();
 #endif
@@ -347,9 +369,9 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
           codes.pairs(quad, p01, p23);
           for (int r = 0; r < RB; ++r) {
             const int16_t* xk = xr.q16.data() + (r0 + r) * K + g * kGroup + 4 * quad;
-#ifdef KVB_VNNI  // two accumulators a row: one vpdpwssd's latency between dependent ones, not two
-            ia[r] = _mm256_dpwssd_epi32(ia[r], p01, bcast32(xk));
-            ib[r] = _mm256_dpwssd_epi32(ib[r], p23, bcast32(xk + 2));
+#ifdef KVB_DOT256  // two accumulators a row: one vpdpwssd's latency between dependent ones, not two
+            ia[r] = KVB_DPWSSD256(ia[r], p01, bcast32(xk));
+            ib[r] = KVB_DPWSSD256(ib[r], p23, bcast32(xk + 2));
 #else
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p01, bcast32(xk)));
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p23, bcast32(xk + 2)));
@@ -361,15 +383,15 @@ void tile_rows(const Rows& xr, int64_t r0, const uint8_t* ct, GroupVals st, Grou
           for (int r = 0; r < RB; ++r) {
             __m256i xv = bcast32(xr.q8.data() + (r0 + r) * K + g * kGroup + 4 * quad);
             if constexpr (!Q4) xv = _mm256_sign_epi8(xv, w);
-#ifdef KVB_VNNI  // the 4 products summed in int32 at once (vpmaddubsw's int16 pair sums cannot saturate here either)
-            ia[r] = _mm256_dpbusd_epi32(ia[r], aw, xv);
+#ifdef KVB_DOT256  // the 4 products summed in int32 at once (vpmaddubsw's int16 pair sums cannot saturate here either)
+            ia[r] = KVB_DPBUSD256(ia[r], aw, xv);
 #else
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
 #endif
           }
         }
       }
-#ifdef KVB_VNNI
+#ifdef KVB_DOT256
       for (int r = 0; r < RB; ++r) ia[r] = _mm256_add_epi32(ia[r], ib[r]);
 #endif
       for (int r = 0; r < RB; ++r) {
@@ -588,6 +610,181 @@ void wide_tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals 
 }
 #endif
 
+
+#ifdef KVB_AMX
+// AMX-INT8: a product's integer group sums on tiles, the fp32 scaling as everywhere else.
+//
+// Per 32-value group, tile products C[16 rows][NT features] (int32) = A[16 rows][32 codes] . B[8 quads][NT x 4
+// codes]: one tdpbssd per group for int8 rows; for int16 rows each code x split as x = 256 * hi + lo (hi = x >> 8
+// signed, lo = x & 0xFF unsigned), tdpbssd on the high bytes and tdpbusd on the low ones, combined as
+// (hi_sum << 8) + lo_sum in int32 -- the same exact integer as the VNNI kernels' sum (|sum| <= 32 * 32767 * 128 <
+// 2^31). A tile's weights are the same codes the other kernels read (4-bit codes 0..15 are the same bytes signed or
+// unsigned; 8-bit ones signed), unpacked into B once per group and used by every 16-row block. A group can not span
+// two groups' codes (each has its own scale), so a tile product covers exactly one group and C goes to memory after
+// each: then fa += float(isum) * (scale * d_row) and fa += min * sum_row per output, tile_rows' operations in its
+// order, so the same bits. Layouts: tiles of 8 (NT = 8: TileCodes::fours is B's row for a quad) and wide tiles of 16
+// (NT = 16): quads' low / high nibbles are B's rows for k..k+3 / k+4..k+7; words' nibbles n0 | n1 << 8 give feature
+// j's codes in the order (k, k+2, k+1, k+3), so the rows' codes are stored in that order for them (AmxRows).
+constexpr int64_t kAmxMinRows = 16;  // fewer rows run the VNNI kernels (experiments/results/README.md, "AMX")
+constexpr int64_t kAmxRows = 16;     // rows of an A tile
+
+// Linux hands out the tile state only to a process that asks (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+// once; it covers every thread); without it the first tile instruction kills the process. Empty: granted.
+const std::string& amx_state() {
+  static const std::string reason = [] {
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") + std::strerror(errno);
+    return std::string();
+  }();
+  return reason;
+}
+std::string amx_unavailable_reason() { return amx_state(); }
+// Products run on tiles so far in this process (tests check the kernel ran; one relaxed add per product).
+std::atomic<int64_t> amx_products{0};
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0, 1: C (16 rows x NT int32); 2, 3: A (16 rows x 32 codes: int8 rows, or int16's high / low bytes);
+// 4: B (8 quads x NT features x 4 codes). Per thread: loaded at the start of each chunk of tiles.
+inline void amx_configure(int64_t NT) {
+  AmxConfig c;
+  for (int t = 0; t < 4; ++t) {
+    c.rows[t] = kAmxRows;
+    c.colsb[t] = t < 2 ? uint16_t(4 * NT) : uint16_t(kGroup);
+  }
+  c.rows[4] = kGroup / 4;
+  c.colsb[4] = uint16_t(4 * NT);
+  _tile_loadconfig(&c);
+}
+
+// The rows as A tiles read them: Mp (M rounded up to 16; the pad rows zero, computed and not stored) rows of K
+// codes: int8 rows in `a`; int16 rows' high bytes in `a`, low bytes in `b`; for words, each 4 codes in the order
+// (0, 2, 1, 3) (see above).
+struct AmxRows {
+  std::vector<int8_t> a, b;
+  int64_t Mp = 0;
+};
+
+AmxRows amx_rows(const Rows& xr, int64_t M, int64_t act, bool words) {
+  AmxRows out;
+  const int64_t K = xr.K;
+  out.Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  out.a.assign(out.Mp * K, 0);
+  if (act == kActInt8) {
+    std::memcpy(out.a.data(), xr.q8.data(), M * K);
+    return out;
+  }
+  out.b.assign(out.Mp * K, 0);
+  for (int64_t i = 0; i < M * K; ++i) {
+    const int64_t at = words ? (i & ~int64_t(3)) | ((i & 1) << 1) | ((i >> 1) & 1) : i;  // swaps codes 1 and 2
+    const int16_t v = xr.q16[i];
+    out.a[at] = static_cast<int8_t>(v >> 8);
+    out.b[at] = static_cast<int8_t>(v & 0xFF);
+  }
+  return out;
+}
+
+// One tile of NT features (its codes at ct) for all M rows; `fa` [Mp][NT] scratch.
+template <int64_t NT, int64_t Act, bool Q4, bool Wide>
+void amx_tile_product(const Rows& xr, const AmxRows& ar, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt,
+                      float* out, int64_t ldo, const float* bias, bool accumulate, float* fa) {
+  static_assert(NT == 8 || NT == 16, "tiles of 8 or 16 features");
+  const int64_t K = xr.K, G = xr.G;
+  constexpr int64_t kGroupBytes = Q4 ? kGroup / 2 * NT : kGroup * NT;
+  alignas(64) uint8_t wb[kGroup / 4 * NT * 4];
+  alignas(64) int32_t c0[kAmxRows * NT], c1[kAmxRows * NT];
+  std::fill(fa, fa + ar.Mp * NT, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cg = ct + g * kGroupBytes;
+    if constexpr (Wide) {  // 4 octets of 64 bytes -> 8 B rows of 64 bytes
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int64_t o = 0; o < 4; ++o) {
+        const __m512i v = _mm512_loadu_si512(cg + 64 * o);
+        __m512i r0, r1;
+        if constexpr (Act == kActInt8) {  // quads
+          r0 = _mm512_and_si512(v, low4);
+          r1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        } else {  // words: nibble n of 16-bit lane 2j+i is w[j, k+2n+i]
+          const __m512i w4 = _mm512_set1_epi16(0x000F);
+          const __m512i n0 = _mm512_and_si512(v, w4), n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), w4);
+          const __m512i n2 = _mm512_and_si512(_mm512_srli_epi16(v, 8), w4), n3 = _mm512_srli_epi16(v, 12);
+          r0 = _mm512_or_si512(n0, _mm512_slli_epi16(n1, 8));
+          r1 = _mm512_or_si512(n2, _mm512_slli_epi16(n3, 8));
+        }
+        _mm512_store_si512(wb + 128 * o, r0);
+        _mm512_store_si512(wb + 128 * o + 64, r1);
+      }
+    } else {
+      const TileCodes<Q4> codes{cg};
+      for (int64_t quad = 0; quad < 8; ++quad)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wb + 32 * quad), codes.fours(quad));
+    }
+    _tile_loadd(4, wb, 4 * NT);
+    for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
+      _tile_zero(0);
+      _tile_loadd(2, ar.a.data() + r0 * K + g * kGroup, K);
+      _tile_dpbssd(0, 2, 4);
+      _tile_stored(0, c0, 4 * NT);
+      if constexpr (Act == kActInt16) {
+        _tile_zero(1);
+        _tile_loadd(3, ar.b.data() + r0 * K + g * kGroup, K);
+        _tile_dpbusd(1, 3, 4);
+        _tile_stored(1, c1, 4 * NT);
+      }
+      const int64_t rows = std::min(kAmxRows, M - r0);
+      for (int64_t half = 0; half < NT; half += kTile) {
+        const __m256 sc = st.load8(g * NT + half);
+        [[maybe_unused]] __m256 mn;
+        if constexpr (Q4) mn = mt.load8(g * NT + half);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m256i isum = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0 + r * NT + half));
+          if constexpr (Act == kActInt16)
+            isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 8),
+                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(c1 + r * NT + half)));
+          float* f = fa + (r0 + r) * NT + half;
+          const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xr.d[g * xr.Mp + r0 + r]));
+          __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, _mm256_loadu_ps(f));
+          if constexpr (Q4) v = _mm256_fmadd_ps(mn, _mm256_set1_ps(xr.sum[g * xr.Mp + r0 + r]), v);
+          _mm256_storeu_ps(f, v);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t half = 0; half < NT; half += kTile) {
+      float* o = out + r * ldo + half;
+      __m256 v = _mm256_add_ps(_mm256_loadu_ps(fa + r * NT + half), bias ? _mm256_loadu_ps(bias + half)
+                                                                         : _mm256_setzero_ps());
+      if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o), v);
+      _mm256_storeu_ps(o, v);
+    }
+}
+
+template <int64_t NT, int64_t Act, bool Q4, bool Wide>
+void amx_tiles(const Rows& xr, const AmxRows& ar, int64_t M, int64_t t0, int64_t t1, const uint8_t* codes,
+               int64_t tile_bytes, GroupVals scale, GroupVals minv, const float* bias, float* out, int64_t ldo,
+               bool accumulate) {
+  const int64_t G = xr.G;
+  std::vector<float> fa(ar.Mp * NT);
+  amx_configure(NT);
+  for (int64_t t = t0; t < t1; ++t)
+    amx_tile_product<NT, Act, Q4, Wide>(xr, ar, M, codes + t * tile_bytes, scale.at(t * G * NT),
+                                        Q4 ? minv.at(t * G * NT) : GroupVals{}, out + t * NT, ldo,
+                                        bias ? bias + t * NT : nullptr, accumulate, fa.data());
+  _tile_release();
+}
+
+// Whether a product of M rows runs on AMX tiles here: integer rows, enough of them, and the tile state granted.
+inline bool amx_rows_ok(int64_t M, int64_t act) {
+  return act != kActFp32 && M >= kAmxMinRows && amx_state().empty();
+}
+#endif
+
 // The same arithmetic without AVX2 (the integer sums exact, then the same fp32 operations per group).
 template <int64_t Act, bool Q4>
 void tile_rows_scalar(const Rows& xr, int64_t r0, int64_t R, const uint8_t* ct, GroupVals st, GroupVals mt,
@@ -670,6 +867,32 @@ void tiled_product(const float* x, int64_t M, int64_t K, int64_t N, const uint8_
   const int64_t G = K / kGroup, T = N / tile;
   const int64_t tile_bytes = Q4 ? K / 2 * tile : K * tile;
   const int64_t threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+#ifdef KVB_AMX
+  if (amx_rows_ok(M, act)) {
+    const AmxRows ar = amx_rows(xr, M, act, wide && act == kActInt16);
+    amx_products.fetch_add(1, std::memory_order_relaxed);
+    kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
+      auto run = [&](auto nt, auto act_c, auto q4_c, auto wide_c) {
+        amx_tiles<decltype(nt)::value, decltype(act_c)::value, decltype(q4_c)::value, decltype(wide_c)::value>(
+            xr, ar, M, t0, t1, codes, tile_bytes, scale, minv, bias, out, ldo, accumulate);
+      };
+      using I16 = std::integral_constant<int64_t, kActInt16>;
+      using I8 = std::integral_constant<int64_t, kActInt8>;
+      using Q = std::integral_constant<bool, Q4>;
+      if (wide) {
+        if constexpr (Q4) {
+          if (act == kActInt16) run(std::integral_constant<int64_t, 16>{}, I16{}, Q{}, std::true_type{});
+          else run(std::integral_constant<int64_t, 16>{}, I8{}, Q{}, std::true_type{});
+        }
+      } else if (act == kActInt16) {
+        run(std::integral_constant<int64_t, 8>{}, I16{}, Q{}, std::false_type{});
+      } else {
+        run(std::integral_constant<int64_t, 8>{}, I8{}, Q{}, std::false_type{});
+      }
+    });
+    return;
+  }
+#endif
   kvb::parallel_chunks(T, std::max<int64_t>(2, T / (4 * threads)), threads, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* ct = codes + t * tile_bytes;
@@ -966,6 +1189,12 @@ void decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, c
   }
 }
 
+#ifndef KVB_AMX
+std::string amx_unavailable_reason() { return "not the amx build"; }
+constexpr int64_t kAmxMinRows = 0;
+std::atomic<int64_t> amx_products{0};
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -984,8 +1213,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_pool", [](bool on) { kvb::decode_pool_requested().store(on); },
         "run decode steps on the step's own thread pool (kvboost/csrc/work_pool.h) instead of OpenMP", py::arg("on"));
   m.def("decode_pool", [] { return kvb::work_pool_enabled(); }, "whether decode steps run on the step's own pool");
-#if defined(KVB_VNNI)
+  m.def("amx_unavailable_reason", &amx_unavailable_reason,
+        "why this build's products cannot run on AMX tiles (empty: they can; asks Linux for the tile state once)");
+  m.def("amx_products", [] { return amx_products.load(); }, "products this process ran on AMX tiles");
+  m.attr("amx_min_rows") = kAmxMinRows;
+#if defined(KVB_AMX)
+  m.attr("isa") = "amx";
+#elif defined(KVB_VNNI)
   m.attr("isa") = "avx512_vnni";
+#elif defined(KVB_AVXVNNI)
+  m.attr("isa") = "avx_vnni";
 #elif defined(KVB_AVX2)
   m.attr("isa") = "avx2";
 #else

@@ -345,12 +345,28 @@ class InferenceEngine:
             self.adapter.fingerprint(), f"device={self.adapter.device.type}", f"kvq={self.quantizer.fingerprint()}",
             f"chunk={self.chunker.fingerprint()}", f"hash={self.hasher.fingerprint()}", f"attn={attn_tag}",
             (f"runner={config.runner}/decode={config.decode}"
-             f"{'-' + config.decode_activations if config.decode == 'quantized' else ''}"
+             f"{'-' + config.decode_activations if config.decode == 'quantized' else ''}{self._decode_build_tag()}"
              f"/prefill={config.prefill_path}"
              f"/weights={config.weights}"), f"formats={self._weight_formats}", f"block={self.pool.block_size}",
         ])  # fmt: skip
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it
         return fp
+
+    def _decode_build_tag(self) -> str:
+        """The build of the C++ kernels a CPU decode step runs where that can change its K/V bits (the vector width
+        of their fp32 sums): the quantized step's (:func:`kvboost.runtime.quant_step.quant_arithmetic_tag`), the
+        compiled decode's attention kernel (:func:`kvboost.attention.cpu_ext.attention_build_tag`); else ''."""
+        config = self.runner_config
+        if config.decode == "quantized":
+            from kvboost.runtime.quant_step import quant_arithmetic_tag
+
+            step = getattr(self.runner, "quantized", None)
+            return "-" + quant_arithmetic_tag(str(step.ext.isa) if step is not None else None)
+        if config.decode == "compiled" and self.adapter.device.type == "cpu":
+            from kvboost.attention.cpu_ext import attention_build_tag
+
+            return "-" + attention_build_tag()
+        return ""
 
     @property
     def approx_tag(self) -> str:

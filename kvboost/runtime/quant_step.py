@@ -10,8 +10,8 @@ head is tied to, or the model's own head), the activations rounded per 32 values
 
 What it needs, checked by :func:`unavailable_reason`: the Llama-family runner on CPU, a model loaded from a GGUF
 file whose seven projections of every layer are Q4_0 / Q4_1 / Q4_K (``model._kvboost_gguf_file``, recorded by the
-loader), an x86 CPU where the C++ extension builds (AVX2 + FMA for the vector kernel, AVX-512 VNNI where the CPU has
-it (:data:`QUANT_ISAS`); a scalar build otherwise) and
+loader), an x86 CPU where the C++ extension builds (the build for the CPU's widest vector ISA: AVX-512 VNNI,
+AVX-VNNI, AVX2 + FMA, or plain C++; :data:`QUANT_ISAS`, :func:`quant_isa`) and
 the C++ paged attention kernel (``attn=cpu_kernel``'s). Every 4-bit tensor is checked against the dense weight it
 stands for when the step is built (bit for bit in fp32; after rounding to the model's dtype otherwise), so a file
 that is not the model's fails the build with the tensor's name instead of producing noise. Prefill and every
@@ -59,36 +59,99 @@ def extension_unavailable_reason() -> str | None:
     return toolchain_unavailable_reason(_SOURCE)
 
 
-#: The kernels' builds: ``avx2`` (AVX2 / FMA / F16C intrinsics, under either vector ISA) and ``avx512_vnni`` (the
-#: same kernels with AVX-512 VNNI's vpdpwssd / vpdpbusd on 256-bit vectors and 8 rows a pass, int16 rows from 2 on
-#: two to a 512-bit vector and 16 a pass: AMD Zen 4, Intel Xeon since Cascade Lake). The integer sums are exact in
-#: both, so both give the same bits; VNNI needs fewer instructions.
-QUANT_ISAS = ("avx2", "avx512_vnni")
+#: The kernels' builds, each compiled for its own vector ISA (and torch's ``at::vec`` / the attention kernel for the
+#: matching CPU capability, :data:`ISA_CAPABILITY`):
+#: ``scalar``: no SIMD intrinsics (plain C++, x86-64 baseline): the bit reference every other build is checked against
+#: (tests/test_quant_step.py; CI compiles and runs it on every machine). ``avx2``: AVX2 / FMA / F16C intrinsics,
+#: vpmaddwd / vpmaddubsw, 4 rows a pass. ``avx_vnni``: the same kernels with the VEX-encoded AVX-VNNI vpdpwssd /
+#: vpdpbusd (Intel client CPUs from Alder Lake; no AVX-512 needed). ``avx512_vnni``: AVX-512 VNNI on 256-bit vectors
+#: and 8 rows a pass, int16 rows from 2 on two to a 512-bit vector and 16 a pass, wide tiles (AMD Zen 4, Intel Xeon
+#: since Cascade Lake). ``amx``: the avx512_vnni build plus an AMX-INT8 tile kernel for products of many rows
+#: (:data:`AMX_MIN_ROWS`; Intel Xeon since Sapphire Rapids). Every build sums each 32-value group's integer products
+#: exactly and scales them with the same fp32 operations in the same order (std::fma where the vector kernels use
+#: FMA; every build compiled with ``-ffp-contract=off`` so plain C++ means the same operations in each), so all give
+#: the scalar build's product bits.
+QUANT_ISAS = ("scalar", "avx2", "avx_vnni", "avx512_vnni", "amx")
+#: The CPU capability each build compiles torch's vector code and the paged attention kernel for (the attention
+#: reduces over 8 lanes under AVX2 and 16 under AVX512, issue 61; ``DEFAULT`` is torch's scalar ``at::vec``). This,
+#: not the product kernel, is what can change a decode step's bits between builds (:func:`quant_arithmetic_tag`).
+ISA_CAPABILITY = {"scalar": "DEFAULT", "avx2": "AVX2", "avx_vnni": "AVX2", "avx512_vnni": "AVX512", "amx": "AVX512"}
+#: The compiler's ISA flags of each build (beside its capability's own, kvboost.attention.cpu_ext).
+_ISA_FLAGS = {
+    "scalar": (),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx_vnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+    "avx512_vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512vnni"),
+    "amx": ("-mavx2", "-mfma", "-mf16c", "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
+}
+#: /proc/cpuinfo flags each build's instructions need
+_ISA_CPU_FLAGS = {
+    "scalar": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx_vnni": ("avx2", "fma", "f16c", "avx_vnni"),
+    "avx512_vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile",
+            "amx_int8"),
+}
+#: The automatic choice's order of preference (the first this CPU runs). ``amx`` is not in it: its tile kernel is
+#: chosen only by ``$KVBOOST_QUANT_ISA=amx`` until it measures faster (experiments/results/README.md, "AMX").
+_PREFERENCE = ("avx512_vnni", "avx_vnni", "avx2", "scalar")
 #: Environment variable that picks the build (one of :data:`QUANT_ISAS`) instead of the best this CPU runs (A/B runs).
 QUANT_ISA_ENV = "KVBOOST_QUANT_ISA"
+#: Integer rows from which the amx build's products run on AMX tiles (fewer, and fp32 rows: its AVX-512 VNNI
+#: kernels); kvboost/csrc/cpu_quant.cpp kAmxMinRows.
+AMX_MIN_ROWS = 16
+
+
+def isa_unavailable_reason(isa: str) -> str | None:
+    """Why build ``isa`` (one of :data:`QUANT_ISAS`; ValueError otherwise) cannot run on this CPU (a flag missing),
+    or None. The amx build's kernel permission (Linux ``arch_prctl``) is asked for when it loads."""
+    if isa not in QUANT_ISAS:
+        raise ValueError(f"quantized kernels' build must be one of {QUANT_ISAS}, got {isa!r}")
+    from kvboost.env import cpu_flags
+
+    flags = cpu_flags()
+    missing = [f for f in _ISA_CPU_FLAGS[isa] if f not in flags]
+    if missing:
+        return f"the CPU has no {', '.join(missing)} (the {isa} build needs them)"
+    return None
 
 
 def vnni_unavailable_reason() -> str | None:
     """Why the ``avx512_vnni`` build cannot run on this CPU, or None."""
-    from kvboost.attention.cpu_ext import cpu_capability
-    from kvboost.env import cpu_flags
-
-    if cpu_capability() != "AVX512":
-        return f"torch's CPU capability here is {cpu_capability()}, not AVX512"
-    if "avx512_vnni" not in cpu_flags():
-        return "the CPU has no AVX-512 VNNI"
-    return None
+    return isa_unavailable_reason("avx512_vnni")
 
 
 def quant_isa() -> str:
-    """The build :func:`load_quant_extension` loads by default: ``$KVBOOST_QUANT_ISA`` when set, else ``avx512_vnni``
-    where the CPU has it, else ``avx2``."""
+    """The build :func:`load_quant_extension` loads by default: ``$KVBOOST_QUANT_ISA`` when set (ValueError for a
+    name not in :data:`QUANT_ISAS` or a build this CPU cannot run, with the reason), else the first of
+    avx512_vnni, avx_vnni, avx2, scalar that the CPU's flags allow."""
     chosen = os.environ.get(QUANT_ISA_ENV, "").strip()
     if chosen:
         if chosen not in QUANT_ISAS:
             raise ValueError(f"{QUANT_ISA_ENV}={chosen!r}: expected one of {QUANT_ISAS}")
+        reason = isa_unavailable_reason(chosen)
+        if reason is not None:
+            raise ValueError(f"{QUANT_ISA_ENV}={chosen!r} cannot run here: {reason}")
         return chosen
-    return "avx512_vnni" if vnni_unavailable_reason() is None else "avx2"
+    return next(isa for isa in _PREFERENCE if isa_unavailable_reason(isa) is None)
+
+
+def quant_isa_reason() -> str:
+    """How :func:`quant_isa` chose (for ``decode_info``)."""
+    if os.environ.get(QUANT_ISA_ENV, "").strip():
+        return f"${QUANT_ISA_ENV}"
+    skipped = [f"{isa}: {isa_unavailable_reason(isa)}" for isa in _PREFERENCE[: _PREFERENCE.index(quant_isa())]]
+    return "the best build the CPU's flags allow" + (f" ({'; '.join(skipped)})" if skipped else "")
+
+
+def quant_arithmetic_tag(isa: str | None = None) -> str:
+    """What of build ``isa`` (default :func:`quant_isa`) can change a decode step's bits, for the engine's cache
+    fingerprint: the CPU capability its attention kernel and ``at::vec`` code are compiled for (their lane counts
+    set the fp32 summation order). The product kernels are not keyed: every build gives the scalar build's product
+    bits by construction (exact int32 group sums, the same fp32 operations in the same order) and by test
+    (tests/test_quant_step.py), so two builds of one capability write the same K/V bits."""
+    return f"quant-lanes={ISA_CAPABILITY[quant_isa() if isa is None else isa]}"
 
 
 def use_decode_pool(on: bool = True) -> None:
@@ -145,27 +208,38 @@ def load_quant_extension(isa: str | None = None) -> Any:
 
 def quant_build_flags(isa: str) -> tuple[str, ...]:
     """The compiler's ISA flags of the quantized kernels' build ``isa`` (beside the CPU capability's own)."""
-    return ("-mavx2", "-mfma", "-mf16c") + (("-mavx512vnni",) if isa == "avx512_vnni" else ())
+    if isa not in QUANT_ISAS:
+        raise ValueError(f"quantized kernels' build must be one of {QUANT_ISAS}, got {isa!r}")
+    return _ISA_FLAGS[isa]
+
+
+def build_quant_source(name: str, source: Any, isa: str) -> Any:
+    """Compile ``source`` (cpu_quant.cpp or a copy of it) as build ``isa`` and load it as ``<name>_<isa>_<cap>``: its
+    flags, its CPU capability (:data:`ISA_CAPABILITY`), and ``-ffp-contract=off`` (no fused multiply-add the source
+    did not write, so plain C++ computes the same fp32 operations in the scalar build and the vector ones)."""
+    from kvboost.attention.cpu_ext import build_cpu_source
+
+    return build_cpu_source(f"{name}_{isa}", source, quant_build_flags(isa), capability=ISA_CAPABILITY[isa],
+                            extra_flags=("-ffp-contract=off",))  # fmt: skip
 
 
 @functools.cache
 def _load_quant_extension(isa: str) -> Any:
-    if isa not in QUANT_ISAS:
-        raise ValueError(f"quantized kernels' build must be one of {QUANT_ISAS}, got {isa!r}")
-    reason = extension_unavailable_reason()
-    if reason is None and isa == "avx512_vnni":
-        reason = vnni_unavailable_reason()
+    reason = extension_unavailable_reason() or isa_unavailable_reason(isa)
     if reason is not None:
         raise RuntimeError(f"decode='quantized' is unavailable: {reason}")
-    from kvboost.attention.cpu_ext import build_cpu_source
-
-    flags = quant_build_flags(isa)
-    name = _EXT_NAME if isa == "avx2" else f"{_EXT_NAME}_vnni"
     try:
-        return build_cpu_source(name, _SOURCE, flags)
+        ext = build_quant_source(_EXT_NAME, _SOURCE, isa)
     except Exception as exc:
         raise RuntimeError(f"decode='quantized': building {_SOURCE.name} ({isa}) failed ({type(exc).__name__}); it "
                            "needs g++ and ninja") from exc  # fmt: skip
+    return ext
+
+
+def amx_unavailable_reason(ext: Any) -> str | None:
+    """Why extension ``ext``'s products do not run on AMX tiles (not the amx build, or Linux refused the tile
+    state: then the amx build runs its AVX-512 VNNI kernels, the same bits), or None."""
+    return str(ext.amx_unavailable_reason()) or None
 
 
 #: Output features per tile of the kernel's layouts (kvboost/csrc/cpu_quant.cpp: kTile).
@@ -223,7 +297,7 @@ def wide_tiles_for(activations: str, isa: str) -> bool:
     """Whether the step packs its 4-bit weights in wide tiles: int16 or int8 activations on the avx512_vnni build,
     whose kernel for them (``wide_tile_rows``) unpacks 16 features by 8 k per 512-bit load with masks and shifts. Every
     layout gives the same bits; the wide ones are the faster there (experiments/results/README.md)."""
-    return activations in WIDE_ACTIVATIONS and isa == "avx512_vnni"
+    return activations in WIDE_ACTIVATIONS and isa in ("avx512_vnni", "amx")
 
 
 def pack_q4_codes(q: torch.Tensor, wide_for: str | None = None) -> torch.Tensor:
@@ -436,9 +510,11 @@ class QuantDecodeStep:
     -> fp32 logits of the batch's logits rows, for a forward without hooks: decode batches, and prompt chunks under
     ``engine.prefill=quantized``."""
 
-    def __init__(self, runner: Any, activations: str = ACTIVATIONS[0], wide: bool | None = None) -> None:
+    def __init__(self, runner: Any, activations: str = ACTIVATIONS[0], wide: bool | None = None,
+                 isa: str | None = None) -> None:
         """``wide``: pack the 4-bit weights in wide tiles (None: where :func:`wide_tiles_for` says so and every
-        projection has whole tiles of 16; False: tiles of 8, the A/B baseline of the same bits)."""
+        projection has whole tiles of 16; False: tiles of 8, the A/B baseline of the same bits). ``isa``: the
+        kernels' build (default :func:`quant_isa`: the CPU's best, or ``$KVBOOST_QUANT_ISA``)."""
         from kvboost.models.gguf_int4 import unpack_q4_scale_min
         from kvboost.models.gguf_weights import PERMUTED_ARCHITECTURES, _field_str, gguf_reader, llama_row_order
 
@@ -451,7 +527,8 @@ class QuantDecodeStep:
         self.activations = activations
         self.act = ACTIVATION_CODES[activations]
         self.runner = runner
-        self.ext = load_quant_extension()
+        self.isa_reason = quant_isa_reason() if isa is None else "chosen by the caller"
+        self.ext = load_quant_extension(isa)
         path = gguf_file(model)
         reader = gguf_reader(path)
         tensors = {t.name: t for t in reader.tensors}
@@ -561,6 +638,8 @@ class QuantDecodeStep:
         return head(h.to(runner.dtype)).float()
 
     def describe(self) -> dict[str, Any]:
-        return {"isa": str(self.ext.isa), "activations": self.activations, "head": self.head_source,
+        return {"isa": str(self.ext.isa), "isa_reason": self.isa_reason,
+                "arithmetic": quant_arithmetic_tag(str(self.ext.isa)),
+                "activations": self.activations, "head": self.head_source,
                 "layout": f"wide tiles of 16 ({WIDE_PACKING[self.activations]})" if self.wide else "tiles of 8",
                 "pack_bytes": self.nbytes, "decode_pool": "own" if self.ext.decode_pool() else "openmp"}  # fmt: skip
