@@ -132,6 +132,7 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
     with capture_teacher_forced() as ref_rows:
         engine.generate(request.prompt, max_new_tokens=1, mode="cold", score_ids=answer)
     reference_s = time.perf_counter() - t0
+    _check_captured(ref_rows, "the reference")
     records = []
     for label, strategy in arms.items():
         engine.recompute = strategy
@@ -139,6 +140,7 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
         with capture_teacher_forced() as rows:
             result = engine.generate(request.prompt, max_new_tokens=max_new, mode="reuse", score_ids=answer,
                                      store=False)  # fmt: skip
+        _check_captured(rows, label)
         on_gold = engine.generate(request.prompt, max_new_tokens=1, mode="reuse", score_ids=gold, store=False)
         seconds = time.perf_counter() - start
         records.append({
@@ -157,6 +159,12 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
             "arm_s": seconds, "reference_s": reference_s,
         })  # fmt: skip
     return records
+
+
+def _check_captured(rows: list[Any], who: str) -> None:
+    if len(rows) != 1:
+        raise RuntimeError(f"fidelity: {len(rows)} teacher-forced row sets captured for {who}, expected 1: the "
+                           "engine must step its requests in the calling thread (no EngineLoop driving it)")
 
 
 def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
