@@ -181,7 +181,8 @@ def format_cell(cell: str, stats: dict[str, Any], summary: dict[str, Any], comma
              f"paired differences against +-margin at alpha {st.ALPHA} (margins: "
              + ", ".join(f"{k} {v}" for k, v in margins.items()) + "); a large gain is not parity.", "",
              "| arm | n | recompute fraction | answer KL | first-token KL | greedy match | greedy vs full "
-             "| TOST greedy | F1 (SQuAD) | F1 vs full | TOST F1 | F1 (ref code) | gold logprob delta | TTFT p50 ms | s / question |",
+             "| TOST greedy | F1 (SQuAD) | F1 vs full | TOST F1 | F1 (ref code) | gold logprob delta | TTFT p50 ms "
+             "| s / question |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, row in stats["arms"].items():
         s = summary[arm]
