@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
                     for layout, reqs in per_layout.items() if i < len(reqs) for req in [reqs[i]]]  # fmt: skip
             todo = [(layout, req, missing) for layout, req, missing in todo if missing]
             total = sum(len(m) for _, _, m in todo)
-            with open(records_path, "a") as sink, tqdm(total=total, desc=f"fidelity {model}", unit="arm") as bar:
+            with fid.open_records(records_path) as sink, tqdm(total=total, desc=f"fidelity {model}", unit="arm") as bar:
                 for layout, request, missing in todo:
                     bar.set_postfix_str(f"{layout} {request.request_id}")
                     context = {"layout": layout, "model": model, "dtype": dtype, "commit": commit,

@@ -115,6 +115,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def open_records(path: Path) -> Any:
+    """``records.jsonl`` opened for appending; a torn last line (a run killed mid-write) is ended first, so the
+    next record starts on its own line instead of being glued to it and lost."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
+        if torn:
+            with open(path, "a") as f:
+                f.write("\n")
+    return open(path, "a")
+
+
 def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str, Any], *, num_layers: int,
                      context: Mapping[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
     """The records of one question for every arm in ``arms`` (``{label: built strategy}``); ``context`` is
