@@ -139,3 +139,19 @@ def test_pareto_frontier():
     assert [p[2] for p in cli.pareto(pts, higher_is_better=True)] == ["none", "a", "c", "full"]
     kl = [(0.0, 1.0, "none"), (0.1, 0.5, "a"), (0.2, 0.7, "b"), (1.0, 0.0, "full")]
     assert [p[2] for p in cli.pareto(kl, higher_is_better=False)] == ["none", "a", "full"]
+
+
+def test_records_after_a_torn_line_are_kept(tmp_path):
+    """A run killed mid-write leaves a torn last line: it is skipped on reading, and the next record appended
+    starts on its own line (before, it was glued to the torn one and lost)."""
+    path = tmp_path / "records.jsonl"
+    good = {"question": "q0", "arm": "none", "layout": "independent", "model": "m"}
+    path.write_text(json.dumps(good) + "\n" + '{"question": "q1", "ar')
+    assert fid.read_records(path) == [good]
+    with fid.open_records(path) as sink:
+        sink.write(json.dumps({**good, "question": "q2"}) + "\n")
+    assert [r["question"] for r in fid.read_records(path)] == ["q0", "q2"]
+    assert fid.done_keys(fid.read_records(path)) == {("q0", "none", "independent", "m"),
+                                                     ("q2", "none", "independent", "m")}  # fmt: skip
+    with fid.open_records(tmp_path / "new.jsonl") as sink:  # a missing file: created
+        sink.write("{}\n")

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
                     for layout, reqs in per_layout.items() if i < len(reqs) for req in [reqs[i]]]  # fmt: skip
             todo = [(layout, req, missing) for layout, req, missing in todo if missing]
             total = sum(len(m) for _, _, m in todo)
-            with open(records_path, "a") as sink, tqdm(total=total, desc=f"fidelity {model}", unit="arm") as bar:
+            with fid.open_records(records_path) as sink, tqdm(total=total, desc=f"fidelity {model}", unit="arm") as bar:
                 for layout, request, missing in todo:
                     bar.set_postfix_str(f"{layout} {request.request_id}")
                     context = {"layout": layout, "model": model, "dtype": dtype, "commit": commit,
@@ -181,7 +181,8 @@ def format_cell(cell: str, stats: dict[str, Any], summary: dict[str, Any], comma
              f"paired differences against +-margin at alpha {st.ALPHA} (margins: "
              + ", ".join(f"{k} {v}" for k, v in margins.items()) + "); a large gain is not parity.", "",
              "| arm | n | recompute fraction | answer KL | first-token KL | greedy match | greedy vs full "
-             "| TOST greedy | F1 (SQuAD) | F1 vs full | TOST F1 | F1 (ref code) | gold logprob delta | TTFT p50 ms | s / question |",
+             "| TOST greedy | F1 (SQuAD) | F1 vs full | TOST F1 | F1 (ref code) | gold logprob delta | TTFT p50 ms "
+             "| s / question |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, row in stats["arms"].items():
         s = summary[arm]

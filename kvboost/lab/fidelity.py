@@ -115,6 +115,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def open_records(path: Path) -> Any:
+    """``records.jsonl`` opened for appending; a torn last line (a run killed mid-write) is ended first, so the
+    next record starts on its own line instead of being glued to it and lost."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
+        if torn:
+            with open(path, "a") as f:
+                f.write("\n")
+    return open(path, "a")
+
+
 def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str, Any], *, num_layers: int,
                      context: Mapping[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
     """The records of one question for every arm in ``arms`` (``{label: built strategy}``); ``context`` is
@@ -132,6 +145,7 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
     with capture_teacher_forced() as ref_rows:
         engine.generate(request.prompt, max_new_tokens=1, mode="cold", score_ids=answer)
     reference_s = time.perf_counter() - t0
+    _check_captured(ref_rows, "the reference")
     records = []
     for label, strategy in arms.items():
         engine.recompute = strategy
@@ -139,6 +153,7 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
         with capture_teacher_forced() as rows:
             result = engine.generate(request.prompt, max_new_tokens=max_new, mode="reuse", score_ids=answer,
                                      store=False)  # fmt: skip
+        _check_captured(rows, label)
         on_gold = engine.generate(request.prompt, max_new_tokens=1, mode="reuse", score_ids=gold, store=False)
         seconds = time.perf_counter() - start
         records.append({
@@ -157,6 +172,12 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
             "arm_s": seconds, "reference_s": reference_s,
         })  # fmt: skip
     return records
+
+
+def _check_captured(rows: list[Any], who: str) -> None:
+    if len(rows) != 1:
+        raise RuntimeError(f"fidelity: {len(rows)} teacher-forced row sets captured for {who}, expected 1: the "
+                           "engine must step its requests in the calling thread (no EngineLoop driving it)")
 
 
 def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
