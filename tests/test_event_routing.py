@@ -91,15 +91,24 @@ def engine_with_events(memory_blocks: int, disk: str | None = None):
 
 
 def engine_truth(engine, ids, salt: str = "") -> tuple[list, int]:
-    """The engine's own prefix keys of a prompt (as published hashes) and how many leading ones its store holds."""
+    """The engine's own prefix keys of a prompt (as the hashes of their published blocks: one 16-token block per
+    16-token chunk here) and how many leading ones its store holds."""
+    from types import SimpleNamespace
+
     spans = engine.chunker.split(ids)
-    keys = [k.prefix_key for k in engine.hasher.chunk_keys(ids, spans, engine.fingerprint, salt)]
+    keys = engine.hasher.chunk_keys(ids, spans, engine.fingerprint, salt)
+    hashes = []
+    for span, key in zip(spans, keys):
+        entry = SimpleNamespace(exact=True, key=key.prefix_key, parent_key=key.parent_key, start=span.start,
+                                token_ids=ids[span.start : span.end])  # fmt: skip
+        blocks = engine.kv_events.blocks_of(entry)
+        hashes.append(blocks[0][-1] if blocks else external_hash(key.prefix_key))
     held = 0
     for key in keys:
-        if key not in engine.store:
+        if key.prefix_key not in engine.store:
             break
         held += 1
-    return [external_hash(k) for k in keys], held
+    return hashes, held
 
 
 # ------------------------------------------------------------------------------------- index vs the engines

@@ -39,11 +39,11 @@ blocks** (:meth:`KVEventSink.blocks_of`), ``kv_events.block_size`` tokens each (
 - one ``BlockStored`` per entry that lands in a tier: its full blocks from the prompt start (an entry starts at a
   multiple of the block size when its ancestors are whole blocks; one that does not, or holds fewer tokens than a
   block, is not published: a block across it would need its parent's tokens); ``block_hashes`` = block ``j``'s hash
-  (``hash(key)`` for a block that ends the entry, for the others the hash of block ``j-1``'s name and its tokens, so
-  a block is named by its parent and its tokens as vLLM's are, chunks sharing leading blocks share their hashes,
-  and a child names its parent's last block as ``hash(parent key)``); a block a medium already holds for another
-  entry is not published again, and is removed when its last holder leaves; ``parent_block_hash`` = ``hash(parent key)`` (``None`` for a prompt's first
-  chunk, whose parent is the tenant's root key); ``token_ids`` = the blocks' tokens (tokens after the last full
+  (the hash of block ``j-1``'s name and its tokens, block ``-1`` being the parent key: a block is named by its
+  parent and its tokens as vLLM's are, so chunks sharing leading blocks share their hashes); ``parent_block_hash``
+  = the parent entry's last block (``None`` for a prompt's first chunk, whose parent is the tenant's root key); a
+  block a medium already holds for another entry is not published again (the event then starts after it, its
+  parent the last shared block), and is removed when its last holder leaves; ``token_ids`` = the blocks' tokens (tokens after the last full
   block are not published, as vLLM publishes full blocks only); ``block_size`` = the block size; ``lora_id`` /
   ``lora_name`` are ``None`` (no adapters). ``block_size: chunk`` publishes one block per chunk instead (what
   kvboost's own router reads exactly; a router of another block size mis-reads it).
@@ -564,6 +564,7 @@ class KVEventSink:
         self.block_size: int | None = None if block_size == "chunk" else (
             DEFAULT_EVENT_BLOCK_SIZE if block_size is None else int(block_size))  # fmt: skip
         self._auto_block_size = block_size is None
+        self._store: Any = None  # the store that attached this sink (its books name a parent's last block)
         self.media = dict(media or {})
         self._salt_key = events_salt_key(salt_key) if not isinstance(salt_key, bytes) else salt_key
         self.batches = 0  # batches emitted (handed to the publisher)
@@ -579,6 +580,7 @@ class KVEventSink:
     def bind_store(self, store: Any) -> None:
         """Called when ``store`` attaches this sink: an unset ``block_size`` becomes the store's KV pool block size
         (the engine's ``kv.block_size``), when the first tier is the pool."""
+        self._store = store
         pool = getattr(store, "pool", None)
         if self._auto_block_size and getattr(pool, "block_size", None):
             self.block_size = int(pool.block_size)
@@ -605,12 +607,11 @@ class KVEventSink:
         prefix block: a content-only entry (repaired KV, ``exact=False``: it is no prompt's prefix, and a consumer
         would read a block without parent as a prompt's first block), or, with ``block_size`` B, an entry that does
         not start on a multiple of B (a block across its start would need its parent's tokens) or holds fewer than
-        B tokens. A block is named by its parent block and its tokens, as vLLM's are: block ``j`` of a key is
-        ``hash(key)`` when it ends the entry (a function of the parent key and all the chunk's tokens, so of block
-        ``j-1`` and its own), else the hash of (block ``j-1``'s name, its tokens), block ``-1`` being the parent
-        key. Two chunks that share leading blocks (a prompt's short tail, then a longer one) thus publish the same
-        hashes for them, and a child names its parent's last block as ``hash(parent key)``. Tokens after the last
-        full block are not published (as vLLM publishes full blocks only)."""
+        B tokens. A block is named by its parent block and its tokens, as vLLM's are: block ``j``'s name is the
+        SHA-256 of (block ``j-1``'s name, its tokens), block ``-1`` being the entry's parent key. Two chunks that
+        share leading blocks (a prompt's short tail, then a longer chunk; two prompts with one template header)
+        thus publish the same hashes for them. Tokens after the last full block are not published (as vLLM
+        publishes full blocks only)."""
         if not entry.exact:
             return None
         tokens = [int(t) for t in entry.token_ids]
@@ -623,14 +624,24 @@ class KVEventSink:
         names: list[str] = []
         previous = str(entry.parent_key)
         for j in range(count):
-            if (j + 1) * size == len(tokens):
-                name = entry.key
-            else:
-                piece = ",".join(map(str, tokens[j * size : (j + 1) * size]))
-                name = hashlib.sha256(f"{previous}|{piece}".encode()).hexdigest()
-            names.append(name)
-            previous = name
+            piece = ",".join(map(str, tokens[j * size : (j + 1) * size]))
+            previous = hashlib.sha256(f"{previous}|{piece}".encode()).hexdigest()
+            names.append(previous)
         return [self.hash_of(n) for n in names], tokens[: count * size], size
+
+    def parent_block(self, parent_key: str) -> Any:
+        """The hash a child of ``parent_key`` names as its parent: that entry's last published block (its own
+        key's hash with one block per chunk). From what this stream published, else from the store's books (a
+        snapshot may reach a child before its parent); when the parent publishes no block, the hash of its key,
+        which no consumer knows (it skips the child, as it must: the chain is broken there)."""
+        if self.block_size is None:
+            return self.hash_of(parent_key)
+        known = self._published.get(parent_key)
+        if known is not None:
+            return known[0][-1]
+        parent = self._store.peek_meta(parent_key) if self._store is not None else None
+        blocks = self.blocks_of(parent) if parent is not None else None
+        return blocks[0][-1] if blocks else self.hash_of(parent_key)
 
     def stored_event(self, entry: Any, tier_name: str) -> BlockStored | None:
         """The ``BlockStored`` of ``entry`` arriving in tier ``tier_name`` (None: nothing to publish). Blocks that
@@ -657,7 +668,7 @@ class KVEventSink:
         else:
             if parent is not None and self.hasher is not None:
                 salt = getattr(self.hasher, "salt_of_root", lambda _k: None)(parent)
-            parent_hash = None if parent is None or salt is not None else self.hash_of(parent)
+            parent_hash = None if parent is None or salt is not None else self.parent_block(parent)
         per_block = size if self.block_size is not None else len(tokens)
         rest = list(known[shared:])
         extra = [(self.published_salt(salt),) if salt else None] + [None] * (len(rest) - 1)
