@@ -545,8 +545,10 @@ class KVEventSink:
 
     ``hasher`` (optional) tells which parent keys are a tenant's root (``Hasher.salt_of_root``): such an entry is a
     prompt's first chunk (``parent_block_hash=None``, the salt's :func:`salt_tag` in ``extra_keys``).
-    ``block_size``: publish each prefix entry as fixed blocks of this many tokens (the router's block size), None:
-    one block per kvboost chunk (see the module docstring). ``media``: overrides of :data:`MEDIA`.
+    ``block_size``: publish each prefix entry as fixed blocks of this many tokens (the router's block size); None:
+    the KV pool's block size once a store attaches (:meth:`bind_store`; :data:`DEFAULT_EVENT_BLOCK_SIZE` without a
+    pool tier); ``"chunk"``: one block per kvboost chunk (see the module docstring). ``media``: overrides of
+    :data:`MEDIA`.
 
     State: per key, the block hashes published for it and the media they were published in (entries never
     published, content-only or unaligned, publish no removal); per medium, how many entries hold each block (a block
@@ -554,7 +556,7 @@ class KVEventSink:
     leading blocks publish them once)."""
 
     def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None,
-                 salt_key: bytes | str | None = None, block_size: int | None = None,
+                 salt_key: bytes | str | None = None, block_size: int | str | None = None,
                  media: Mapping[str, str] | None = None) -> None:  # fmt: skip
         check_block_size(block_size)
         self.publisher = publisher
