@@ -208,6 +208,9 @@ def make_entry(key: str, pinned: bool = False) -> KVEntry:
     tokens = 4 + 4 * (KEYS.index(key) % 2)
     k = torch.zeros(2, 1, tokens, 8)
     ids = tuple(range(KEYS.index(key), KEYS.index(key) + tokens))
+    if not key.startswith("seg:"):  # siblings start alike: in 4-token blocks they share their first block
+        first = 100 + 10 * (KEYS.index(TREE[key]) if TREE[key] in KEYS else 9)
+        ids = tuple(range(first, first + tokens))
     if key.startswith("seg:"):
         return KVEntry(key, key[4:], None, ids, 0, RawKV(k, k.clone()), pinned=pinned, exact=False)
     return KVEntry(key, "s-" + key, TREE[key], ids, 0, RawKV(k, k.clone()), pinned=pinned)
@@ -293,6 +296,8 @@ class StoreEvents(RuleBasedStateMachine):
         assert self.index.as_dict() == truth
         # a consumer that ignores AllBlocksCleared ends right too: clears and resyncs remove what is gone
         assert self.ignoring.as_dict() == truth
+        # each block is stored once per medium (shared leading blocks too), so consumers keeping sets stay exact
+        assert all(count == 1 for held in self.index.media.values() for count in held.values())
         assert not any(str(k).startswith("seg:") for k in self.sink._published)  # content-only: never published
 
 
@@ -526,3 +531,26 @@ def test_raw_layout():
     # block hashes: the key's digest, big-endian, low 64 bits (vLLM's int block hashes)
     assert external_hash("00" * 24 + "0102030405060708") == 0x0102030405060708
     assert external_hash("ab" * 32, "bytes") == bytes.fromhex("ab" * 32)
+
+
+def test_a_block_ending_one_chunk_and_inside_another_has_one_name():
+    """A chunk of exactly one block (a turn's tail) and a longer sibling starting with the same tokens (the next
+    turn's chunk): their common block is one block, published once; the longer one's event starts after it, its
+    parent that block. (The block ending a chunk was named by the chunk key: the two carried different hashes.)"""
+    recorder = Recorder()
+    store = KVStore([MemoryTier(capacity=1 << 20)])
+    store.attach_events(KVEventSink(recorder, block_size=4))
+    k = torch.zeros(2, 1, 8, 8)
+    parent = "ab" * 32
+    short = KVEntry("01" * 32, "s1", parent, (5, 6, 7, 8), 0, RawKV(k[:, :, :4].clone(), k[:, :, :4].clone()))
+    longer = KVEntry("02" * 32, "s2", parent, (5, 6, 7, 8, 9, 10, 11, 12), 0, RawKV(k, k.clone()))
+    store.put(short)
+    store.put(longer)
+    first, second = [e for b in recorder.batches for e in b.events if isinstance(e, BlockStored)]
+    assert len(first.block_hashes) == 1 and second.block_hashes != first.block_hashes
+    assert len(second.block_hashes) == 1 and second.parent_block_hash == first.block_hashes[0]
+    assert second.token_ids == [9, 10, 11, 12]
+    n = len(recorder.batches)
+    store.remove(short.key)  # the longer one still holds the common block: nothing to remove, no batch
+    assert len(recorder.batches) == n
+    assert store_index(store) == {"GPU": {first.block_hashes[0], second.block_hashes[0]}}

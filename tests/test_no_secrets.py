@@ -161,3 +161,48 @@ def test_events_socket_binds_loopback_by_default_and_warns_elsewhere(caplog):
     assert bind_address("tcp://0.0.0.0:5557", "127.0.0.1") == "tcp://127.0.0.1:5557"
     assert bind_address("tcp://[::]:5557", "::1") == "tcp://[::1]:5557"
     assert isinstance(ZmqEventPublisher, type)
+
+
+def test_a_served_request_with_secrets_leaves_none_in_logs_or_event_bytes(caplog):
+    """A request through the server's app with an API key, the server's salt secret and a request cache_salt: the
+    log records (every logger, DEBUG up) and the KV events' wire bytes hold none of the key, the secret, the
+    tenant's derived salt or the request's cache_salt."""
+    import asyncio
+    import json
+
+    from kvboost.engine.loop import EngineLoop
+    from kvboost.serving.server import create_app
+    from kvboost.serving.tenancy import Tenancy
+
+    api_key, secret, request_salt = "sk-test-91e0c4d2", "salt-secret-5d77a1", "user-salt-3b9f"
+    tenant_salt = Tenancy([api_key], secret).authenticate(f"Bearer {api_key}").salt
+    recorder = _Recorder()
+    engine = make_engine("llama", decode="eager", kv_events={"enabled": True, "publisher": recorder})
+    loop = EngineLoop(engine).start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        app = create_app(loop, model_name="tiny", api_keys=[api_key], server_secret=secret)
+        body = json.dumps({"model": "tiny", "prompt": "a prompt of a few words, long enough for chunks " * 3,
+                           "max_tokens": 3, "cache_salt": request_salt}).encode()  # fmt: skip
+        headers = [("content-type", "application/json"), ("authorization", f"Bearer {api_key}")]
+
+        async def ask():
+            return [p async for p in kray.call_asgi(app, "POST", "/v1/completions", headers=headers, body=body)]
+
+        assert asyncio.run(ask())[0]["status"] == 200
+        bad = [("content-type", "application/json"), ("authorization", "Bearer sk-wrong-key")]
+        asyncio.run(_collect(kray.call_asgi(app, "POST", "/v1/completions", headers=bad, body=body)))
+        assert loop.call(lambda e: e.kv_events.batches).result(timeout=10) > 0
+    finally:
+        loop.shutdown()
+        engine.close()
+    logged = "\n".join(f"{r.name} {r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
+    wire = b"".join(encode_batch(b, enc) for b in recorder.batches for enc in ("map", "array"))
+    salted = [e for b in recorder.batches for e in b.events if isinstance(e, BlockStored) and e.extra_keys[0]]
+    assert salted, "the salted request published no first block"
+    for value in (api_key, secret, tenant_salt, request_salt, f"{tenant_salt}|{request_salt}"):
+        assert value not in logged and value.encode() not in wire, value
+
+
+async def _collect(gen):
+    return [p async for p in gen]

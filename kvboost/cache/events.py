@@ -39,9 +39,11 @@ blocks** (:meth:`KVEventSink.blocks_of`), ``kv_events.block_size`` tokens each (
 - one ``BlockStored`` per entry that lands in a tier: its full blocks from the prompt start (an entry starts at a
   multiple of the block size when its ancestors are whole blocks; one that does not, or holds fewer tokens than a
   block, is not published: a block across it would need its parent's tokens); ``block_hashes`` = block ``j``'s hash
-  (``hash(key)`` for a block that ends the entry, ``hash(key#j)`` for the others, so a child names its parent's
-  last block as ``hash(parent key)``); ``parent_block_hash`` = ``hash(parent key)`` (``None`` for a prompt's first
-  chunk, whose parent is the tenant's root key); ``token_ids`` = the blocks' tokens (tokens after the last full
+  (the hash of block ``j-1``'s name and its tokens, block ``-1`` being the parent key: a block is named by its
+  parent and its tokens as vLLM's are, so chunks sharing leading blocks share their hashes); ``parent_block_hash``
+  = the parent entry's last block (``None`` for a prompt's first chunk, whose parent is the tenant's root key); a
+  block a medium already holds for another entry is not published again (the event then starts after it, its
+  parent the last shared block), and is removed when its last holder leaves; ``token_ids`` = the blocks' tokens (tokens after the last full
   block are not published, as vLLM publishes full blocks only); ``block_size`` = the block size; ``lora_id`` /
   ``lora_name`` are ``None`` (no adapters). ``block_size: chunk`` publishes one block per chunk instead (what
   kvboost's own router reads exactly; a router of another block size mis-reads it).
@@ -543,15 +545,18 @@ class KVEventSink:
 
     ``hasher`` (optional) tells which parent keys are a tenant's root (``Hasher.salt_of_root``): such an entry is a
     prompt's first chunk (``parent_block_hash=None``, the salt's :func:`salt_tag` in ``extra_keys``).
-    ``block_size``: publish each prefix entry as fixed blocks of this many tokens (the router's block size), None:
-    one block per kvboost chunk (see the module docstring). ``media``: overrides of :data:`MEDIA`.
+    ``block_size``: publish each prefix entry as fixed blocks of this many tokens (the router's block size); None:
+    the KV pool's block size once a store attaches (:meth:`bind_store`; :data:`DEFAULT_EVENT_BLOCK_SIZE` without a
+    pool tier); ``"chunk"``: one block per kvboost chunk (see the module docstring). ``media``: overrides of
+    :data:`MEDIA`.
 
-    State: per key, the block hashes published for it and the media they were published in (a ``BlockRemoved``
-    names the same hashes, and entries never published, content-only or unaligned, publish no removal); the
-    batches the publisher reported lost since the last resync."""
+    State: per key, the block hashes published for it and the media they were published in (entries never
+    published, content-only or unaligned, publish no removal); per medium, how many entries hold each block (a block
+    is stored once, when it first arrives, and removed when the last entry holding it leaves: chunks that share
+    leading blocks publish them once)."""
 
     def __init__(self, publisher: Any, *, block_hash: str = "int", hasher: Any = None,
-                 salt_key: bytes | str | None = None, block_size: int | None = None,
+                 salt_key: bytes | str | None = None, block_size: int | str | None = None,
                  media: Mapping[str, str] | None = None) -> None:  # fmt: skip
         check_block_size(block_size)
         self.publisher = publisher
@@ -561,6 +566,7 @@ class KVEventSink:
         self.block_size: int | None = None if block_size == "chunk" else (
             DEFAULT_EVENT_BLOCK_SIZE if block_size is None else int(block_size))  # fmt: skip
         self._auto_block_size = block_size is None
+        self._store: Any = None  # the store that attached this sink (its books name a parent's last block)
         self.media = dict(media or {})
         self._salt_key = events_salt_key(salt_key) if not isinstance(salt_key, bytes) else salt_key
         self.batches = 0  # batches emitted (handed to the publisher)
@@ -569,10 +575,14 @@ class KVEventSink:
         self._dropped_seen = 0
         # key -> (block hashes, how many tiers of each medium hold them: two tiers of one kind share a medium)
         self._published: dict[str, tuple[tuple[Any, ...], Counter[str]]] = {}
+        # medium -> block hash -> how many (entry, tier) pairs hold it: a block is published when it first arrives in
+        # a medium and removed when the last holder leaves, so consumers that keep sets (llm-d) stay exact
+        self._held: dict[str, Counter[Any]] = {}
 
     def bind_store(self, store: Any) -> None:
         """Called when ``store`` attaches this sink: an unset ``block_size`` becomes the store's KV pool block size
         (the engine's ``kv.block_size``), when the first tier is the pool."""
+        self._store = store
         pool = getattr(store, "pool", None)
         if self._auto_block_size and getattr(pool, "block_size", None):
             self.block_size = int(pool.block_size)
@@ -599,9 +609,11 @@ class KVEventSink:
         prefix block: a content-only entry (repaired KV, ``exact=False``: it is no prompt's prefix, and a consumer
         would read a block without parent as a prompt's first block), or, with ``block_size`` B, an entry that does
         not start on a multiple of B (a block across its start would need its parent's tokens) or holds fewer than
-        B tokens. Block ``j`` of a key is ``hash(key)`` when it ends the entry, else ``hash(key + "#j")``: the
-        last block of a parent that ends on a block boundary is then ``hash(parent key)``, the parent hash its
-        children name. Tokens after the last full block are not published (as vLLM publishes full blocks only)."""
+        B tokens. A block is named by its parent block and its tokens, as vLLM's are: block ``j``'s name is the
+        SHA-256 of (block ``j-1``'s name, its tokens), block ``-1`` being the entry's parent key. Two chunks that
+        share leading blocks (a prompt's short tail, then a longer chunk; two prompts with one template header)
+        thus publish the same hashes for them. Tokens after the last full block are not published (as vLLM
+        publishes full blocks only)."""
         if not entry.exact:
             return None
         tokens = [int(t) for t in entry.token_ids]
@@ -611,38 +623,77 @@ class KVEventSink:
         if int(entry.start) % size or len(tokens) < size:
             return None
         count = len(tokens) // size
-        hashes = [self.hash_of(entry.key if (j + 1) * size == len(tokens) else f"{entry.key}#{j}")
-                  for j in range(count)]  # fmt: skip
-        return hashes, tokens[: count * size], size
+        names: list[str] = []
+        previous = str(entry.parent_key)
+        for j in range(count):
+            piece = ",".join(map(str, tokens[j * size : (j + 1) * size]))
+            previous = hashlib.sha256(f"{previous}|{piece}".encode()).hexdigest()
+            names.append(previous)
+        return [self.hash_of(n) for n in names], tokens[: count * size], size
+
+    def parent_block(self, parent_key: str) -> Any:
+        """The hash a child of ``parent_key`` names as its parent: that entry's last published block (its own
+        key's hash with one block per chunk). From what this stream published, else from the store's books (a
+        snapshot may reach a child before its parent); when the parent publishes no block, the hash of its key,
+        which no consumer knows (it skips the child, as it must: the chain is broken there)."""
+        if self.block_size is None:
+            return self.hash_of(parent_key)
+        known = self._published.get(parent_key)
+        if known is not None:
+            return known[0][-1]
+        parent = self._store.peek_meta(parent_key) if self._store is not None else None
+        blocks = self.blocks_of(parent) if parent is not None else None
+        return blocks[0][-1] if blocks else self.hash_of(parent_key)
 
     def stored_event(self, entry: Any, tier_name: str) -> BlockStored | None:
-        """The ``BlockStored`` of ``entry`` arriving in tier ``tier_name`` (None: nothing to publish)."""
+        """The ``BlockStored`` of ``entry`` arriving in tier ``tier_name`` (None: nothing to publish). Blocks that
+        medium already holds for another entry (shared leading blocks) are counted, not published again: the
+        event carries the entry's remaining blocks, its parent the last shared one."""
         blocks = self.blocks_of(entry)
         if blocks is None:
             return None
         hashes, tokens, size = blocks
-        salt = None
-        parent = entry.parent_key
-        if parent is not None and self.hasher is not None:
-            salt = getattr(self.hasher, "salt_of_root", lambda _k: None)(parent)
-        extra = [(self.published_salt(salt),) if salt else None] + [None] * (len(hashes) - 1)
         medium = self.medium(tier_name)
         known, media = self._published.setdefault(entry.key, (tuple(hashes), Counter()))
         media[medium] += 1
-        return BlockStored(
-            block_hashes=list(known), parent_block_hash=None if parent is None or salt is not None else
-            self.hash_of(parent), token_ids=tokens, block_size=size, medium=medium, extra_keys=extra,
-        )  # fmt: skip
+        held = self._held.setdefault(medium, Counter())
+        shared = 0
+        while shared < len(known) and held[_hashable(known[shared])] > 0:
+            shared += 1
+        held.update(_hashable(h) for h in known)
+        if shared == len(known):
+            return None
+        salt = None
+        parent: Any = entry.parent_key
+        if shared:
+            parent_hash: Any = known[shared - 1]
+        else:
+            if parent is not None and self.hasher is not None:
+                salt = getattr(self.hasher, "salt_of_root", lambda _k: None)(parent)
+            parent_hash = None if parent is None or salt is not None else self.parent_block(parent)
+        per_block = size if self.block_size is not None else len(tokens)
+        rest = list(known[shared:])
+        extra = [(self.published_salt(salt),) if salt else None] + [None] * (len(rest) - 1)
+        return BlockStored(block_hashes=rest, parent_block_hash=parent_hash,
+                           token_ids=tokens[shared * per_block :], block_size=size, medium=medium,
+                           extra_keys=extra)  # fmt: skip
 
     def removed_event(self, keys: list[str], tier_name: str) -> BlockRemoved | None:
-        """The ``BlockRemoved`` of ``keys`` leaving tier ``tier_name``: the blocks published for them there."""
+        """The ``BlockRemoved`` of ``keys`` leaving tier ``tier_name``: the blocks published for them there that no
+        other entry in that medium still holds."""
         medium = self.medium(tier_name)
+        held = self._held.setdefault(medium, Counter())
         hashes: list[Any] = []
         for key in keys:
             known = self._published.get(key)
             if known is None or known[1][medium] <= 0:
                 continue
-            hashes += known[0]
+            for h in known[0]:
+                h = _hashable(h)
+                held[h] -= 1
+                if held[h] <= 0:
+                    del held[h]
+                    hashes.append(h)
             known[1][medium] -= 1
             if not +known[1]:
                 del self._published[key]
@@ -661,10 +712,10 @@ class KVEventSink:
             for event in batch.events:
                 if isinstance(event, BlockRemoved):
                     removed.setdefault(event.medium, []).extend(event.block_hashes)
-        for hashes, media in self._published.values():
-            for medium, count in media.items():
-                removed.setdefault(medium, []).extend(list(hashes) * count)
+        for medium, held in self._held.items():
+            removed.setdefault(medium, []).extend(held)
         self._published.clear()
+        self._held.clear()
         events: list[Any] = [BlockRemoved(block_hashes=hs, medium=m) for m, hs in removed.items() if hs]
         return [*events, AllBlocksCleared()]
 

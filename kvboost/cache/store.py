@@ -514,7 +514,8 @@ class KVStore:
 
     @_publishes
     def clear(self) -> None:
-        """Drop every entry (the stats are kept); with KV events on, publishes ``AllBlocksCleared``."""
+        """Drop every entry (the stats are kept); with KV events on, publishes a ``BlockRemoved`` for every block held
+        (for consumers that ignore the next event), then ``AllBlocksCleared``."""
         for tier in self.tiers:
             tier.clear()
         self._nodes.clear()

@@ -19,29 +19,33 @@ and it is exact without knowing the fingerprint or the hash function:
   parent key and its tokens only (``Hasher.chunk_keys``: digest of fingerprint, parent key, tokens; the fingerprint is
   the same for every block of one deployment), so the pair names the block: the index keeps
   ``(parent, tokens) -> block hash`` for every block some replica holds;
-- a prompt's first chunk has ``parent_block_hash=None`` and the tenant salt as its extra key (``(salt,)``; ``None``
-  for the open tenant): its parent is the pair ``("salt", salt)``, so tenants never share a first block here either;
-- the request is tokenized and split into chunk spans exactly as the engine does (:class:`RequestTokenizer`:
-  ``prompt_text_or_ids`` with the chat template, then the engine's chunker, so a variable chunker's boundaries are
-  the engine's too), and walked span by span: span ``i`` matches when ``(hash of span i-1, tokens of span i)`` is a
-  known block. The walk yields the hashes the engine's lookup would ask its store for, in order; the number of
+  With fixed blocks (``kv_events.block_size``, the default) an event holds several blocks, its tokens in
+  ``block_size`` pieces, block ``i``'s parent block ``i-1``: the same pairs, one per block;
+- a prompt's first block has ``parent_block_hash=None`` and the tenant salt's published form as its extra key
+  (``(salt_tag(salt),)``, :func:`kvboost.cache.events.salt_tag`; ``None`` for the open tenant): its parent is the
+  pair ``("salt", published salt)``, so tenants never share a first block here either (the ingress computes the
+  published form with the replicas' ``kv_events.salt_key``);
+- the request is tokenized as the engine does (:class:`RequestTokenizer`: ``prompt_text_or_ids`` with the chat
+  template, then the engine's chunker) and split into the published blocks (or, with ``block_size: chunk``, into
+  the engine's chunk spans, a variable chunker's boundaries included), and walked span by span: span ``i`` matches
+  when ``(hash of span i-1, tokens of span i)`` is a known block. The walk yields the hashes the engine's lookup would ask its store for, in order; the number of
   leading ones a replica holds is what that replica would serve from cache (its prefix hits), up to 64-bit hash
   collisions (``block_hash="int"``) and the limits below.
 
-Media. ``memory`` (the KV pool / memory tiers, ``memory#1`` ...) and ``disk`` are the replica's own. A block in a
-*shared* medium (``redis``, every replica on one Redis namespace: :data:`SHARED_MEDIA`) is available to every
+Media (``kvboost.cache.events.MEDIA``). ``GPU`` (the KV pool / first memory tier), ``CPU`` (a memory tier below)
+and ``DISK`` are the replica's own. A block in a *shared* medium (``EXTERNAL``: a Redis tier, every replica on one
+namespace; :data:`SHARED_MEDIA`) is available to every
 replica, whichever replica published it (each replica publishes the Redis entries it wrote, and those it finds others
 wrote at each refresh): a replica's match counts a block it holds locally or that any replica holds in a shared
 medium. Among replicas with equally long matches, the one holding more of them *locally* wins (no Redis round trip).
 
 Limits (the index may differ from what a lookup finds): the events lag the store by the publisher's queue and the
 network (a request routed before its previous turn's blocks were published does not see them); Redis's own eviction
-(``maxmemory`` + LRU) publishes nothing; segment-only entries (content reuse, ``kvboost:segment_only``) are in the
-index but never on a prefix chain; a tenant whose root key the hasher forgot (more than 65536 tenants) publishes a
+(``maxmemory`` + LRU) publishes nothing; segment-only entries (content reuse) are not published; a tenant whose root key the hasher forgot (more than 65536 tenants) publishes a
 parent hash no one links to, and its blocks are not matched.
 
 The rule (:class:`EventRouter`) is :func:`kvboost.serving.routing.rank_replicas` with these scores: skip replicas
-whose queue exceeds the shortest by more than ``max_imbalance``; among the others most matched chunks first, then
+whose queue exceeds the shortest by more than ``max_imbalance``; among the others most matched blocks first, then
 most matched locally, then the shortest queue, then a rotation.
 """
 

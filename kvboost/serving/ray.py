@@ -580,7 +580,7 @@ if ray is not None:
             from kvboost.serving.cli import build_parser as server_parser
             from kvboost.serving.cli import build_served, compose_config, tenant_keys
 
-            if any(a.startswith("engine.kv_events.enabled=true") for a in server_argv) and not any(
+            if any(a.lower().lstrip("+~") == "engine.kv_events.enabled=true" for a in server_argv) and not any(
                     a.split("=", 1)[0] == "engine.kv_events.host" for a in server_argv):
                 # the events socket binds loopback by default; the router may be on another node: this node's
                 # address (not every interface)
@@ -596,7 +596,7 @@ if ray is not None:
             publisher = getattr(getattr(self.engine, "kv_events", None), "publisher", None)
             if getattr(publisher, "endpoint", None):  # the events router subscribes here (bound: a wildcard address)
                 host = ray.util.get_node_ip_address()
-                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": publisher.topic,
+                self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": getattr(publisher, "topic", ""),
                                   "replay_endpoint": reachable(publisher.replay_endpoint, host)
                                   if publisher.replay_endpoint else None}  # fmt: skip
 
