@@ -121,3 +121,19 @@ def test_words_repack_as_the_quads_of_the_same_codes():
     words, quads = Q4Weight(q, scale, minv, wide_for="int16"), Q4Weight(q, scale, minv, wide_for="int8")
     assert not torch.equal(words.codes.reshape(quads.codes.shape), quads.codes)  # the two byte orders differ
     assert torch.equal(bench_step_ab.words_as_quads(words.codes), quads.codes)
+
+
+def test_a_small_run_of_every_build_matches_the_scalar_bits_and_writes_reports(tmp_path):
+    """bench_quant_isas: every build this CPU runs (those it lacks listed as skipped with the reason) gives the
+    scalar build's bits on the bench's weights, and the report holds each build's cost against one row."""
+    from experiments.bench.bench_quant_isas import main as isas_main
+    from kvboost.runtime.quant_step import QUANT_ISAS
+
+    assert isas_main(["--rows", "1", "2", "--rounds", "1", "--repeats", "1", "--threads", "1",
+                      "--out", str(tmp_path)]) == 0  # fmt: skip
+    saved = json.loads((tmp_path / "isas.json").read_text())
+    assert saved["mismatches_vs_scalar"] == []
+    assert set(saved["builds"]) | set(saved["skipped"]) == set(QUANT_ISAS) and "scalar" in saved["builds"]
+    for per_rows in saved["builds"].values():
+        assert per_rows["1"]["layer_vs_one_row"] == [1.0, 1.0, 1.0] and per_rows["2"]["layer_ms"][0] > 0
+    assert "| scalar | 2 |" in (tmp_path / "isas.md").read_text()

@@ -338,7 +338,7 @@ def test_products_do_not_depend_on_threads_or_callers(ext, wide):
     at a time; the others run alone); in tiles of 8 and in wide tiles (VNNI build)."""
     import threading
 
-    if wide and ext.isa != "avx512_vnni":
+    if wide and ext.isa not in ("avx512_vnni", "amx"):
         pytest.skip("wide tiles are read by the avx512_vnni build only")
     w, w8 = (_q4(256, 192, seed=6, bias=True, wide_for=act if wide else None) for act in ("int16", "int8"))
     g = torch.Generator().manual_seed(11)
@@ -713,7 +713,7 @@ def test_the_step_in_wide_tiles_gives_the_tiles_of_8_logits(tmp_path, act):
     model = gguf_model(tmp_path, "qwen2", seed=3)  # q/k/v biases: the wide tiles' bias too
     engine = _engine(model, decode="quantized", decode_activations=act)
     step = engine.runner.quantized
-    if step.ext.isa != "avx512_vnni":
+    if step.ext.isa not in ("avx512_vnni", "amx"):
         assert engine.decode_info()["quantized"]["layout"] == "tiles of 8"
         with pytest.raises(ValueError, match="wide tiles need"):
             QuantDecodeStep(engine.runner, act, wide=True)

@@ -619,10 +619,13 @@ void wide_tile_all_rows(const Rows& xr, int64_t M, const uint8_t* ct, GroupVals 
 // signed, lo = x & 0xFF unsigned), tdpbssd on the high bytes and tdpbusd on the low ones, combined as
 // (hi_sum << 8) + lo_sum in int32 -- the same exact integer as the VNNI kernels' sum (|sum| <= 32 * 32767 * 128 <
 // 2^31). A tile's weights are the same codes the other kernels read (4-bit codes 0..15 are the same bytes signed or
-// unsigned; 8-bit ones signed), unpacked into B once per group and used by every 16-row block. A group can not span
-// two groups' codes (each has its own scale), so a tile product covers exactly one group and C goes to memory after
-// each: then fa += float(isum) * (scale * d_row) and fa += min * sum_row per output, tile_rows' operations in its
-// order, so the same bits. Layouts: tiles of 8 (NT = 8: TileCodes::fours is B's row for a quad) and wide tiles of 16
+// unsigned; 8-bit ones signed), unpacked into B tiles for all its groups once and read by every 16-row block. A tile
+// product may not span two groups (each has its own scale), so it covers exactly one group and C goes to memory
+// after each: then fa += float(isum) * (scale * d_row) and fa += min * sum_row per output (the 16 rows' fa in
+// registers across the groups), tile_rows' operations in its order, so the same bits. As measured (2-core Xeon,
+// experiments/results/README.md "Per CPU kind") this is slower than the AVX-512 VNNI kernels at 16-32 rows: each
+// group's tile product waits on the last one's store (one group per product), so the amx build is opt-in.
+// Layouts: tiles of 8 (NT = 8: TileCodes::fours is B's row for a quad) and wide tiles of 16
 // (NT = 16): quads' low / high nibbles are B's rows for k..k+3 / k+4..k+7; words' nibbles n0 | n1 << 8 give feature
 // j's codes in the order (k, k+2, k+1, k+3), so the rows' codes are stored in that order for them (AmxRows).
 constexpr int64_t kAmxMinRows = 16;  // fewer rows run the VNNI kernels (experiments/results/README.md, "AMX")
@@ -689,17 +692,11 @@ AmxRows amx_rows(const Rows& xr, int64_t M, int64_t act, bool words) {
   return out;
 }
 
-// One tile of NT features (its codes at ct) for all M rows; `fa` [Mp][NT] scratch.
+// A tile's codes of every group as B tiles: wb [G][8 quads][NT features][4 codes].
 template <int64_t NT, int64_t Act, bool Q4, bool Wide>
-void amx_tile_product(const Rows& xr, const AmxRows& ar, int64_t M, const uint8_t* ct, GroupVals st, GroupVals mt,
-                      float* out, int64_t ldo, const float* bias, bool accumulate, float* fa) {
-  static_assert(NT == 8 || NT == 16, "tiles of 8 or 16 features");
-  const int64_t K = xr.K, G = xr.G;
+void amx_unpack(const uint8_t* ct, int64_t G, uint8_t* wb) {
   constexpr int64_t kGroupBytes = Q4 ? kGroup / 2 * NT : kGroup * NT;
-  alignas(64) uint8_t wb[kGroup / 4 * NT * 4];
-  alignas(64) int32_t c0[kAmxRows * NT], c1[kAmxRows * NT];
-  std::fill(fa, fa + ar.Mp * NT, 0.f);
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < G; ++g, wb += 8 * 4 * NT) {
     const uint8_t* cg = ct + g * kGroupBytes;
     if constexpr (Wide) {  // 4 octets of 64 bytes -> 8 B rows of 64 bytes
       const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -716,53 +713,81 @@ void amx_tile_product(const Rows& xr, const AmxRows& ar, int64_t M, const uint8_
           r0 = _mm512_or_si512(n0, _mm512_slli_epi16(n1, 8));
           r1 = _mm512_or_si512(n2, _mm512_slli_epi16(n3, 8));
         }
-        _mm512_store_si512(wb + 128 * o, r0);
-        _mm512_store_si512(wb + 128 * o + 64, r1);
+        _mm512_storeu_si512(wb + 128 * o, r0);
+        _mm512_storeu_si512(wb + 128 * o + 64, r1);
       }
     } else {
       const TileCodes<Q4> codes{cg};
       for (int64_t quad = 0; quad < 8; ++quad)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(wb + 32 * quad), codes.fours(quad));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + 32 * quad), codes.fours(quad));
     }
-    _tile_loadd(4, wb, 4 * NT);
-    for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
-      _tile_zero(0);
-      _tile_loadd(2, ar.a.data() + r0 * K + g * kGroup, K);
-      _tile_dpbssd(0, 2, 4);
-      _tile_stored(0, c0, 4 * NT);
-      if constexpr (Act == kActInt16) {
-        _tile_zero(1);
-        _tile_loadd(3, ar.b.data() + r0 * K + g * kGroup, K);
-        _tile_dpbusd(1, 3, 4);
-        _tile_stored(1, c1, 4 * NT);
+  }
+}
+
+// Rows [r0, r0 + 16) (those below M stored) against one tile of NT features whose B tiles are wb; the 16 rows' fp32
+// sums stay in registers across the groups.
+template <int64_t NT, int64_t Act, bool Q4>
+void amx_tile_rows(const Rows& xr, const AmxRows& ar, int64_t r0, int64_t M, const uint8_t* wb, GroupVals st,
+                   GroupVals mt, float* out, int64_t ldo, const float* bias, bool accumulate) {
+  using V = std::conditional_t<NT == 16, __m512, __m256>;
+  const int64_t K = xr.K, G = xr.G, rows = std::min(kAmxRows, M - r0);
+  alignas(64) int32_t c0[kAmxRows * NT], c1[kAmxRows * NT];
+  V fa[kAmxRows];
+  for (auto& f : fa) f = V{};
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_loadd(4, wb + g * 8 * 4 * NT, 4 * NT);
+    _tile_zero(0);
+    _tile_loadd(2, ar.a.data() + r0 * K + g * kGroup, K);
+    _tile_dpbssd(0, 2, 4);
+    if constexpr (Act == kActInt16) {
+      _tile_zero(1);
+      _tile_loadd(3, ar.b.data() + r0 * K + g * kGroup, K);
+      _tile_dpbusd(1, 3, 4);
+      _tile_stored(1, c1, 4 * NT);
+    }
+    _tile_stored(0, c0, 4 * NT);
+    const float* d = xr.d.data() + g * xr.Mp + r0;
+    const float* sum = xr.sum.data() + g * xr.Mp + r0;
+    if constexpr (NT == 16) {
+      const __m512 sc = st.load16(g * NT);
+      [[maybe_unused]] __m512 mn;
+      if constexpr (Q4) mn = mt.load16(g * NT);
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kAmxRows; ++r) {
+        if (r >= rows) break;
+        __m512i isum = _mm512_load_si512(c0 + r * NT);
+        if constexpr (Act == kActInt16) isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_load_si512(c1 + r * NT));
+        fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(d[r])), fa[r]);
+        if constexpr (Q4) fa[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum[r]), fa[r]);
       }
-      const int64_t rows = std::min(kAmxRows, M - r0);
-      for (int64_t half = 0; half < NT; half += kTile) {
-        const __m256 sc = st.load8(g * NT + half);
-        [[maybe_unused]] __m256 mn;
-        if constexpr (Q4) mn = mt.load8(g * NT + half);
-        for (int64_t r = 0; r < rows; ++r) {
-          __m256i isum = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0 + r * NT + half));
-          if constexpr (Act == kActInt16)
-            isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 8),
-                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(c1 + r * NT + half)));
-          float* f = fa + (r0 + r) * NT + half;
-          const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(xr.d[g * xr.Mp + r0 + r]));
-          __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, _mm256_loadu_ps(f));
-          if constexpr (Q4) v = _mm256_fmadd_ps(mn, _mm256_set1_ps(xr.sum[g * xr.Mp + r0 + r]), v);
-          _mm256_storeu_ps(f, v);
-        }
+    } else {
+      const __m256 sc = st.load8(g * NT);
+      [[maybe_unused]] __m256 mn;
+      if constexpr (Q4) mn = mt.load8(g * NT);
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kAmxRows; ++r) {
+        if (r >= rows) break;
+        __m256i isum = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0 + r * NT));
+        if constexpr (Act == kActInt16)
+          isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 8),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(c1 + r * NT)));
+        fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(d[r])), fa[r]);
+        if constexpr (Q4) fa[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum[r]), fa[r]);
       }
     }
   }
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t half = 0; half < NT; half += kTile) {
-      float* o = out + r * ldo + half;
-      __m256 v = _mm256_add_ps(_mm256_loadu_ps(fa + r * NT + half), bias ? _mm256_loadu_ps(bias + half)
-                                                                         : _mm256_setzero_ps());
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + (r0 + r) * ldo;
+    if constexpr (NT == 16) {
+      __m512 v = _mm512_add_ps(fa[r], bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps());
+      if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+      _mm512_storeu_ps(o, v);
+    } else {
+      __m256 v = _mm256_add_ps(fa[r], bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps());
       if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o), v);
       _mm256_storeu_ps(o, v);
     }
+  }
 }
 
 template <int64_t NT, int64_t Act, bool Q4, bool Wide>
@@ -770,12 +795,14 @@ void amx_tiles(const Rows& xr, const AmxRows& ar, int64_t M, int64_t t0, int64_t
                int64_t tile_bytes, GroupVals scale, GroupVals minv, const float* bias, float* out, int64_t ldo,
                bool accumulate) {
   const int64_t G = xr.G;
-  std::vector<float> fa(ar.Mp * NT);
+  std::vector<uint8_t> wb(G * 8 * 4 * NT);
   amx_configure(NT);
-  for (int64_t t = t0; t < t1; ++t)
-    amx_tile_product<NT, Act, Q4, Wide>(xr, ar, M, codes + t * tile_bytes, scale.at(t * G * NT),
-                                        Q4 ? minv.at(t * G * NT) : GroupVals{}, out + t * NT, ldo,
-                                        bias ? bias + t * NT : nullptr, accumulate, fa.data());
+  for (int64_t t = t0; t < t1; ++t) {
+    amx_unpack<NT, Act, Q4, Wide>(codes + t * tile_bytes, G, wb.data());
+    for (int64_t r0 = 0; r0 < M; r0 += kAmxRows)
+      amx_tile_rows<NT, Act, Q4>(xr, ar, r0, M, wb.data(), scale.at(t * G * NT), Q4 ? minv.at(t * G * NT) : GroupVals{},
+                                 out + t * NT, ldo, bias ? bias + t * NT : nullptr, accumulate);
+  }
   _tile_release();
 }
 

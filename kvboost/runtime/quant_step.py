@@ -640,6 +640,8 @@ class QuantDecodeStep:
     def describe(self) -> dict[str, Any]:
         return {"isa": str(self.ext.isa), "isa_reason": self.isa_reason,
                 "arithmetic": quant_arithmetic_tag(str(self.ext.isa)),
+                **({"amx_tiles": amx_unavailable_reason(self.ext) or f"from {AMX_MIN_ROWS} integer rows"}
+                   if self.ext.isa == "amx" else {}),
                 "activations": self.activations, "head": self.head_source,
                 "layout": f"wide tiles of 16 ({WIDE_PACKING[self.activations]})" if self.wide else "tiles of 8",
                 "pack_bytes": self.nbytes, "decode_pool": "own" if self.ext.decode_pool() else "openmp"}  # fmt: skip
