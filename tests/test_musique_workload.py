@@ -421,3 +421,31 @@ def test_musique_run_writes_fidelity_to_the_cold_full_prefill(recompute, data_fi
         assert row["greedy_match"] == pytest.approx(mean(float(r["fidelity"]["greedy_match"]) for r in rs))
         assert row["f1"] == pytest.approx(mean(r["f1"] for r in rs))
         assert row["ttft_ms_p50"] == pytest.approx(summary["modes"][mode]["overall"]["ttft_ms_p50"])
+
+
+@pytest.mark.parametrize("warm", ["none", "per_query"])
+def test_fidelity_scoring_changes_nothing_a_timed_request_sees(warm, data_file, tmp_path, smollm_tokenizer,
+                                                               monkeypatch):  # fmt: skip
+    """The same run with and without the fidelity scoring: every timed request finds the same cache (hits, rows
+    computed) and answers the same. With ``warm_passages=none`` a passage is found only where an earlier question
+    stored it, so this also checks that the store the timed request leaves out is still done (by the untimed
+    gold-scoring call after it), and that no scoring call warms a prompt before it is measured."""
+    cfg = compose(["workload=musique", f"workload.data_path={data_file}", "workload.num_passages=3",
+                   f"workload.warm_passages={warm}", "workload.max_new_tokens=4", "recompute=cacheblend",
+                   "recompute.check_layers=[0]", "logger=none", "warmup=false", "engine.decode=eager",
+                   "workload.modes=[kvboost_cold,kvboost]"])  # fmt: skip
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+    seen = ("cached_tokens", "prefill_tokens", "exact_ratio", "content_ratio", "recompute_ratio", "output_text")
+
+    def timed_view(out):
+        return {(r["request_id"], r["mode"]): {k: r.get(k) for k in seen} for r in _records(out)}
+
+    run_experiment(cfg, out_dir=tmp_path / "with", model=model, tokenizer=smollm_tokenizer)
+    monkeypatch.setattr(mq.Musique, "fidelity_reference", False)
+    run_experiment(cfg, out_dir=tmp_path / "without", model=model, tokenizer=smollm_tokenizer)
+    with_fidelity, without = timed_view(tmp_path / "with"), timed_view(tmp_path / "without")
+    assert all("fidelity" in r for r in _records(tmp_path / "with"))
+    assert not any("fidelity" in r for r in _records(tmp_path / "without"))
+    assert with_fidelity == without
+    if warm == "none":  # the check has teeth: later questions read what earlier ones stored (shared passages)
+        assert any(v["content_ratio"] > 0 for (_, mode), v in without.items() if mode == "kvboost")
