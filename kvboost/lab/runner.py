@@ -417,6 +417,11 @@ def _finish(engine: InferenceEngine, cfg: dict[str, Any], out: Path, records: li
     print(format_table(summary))
     if accuracy_table:
         print(format_accuracy_table(accuracy_table))
+    for mode, row in (summary.get("fidelity") or {}).items():
+        print(f"fidelity of {mode} to the cold full prefill's greedy answer (n={row['n']}): answer KL "
+              f"{row['answer_kl']:.3g}, first-token KL {row['first_token_kl']:.3g}, greedy match "
+              f"{row['greedy_match']:.0%}, gold log-prob delta {row['gold_logprob_delta']:+.3g}, recompute "
+              f"fraction {row['recompute_fraction']:.3f}")  # fmt: skip
     if hf_prefix_note := explain_hf_prefix(summary):
         print(hf_prefix_note)
     overhead = summary["ttft_breakdown"].get("kvboost_overhead_vs_hf_prefix")
