@@ -370,3 +370,82 @@ def test_independent_layout_without_a_bos_token_warms_the_passage_alone(data_fil
     tok.bos_token = None
     w = mq.Musique(env=_env(tok), data_path=str(data_file), layout="independent", num_passages=2)
     assert w.request_context(next(w.requests())) == w.items[0].passages
+
+
+# ------------------------------------------------------------------------- fidelity in the runner (issue 59)
+
+FIDELITY_FIELDS = ("f1", "answer_kl", "first_token_kl", "greedy_match", "gold_logprob_delta", "recompute_fraction")
+
+
+@pytest.mark.parametrize("recompute", ["full", "none"])
+def test_musique_run_writes_fidelity_to_the_cold_full_prefill(recompute, data_file, tmp_path, smollm_tokenizer):
+    """Every mode's record carries its fidelity to the cold full prefill's greedy answer and summary.json their
+    means; the cold mode reads ~0 (it is the reference's computation), and kvboost reusing the passages, cached
+    alone after BOS and read in another context, without repair deviates (recompute=none) while recomputing every
+    reused row (recompute=full) reads ~0 as well. The runner and experiments.bench.fidelity share one
+    implementation (kvboost.lab.fidelity), so the numbers agree with a direct call of it."""
+    from kvboost.lab.fidelity import SUMMARY_FIELDS
+
+    cfg = compose(["workload=musique", f"workload.data_path={data_file}", "workload.num_passages=3",
+                   "workload.layout=independent", "workload.num_queries=2", "workload.max_new_tokens=4",
+                   f"recompute={recompute}", "logger=none", "warmup=false", "engine.decode=eager",
+                   "workload.modes=[kvboost_cold,kvboost]"])  # fmt: skip
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+    out = tmp_path / "run"
+    summary = run_experiment(cfg, out_dir=out, model=model, tokenizer=smollm_tokenizer)
+    records = _records(out)
+    assert len(records) == 2 * 2
+    for r in records:
+        fid = r["fidelity"]
+        assert {"answer_kl", "first_token_kl", "greedy_match", "gold_logprob_delta", "recompute_fraction"} <= set(fid)
+        assert fid["answer_tokens"] >= 1 and fid["answer_kl"] >= 0 and fid["first_token_kl"] >= 0
+    by_mode = {m: [r for r in records if r["mode"] == m] for m in ("kvboost_cold", "kvboost")}
+    for r in by_mode["kvboost_cold"]:
+        fid = r["fidelity"]
+        assert fid["answer_kl"] < 1e-6 and fid["first_token_kl"] < 1e-6 and fid["greedy_match"] is True, fid
+        assert abs(fid["gold_logprob_delta"]) < 1e-3 and fid["recompute_fraction"] == 0.0
+    kv = [r["fidelity"] for r in by_mode["kvboost"]]
+    assert all(r["cached_tokens"] > 0 for r in by_mode["kvboost"])  # the passages were reused
+    if recompute == "none":
+        assert max(f["answer_kl"] for f in kv) > 1e-4 and all(f["recompute_fraction"] == 0.0 for f in kv)
+    else:
+        assert all(f["answer_kl"] < 1e-6 and f["greedy_match"] and f["recompute_fraction"] > 0 for f in kv), kv
+    written = json.loads((out / "summary.json").read_text())["fidelity"]
+    assert written == json.loads(json.dumps(summary["fidelity"]))
+    for mode, rs in by_mode.items():
+        row = written[mode]
+        assert row["n"] == 2
+        for name in (*FIDELITY_FIELDS, *SUMMARY_FIELDS, "ttft_ms_mean", "ttft_ms_p50"):
+            assert row[name] is not None, (mode, name)
+        assert row["answer_kl"] == pytest.approx(mean(r["fidelity"]["answer_kl"] for r in rs))
+        assert row["greedy_match"] == pytest.approx(mean(float(r["fidelity"]["greedy_match"]) for r in rs))
+        assert row["f1"] == pytest.approx(mean(r["f1"] for r in rs))
+        assert row["ttft_ms_p50"] == pytest.approx(summary["modes"][mode]["overall"]["ttft_ms_p50"])
+
+
+@pytest.mark.parametrize("warm", ["none", "per_query"])
+def test_fidelity_scoring_changes_nothing_a_timed_request_sees(warm, data_file, tmp_path, smollm_tokenizer,
+                                                               monkeypatch):  # fmt: skip
+    """The same run with and without the fidelity scoring: every timed request finds the same cache (hits, rows
+    computed) and answers the same. With ``warm_passages=none`` a passage is found only where an earlier question
+    stored it, so this also checks that the store the timed request leaves out is still done (by the untimed
+    gold-scoring call after it), and that no scoring call warms a prompt before it is measured."""
+    cfg = compose(["workload=musique", f"workload.data_path={data_file}", "workload.num_passages=3",
+                   f"workload.warm_passages={warm}", "workload.max_new_tokens=4", "recompute=cacheblend",
+                   "recompute.check_layers=[0]", "logger=none", "warmup=false", "engine.decode=eager",
+                   "workload.modes=[kvboost_cold,kvboost]"])  # fmt: skip
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=2048)
+    seen = ("cached_tokens", "prefill_tokens", "exact_ratio", "content_ratio", "recompute_ratio", "output_text")
+
+    def timed_view(out):
+        return {(r["request_id"], r["mode"]): {k: r.get(k) for k in seen} for r in _records(out)}
+
+    run_experiment(cfg, out_dir=tmp_path / "with", model=model, tokenizer=smollm_tokenizer)
+    monkeypatch.setattr(mq.Musique, "fidelity_reference", False)
+    run_experiment(cfg, out_dir=tmp_path / "without", model=model, tokenizer=smollm_tokenizer)
+    with_fidelity, without = timed_view(tmp_path / "with"), timed_view(tmp_path / "without")
+    assert all("fidelity" in r for r in _records(tmp_path / "with"))
+    assert not any("fidelity" in r for r in _records(tmp_path / "without"))
+    assert with_fidelity == without
+    if warm == "none":  # the check has teeth: later questions read what earlier ones stored (shared passages)
+        assert any(v["content_ratio"] > 0 for (_, mode), v in without.items() if mode == "kvboost")

@@ -140,12 +140,11 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
     if not gold:
         raise ValueError(f"question {request.request_id}: its gold answer tokenizes to nothing")
     t0 = time.perf_counter()
-    reference = engine.generate(request.prompt, max_new_tokens=max_new, mode="cold", score_ids=gold)
-    answer = list(reference.output_ids)
-    with capture_teacher_forced() as ref_rows:
-        engine.generate(request.prompt, max_new_tokens=1, mode="cold", score_ids=answer)
+    ref = reference_answer(engine, request.prompt, max_new, gold)
     reference_s = time.perf_counter() - t0
-    _check_captured(ref_rows, "the reference")
+    if ref is None:
+        raise ValueError(f"question {request.request_id}: the full prefill's greedy answer is empty (EOS first)")
+    reference, answer, ref_rows = ref
     records = []
     for label, strategy in arms.items():
         engine.recompute = strategy
@@ -158,10 +157,7 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
         seconds = time.perf_counter() - start
         records.append({
             **context, "question": request.request_id, "arm": label,
-            **answer_fidelity(ref_rows[0], rows[0]),
-            "greedy_match": list(result.output_ids) == answer,
-            "gold_logprob": on_gold.extra["answer_logprob"],
-            "gold_logprob_delta": on_gold.extra["answer_logprob"] - reference.extra["answer_logprob"],
+            **fidelity_fields(reference, answer, ref_rows, result, rows[0], on_gold),
             **workload.score(request, result.output_text),
             "recompute_fraction": recompute_fraction(result, strategy, num_layers),
             "recompute_ratio": result.recompute_ratio, "ttft_ms": result.ttft_ms,
@@ -172,6 +168,46 @@ def measure_question(engine: Any, workload: Any, request: Any, arms: Mapping[str
             "arm_s": seconds, "reference_s": reference_s,
         })  # fmt: skip
     return records
+
+
+def reference_answer(engine: Any, prompt: Any, max_new_tokens: int,
+                     gold: list[int]) -> tuple[Any, list[int], Any] | None:  # fmt: skip
+    """The reference of one question: the engine's cold full prefill (``mode="cold"``: the cache neither read nor
+    written, so it warms nothing a measured request then reads), greedy, ``max_new_tokens``, scored on ``gold``
+    (its ``answer_logprob``); then one more cold call teacher-forced on that greedy answer, whose
+    log-distributions every arm is compared with. Returns ``(result, answer ids, rows [len(answer), vocab])``,
+    or None where the greedy answer is empty (EOS first: nothing to score on)."""
+    reference = engine.generate(prompt, max_new_tokens=max_new_tokens, mode="cold", score_ids=gold)
+    answer = list(reference.output_ids)
+    if not answer:
+        return None
+    with capture_teacher_forced() as rows:
+        engine.generate(prompt, max_new_tokens=1, mode="cold", score_ids=answer)
+    _check_captured(rows, "the reference")
+    return reference, answer, rows[0]
+
+
+def fidelity_fields(reference: Any, answer: list[int], reference_rows: Any, result: Any, rows: Any,
+                    on_gold: Any) -> dict[str, Any]:  # fmt: skip
+    """One arm's fidelity to the reference (:func:`reference_answer`): ``answer_kl`` and ``first_token_kl``
+    (:func:`~kvboost.quality.answer_fidelity` of its teacher-forced ``rows`` on the reference answer),
+    ``greedy_match`` (its own greedy ids, ``result.output_ids``, equal the reference answer), ``gold_logprob``
+    (``on_gold``: a call scored on the gold answer) and ``gold_logprob_delta`` (minus the reference's)."""
+    gold_logprob = on_gold.extra["answer_logprob"]
+    return {**answer_fidelity(reference_rows, rows), "greedy_match": list(result.output_ids) == answer,
+            "gold_logprob": gold_logprob, "gold_logprob_delta": gold_logprob - reference.extra["answer_logprob"]}
+
+
+def field_means(records: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
+    """The mean of each :data:`SUMMARY_FIELDS` over ``records`` (None where no record has it)."""
+    from statistics import mean
+
+    rs = list(records)
+    out: dict[str, float | None] = {}
+    for name in SUMMARY_FIELDS:
+        vals = [float(r[name]) for r in rs if r.get(name) is not None]
+        out[name] = mean(vals) if vals else None
+    return out
 
 
 def _check_captured(rows: list[Any], who: str) -> None:
@@ -193,10 +229,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     for cell, by_arm in cells.items():
         out[cell] = {}
         for arm, rs in by_arm.items():
-            row: dict[str, Any] = {"n": len(rs)}
-            for name in SUMMARY_FIELDS:
-                vals = [float(r[name]) for r in rs if r.get(name) is not None]
-                row[name] = mean(vals) if vals else None
+            row: dict[str, Any] = {"n": len(rs), **field_means(rs)}
             row["ttft_ms_mean"] = mean(r["ttft_ms"] for r in rs)
             row["ttft_ms_p50"] = median(r["ttft_ms"] for r in rs)
             row["reference_ttft_ms_p50"] = median(r["reference_ttft_ms"] for r in rs)

@@ -32,6 +32,7 @@ from kvboost.engine import InferenceEngine
 from kvboost.lab.accuracy_table import add_accuracy_by_reuse, format_accuracy_table
 from kvboost.lab.config_check import check_config, split_workload_config
 from kvboost.lab.environment import describe_environment
+from kvboost.lab.fidelity import field_means, fidelity_fields, recompute_fraction, reference_answer
 from kvboost.lab.loggers import build_logger
 from kvboost.lab.modes import MODES
 from kvboost.lab.report import explain_hf_prefix, format_overhead, format_table, plot_summary, summarize, write_summary
@@ -40,7 +41,7 @@ from kvboost.lab.workloads import WORKLOADS
 from kvboost.lab.workloads.base import Request, WorkloadEnv
 from kvboost.models.compute import describe as describe_compute
 from kvboost.models.gguf_weights import weight_format_counts
-from kvboost.quality import compare_generations
+from kvboost.quality import capture_teacher_forced, compare_generations
 from kvboost.types import GenerationResult
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ def _run(
                              records, sink)  # fmt: skip
             else:
                 _run_requests(workload, runners, modes, repeats, max_new_tokens, order_rng, logger, progress,
-                              records, sink, estimate)  # fmt: skip
+                              records, sink, estimate, engine=engine)  # fmt: skip
         finally:
             progress.close()
     except KeyboardInterrupt as exc:
@@ -232,12 +233,20 @@ def _run(
 
 def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repeats: int, max_new_tokens: int,
                   order_rng: random.Random, logger: Any, progress: Any, records: list[dict[str, Any]],
-                  sink: RecordSink, estimate: RunEstimate) -> None:  # fmt: skip
+                  sink: RecordSink, estimate: RunEstimate, engine: InferenceEngine | None = None) -> None:  # fmt: skip
     """Every request in every mode (shuffled order per request and repeat); each request's records, with quality
     vs the baseline, go to ``records`` and ``records.jsonl`` when its last mode finishes. Interrupted, the modes
-    of the request in progress that finished are kept too (``partial_request: true``)."""
+    of the request in progress that finished are kept too (``partial_request: true``).
+
+    A workload with ``fidelity_reference`` (``workload=musique``) also gets, per request, the engine's cold full
+    prefill's greedy answer as the reference (untimed, not a mode) and each mode's first repeat scored on it
+    (:func:`_fidelity_generate`): the record's ``fidelity`` dict."""
+    fidelity = bool(getattr(workload, "fidelity_reference", False)) and engine is not None
+    num_layers = engine.model.config.get_text_config(decoder=True).num_hidden_layers if fidelity else 0
+    reference: tuple[Any, list[int], Any] | None = None
     reference_for_history = "baseline" if "baseline" in modes else modes[0]
     first: dict[str, GenerationResult] = {}
+    scored: dict[str, dict[str, Any]] = {}  # mode: its fidelity fields (first repeat)
     pending: list[dict[str, Any]] = []
     request: Request | None = None
 
@@ -257,6 +266,8 @@ def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repe
                 if correct is not None:
                     record["correct"] = correct
                 record.update(workload.score(request, first[mode].output_text))  # e.g. f1 (workload=musique)
+                if mode in scored:
+                    record["fidelity"] = scored[mode]
             if partial:
                 record["partial_request"] = True
             done.append(record)
@@ -268,18 +279,29 @@ def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repe
     try:
         for request in workload.requests():
             first.clear()
+            scored.clear()
             for text in workload.request_context(request):  # untimed, before every mode (only kvboost stores)
                 for runner in runners.values():
                     runner.warm(text)
+            if fidelity and request.score_ids:
+                # cold: reads and writes no cache, so it warms nothing a mode then measures (None: EOS first)
+                reference = reference_answer(engine, request.prompt, max_new_tokens, list(request.score_ids))
+            else:
+                reference = None
             for repeat in range(repeats):
                 order = list(modes)
                 order_rng.shuffle(order)
                 for mode in order:
                     start = time.perf_counter()
-                    result = runners[mode].generate(
-                        request.prompt, max_new_tokens, score_ids=request.score_ids if repeat == 0 else None,
-                        commit=repeat == repeats - 1,
-                    )  # fmt: skip
+                    commit = repeat == repeats - 1
+                    if reference is not None and repeat == 0:
+                        result, scored[mode] = _fidelity_generate(
+                            runners[mode], request, max_new_tokens, commit, reference, engine, num_layers)
+                    else:
+                        result = runners[mode].generate(
+                            request.prompt, max_new_tokens, score_ids=request.score_ids if repeat == 0 else None,
+                            commit=commit,
+                        )  # fmt: skip
                     if repeat == 0:
                         first[mode] = result
                         estimate.add(mode, time.perf_counter() - start, getattr(result, "prompt_tokens", None))
@@ -292,6 +314,59 @@ def _run_requests(workload: Any, runners: dict[str, Any], modes: list[str], repe
         if pending:
             finish(partial=True)
         raise
+
+
+def _fidelity_generate(runner: Any, request: Request, max_new_tokens: int, commit: bool,
+                       reference: tuple[Any, list[int], Any], engine: InferenceEngine,
+                       num_layers: int) -> tuple[GenerationResult, dict[str, Any]]:  # fmt: skip
+    """A mode's timed request of a fidelity run, and its fidelity to the reference (``kvboost.lab.fidelity``).
+
+    The timed request is the mode's own, whole (TTFT from the call to its first token, as in every run), scored
+    teacher-forced on the reference answer instead of the gold one (scoring runs after the request, untimed); it
+    gives ``answer_kl``, ``first_token_kl`` and the mode's own greedy answer (``greedy_match``, ``f1``). The gold
+    answer's log-probability needs a second forward. Run before the timed request it would warm what that
+    request measures (a lookup promotes rows between tiers and touches LRU order), and run after a request that
+    stored its prompt (``kvboost`` commits its repaired rows) it would read an exact hit of those rows instead of
+    the cache the timed request saw. So the timed request runs with ``commit=False`` (it writes nothing; storing
+    is not part of TTFT), and the second call, scored on the gold answer, runs after it on the same cache
+    contents and does the commit the timed request would have done (same state and greedy ids, so it stores
+    what that request would have stored; its ``store_ms`` is recorded as ``fidelity.commit_store_ms``). Without
+    a commit it needs only its first token. The timed result's ``answer_logprob`` is then set to the gold one, so
+    the fields computed from it (``answer_logprob_delta`` vs ``baseline``) keep their meaning."""
+    ref_result, answer, ref_rows = reference
+    with capture_teacher_forced() as rows:
+        result = runner.generate(request.prompt, max_new_tokens, score_ids=answer, commit=False)
+    if len(rows) != 1:
+        raise RuntimeError(f"fidelity: {len(rows)} teacher-forced row sets captured for one request, expected 1")
+    on_gold = runner.generate(request.prompt, max_new_tokens if commit else 1, score_ids=request.score_ids,
+                              commit=commit)  # fmt: skip
+    fields = fidelity_fields(ref_result, answer, ref_rows, result, rows[0], on_gold)
+    result.extra["reference_answer_logprob"] = result.extra.get("answer_logprob")
+    result.extra["answer_logprob"] = fields["gold_logprob"]
+    strategy = getattr(getattr(runner, "engine", None), "recompute", None)
+    return result, {
+        **fields,
+        "recompute_fraction": recompute_fraction(result, strategy, num_layers),
+        "answer_tokens": len(answer), "reference_text": ref_result.output_text,
+        "commit_store_ms": on_gold.store_ms if commit else 0.0,
+    }  # fmt: skip
+
+
+def fidelity_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary["fidelity"]``: per mode, the means over its first-repeat records of the fidelity fields
+    (``kvboost.lab.fidelity.SUMMARY_FIELDS``: ``f1``, ``f1_ref``, ``answer_kl``, ``first_token_kl``,
+    ``greedy_match``, ``gold_logprob_delta``, ``recompute_fraction``), ``n``, and the mode's ``ttft_ms_mean`` /
+    ``ttft_ms_p50`` over the same records. Empty when no record has fidelity fields."""
+    from statistics import mean, median
+
+    by_mode: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r.get("fidelity"):
+            by_mode[r["mode"]].append(r)
+    return {mode: {"n": len(rs), **field_means({**r["fidelity"], "f1": r.get("f1"), "f1_ref": r.get("f1_ref")}
+                                               for r in rs),
+                   "ttft_ms_mean": mean(r["ttft_ms"] for r in rs), "ttft_ms_p50": median(r["ttft_ms"] for r in rs)}
+            for mode, rs in by_mode.items()}  # fmt: skip
 
 
 def _finish(engine: InferenceEngine, cfg: dict[str, Any], out: Path, records: list[dict[str, Any]],
@@ -308,6 +383,8 @@ def _finish(engine: InferenceEngine, cfg: dict[str, Any], out: Path, records: li
     summary["cache"] = engine.cache_stats()
     summary["ttft_breakdown"] = _breakdown(records)
     summary["workload"] = {"name": workload_name, **workload.stats()}
+    if fidelity := fidelity_summary(records):
+        summary["fidelity"] = fidelity
     if getattr(workload, "batched", False):
         summary["batch"] = _batch_summary(records)
     summary["run"] = {
@@ -340,6 +417,11 @@ def _finish(engine: InferenceEngine, cfg: dict[str, Any], out: Path, records: li
     print(format_table(summary))
     if accuracy_table:
         print(format_accuracy_table(accuracy_table))
+    for mode, row in (summary.get("fidelity") or {}).items():
+        print(f"fidelity of {mode} to the cold full prefill's greedy answer (n={row['n']}): answer KL "
+              f"{row['answer_kl']:.3g}, first-token KL {row['first_token_kl']:.3g}, greedy match "
+              f"{row['greedy_match']:.0%}, gold log-prob delta {row['gold_logprob_delta']:+.3g}, recompute "
+              f"fraction {row['recompute_fraction']:.3f}")  # fmt: skip
     if hf_prefix_note := explain_hf_prefix(summary):
         print(hf_prefix_note)
     overhead = summary["ttft_breakdown"].get("kvboost_overhead_vs_hf_prefix")

@@ -267,6 +267,8 @@ class Musique(PassagesAfterHead, Workload):
 
     config_class = MusiqueConfig
     head_ends_with = PASSAGES_HEADER
+    #: the runner scores every mode on the cold full prefill's greedy answer (``summary["fidelity"]``, issue 59)
+    fidelity_reference = True
 
     def __init__(self, *, env: WorkloadEnv, **fields: Any) -> None:
         cfg = MusiqueConfig(**fields)
