@@ -5,7 +5,7 @@ assistant's ``content: null``, ``refusal``, ``tool_calls``, ``function_call``, `
 extra keys on a part accepted). Unknown fields are kept aside, not refused: the server ignores them with a log line
 and the :data:`IGNORED_FIELDS_HEADER` response header (``--strict-requests``: a 400 naming the field, as before).
 Known fields are never silently dropped: those kvboost does not implement (:data:`DEFAULT_ONLY`, one commented list:
-penalties, ``min_p``, ``ignore_eos``, tools, structured output...) are accepted at their neutral value only, any other
+beam search, ``bad_words``, tools, structured output...) are accepted at their neutral value only, any other
 value is a 400 naming the field; those that change nothing in the answer are accepted (:data:`NO_EFFECT`); image,
 audio and file content parts are a 400 naming the part.
 
@@ -14,7 +14,16 @@ OpenAI's defaults: ``temperature`` 1.0 and ``top_p`` 1.0 when omitted (send ``te
 :func:`kvboost.engine.requests.sample_seed`); ``logprobs`` (completions: an int 0-5, the legacy
 ``{tokens, token_logprobs, top_logprobs, text_offset}``; chat: ``logprobs: true`` and ``top_logprobs`` 0-20,
 ``{content: [{token, logprob, bytes, top_logprobs}], refusal: null}``). Log-probabilities are the model's raw
-``log_softmax`` of its logits, before temperature / top-k / top-p (vLLM's default), whatever the sampling settings.
+``log_softmax`` of its logits, before penalties, ``logit_bias``, temperature / top-k / top-p / min-p (vLLM's
+default), whatever the sampling settings.
+
+Sampling fields implemented (``kvboost.decoding.Sampling``, per request, greedy requests included; a request that
+sets none of them stays on the batched-argmax fast path): OpenAI's ``frequency_penalty`` / ``presence_penalty``
+([-2, 2]; ``logit -= count * frequency + (count > 0) * presence`` over the answer so far) and ``logit_bias``
+({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400 naming ``logit_bias``); vLLM's
+``repetition_penalty`` (> 0, over prompt + answer, HF's processor), ``min_p`` ([0, 1]), ``min_tokens`` (no
+end-of-sequence / stop token before that many; at most ``max_tokens``), ``stop_token_ids`` (end the answer,
+``finish_reason: stop``; the token stays in the answer) and ``ignore_eos``.
 Extensions: ``top_k`` (0 or -1: off), ``cache_salt`` (vLLM's field: appended to the tenant's salt) and
 ``return_token_ids`` (vLLM's: the generated token ids in each choice / chunk).
 """
