@@ -71,6 +71,9 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     history: TokenHistory | None = field(default=None, compare=False, repr=False)
+    #: whether the logits need any processing before the greedy argmax (False: the batched argmax fast path);
+    #: computed once, as the decode step reads it for every row
+    processed: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.do_sample and not self.temperature > 0:
@@ -79,12 +82,8 @@ class Sampling:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
-    @property
-    def processed(self) -> bool:
-        """Whether the logits need any processing before the greedy argmax (False: the batched argmax fast path)."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)  # fmt: skip
+        object.__setattr__(self, "processed", bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
+                                                   or self.repetition_penalty != 1 or self.min_tokens))  # fmt: skip
 
     @property
     def greedy(self) -> bool:
