@@ -248,3 +248,28 @@ def test_bad_values_are_400s_naming_the_field(served, fields, param):
     # the server goes on serving
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("name", ["prompt_lookup", "layer_skip"])
+def test_speculative_engines_apply_the_processors(served, name):
+    """Draft verification knows no processors, so a request with any skips drafting: its answer is the plain one."""
+    from test_speculative import spec_for
+
+    from kvboost import KVBoost
+
+    fields = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "presence_penalty": 1.5,
+              "repetition_penalty": 1.3}  # fmt: skip
+    expected, _ = run(served, **fields)
+    spec = KVBoost(tiny_model("llama"), ToyTokenizer(), model_identity="tiny-llama", decode="eager",
+                   chunker={"name": "fixed", "chunk_size": 16}, speculative=spec_for(name, "llama"))  # fmt: skip
+    try:
+        handle = spec.core.add(PROMPT, SamplingParams(**fields), chat=False)
+        while not handle.done:
+            spec.core.step()
+        assert handle.completion.output_ids == expected
+        plain = spec.core.add(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), chat=False)
+        while not plain.done:
+            spec.core.step()
+        assert plain.completion.output_ids != expected  # the processors changed the answer
+    finally:
+        spec.close()

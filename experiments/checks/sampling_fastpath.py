@@ -1,12 +1,19 @@
 """Greedy decode of the tiny random llama, 8 requests x 64 tokens through the engine core (ms per decode step, best
 and median of 10 timed runs): the neutral-sampling fast path before / after the sampling fields (issue 62). Run it
 with PYTHONPATH pointing at each tree (see experiments/results/README.md)."""
-import sys, time, torch
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "tests"))
-from kvboost_testkit.tiny import ToyTokenizer, tiny_model
-import kvboost
-from kvboost import KVBoost
-from kvboost.engine.requests import SamplingParams
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the tiny model of the test kit
+from kvboost_testkit.tiny import ToyTokenizer, tiny_model  # noqa: E402
+
+import kvboost  # noqa: E402
+from kvboost import KVBoost  # noqa: E402
+from kvboost.engine.requests import SamplingParams  # noqa: E402
 torch.manual_seed(0); torch.set_num_threads(1)
 engine = KVBoost(tiny_model("llama"), ToyTokenizer(), model_identity="tiny", decode="eager",
                  chunker={"name": "fixed", "chunk_size": 16})
