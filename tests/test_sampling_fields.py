@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvboost_testkit.tiny import ToyTokenizer, tiny_model
 from test_server import SECRET, Served, assert_envelope, serve_app
 
@@ -43,6 +45,22 @@ def test_openai_penalties_by_hand():
     torch.testing.assert_close(got, expected)
     assert got[1] == logits[1] and got[2] == logits[2]  # prompt tokens are not penalised
     torch.testing.assert_close(openai_penalties(logits, [], 0.7, 0.4), logits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=6),
+       st.floats(-2, 2), st.floats(-2, 2), st.floats(0.5, 3), st.integers(0, 2**16))
+def test_processors_match_the_hand_formula(output, prompt, frequency, presence, repetition, seed):
+    """Penalties together (repetition over prompt + answer first, then OpenAI's over the answer), on random logits."""
+    logits = torch.randn(10, generator=torch.Generator().manual_seed(seed))
+    sampling = Sampling(frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=repetition,
+                        history=TokenHistory(prompt, output))  # fmt: skip
+    expected = logits.clone()
+    for t in set(prompt + output):
+        expected[t] = expected[t] * repetition if expected[t] < 0 else expected[t] / repetition
+    for t in set(output):
+        expected[t] -= output.count(t) * frequency + presence
+    torch.testing.assert_close(sampling.process(logits), expected)
 
 
 def test_repetition_penalty_as_vllm_and_hf():
@@ -205,6 +223,15 @@ def test_batched_requests_keep_their_own_settings(served):
         engine.close()
     assert together == alone
     assert together[0] == [11] * 8 and together[1] == [12] * 8
+
+
+def test_each_of_n_samples_has_its_own_history(served):
+    """``n`` samples of a penalised request are the answers of separate requests seeded seed, seed + 1 (each
+    sample's penalties count its own tokens)."""
+    fields = {"max_tokens": 8, "temperature": 0.9, "frequency_penalty": 1.5, "ignore_eos": True}
+    handle = served.loop.submit(PROMPT, SamplingParams(n=2, seed=4, **fields), chat=False)
+    together = [h.result(60).output_ids for h in handle.samples]
+    assert together == [run(served, seed=4, **fields)[0], run(served, seed=5, **fields)[0]]
 
 
 # ---------------------------------------------------------------------- through the server, with the openai client
