@@ -254,6 +254,24 @@ def test_openai_client_fields(served):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_stop_token_adds_no_text(served):
+    """vLLM's rule: the stop token's id ends the output ids, its text is not in the answer (streamed or not)."""
+    client = served.client(key=None)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    ids = plain.choices[0].model_extra["token_ids"]
+    stop = ids[2]
+    cut = ids[: ids.index(stop) + 1]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "extra_body": {"ignore_eos": True, "stop_token_ids": [stop], "return_token_ids": True}}  # fmt: skip
+    r = client.completions.create(**body)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == cut
+    assert r.choices[0].text == ToyTokenizer().decode(cut[:-1])
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**body, stream=True)
+                       if chunk.choices)  # fmt: skip
+    assert streamed == r.choices[0].text
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"logit_bias": {"999999": 5}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"frequency_penalty": 2.5}, "frequency_penalty"),

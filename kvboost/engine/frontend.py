@@ -91,7 +91,8 @@ def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: Sampli
         if sampling.processed:  # penalties read this sample's own tokens
             request.sampling = dataclasses.replace(sampling, history=TokenHistory(ids, request.tokens, engine.eos_ids))
         rid = request_id if index == 0 or request_id is None else f"{request_id}-{index}"
-        _attach_handle(core, request, rid, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop))
+        _attach_handle(core, request, rid, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop,
+                                                       params.stop_token_ids))
         request.handle.index = index
         samples.append(request)
     first = samples[0]
@@ -129,10 +130,14 @@ class Detokenizer:
         tokenizer: the engine's tokenizer.
         lock: the lock every use of ``tokenizer`` takes.
         stop: stop strings (the text ends before the first one; the request finishes with ``"stop"``).
+        stop_token_ids: the request's stop tokens (``SamplingParams.stop_token_ids``): one ends the answer, and
+            adds no text (vLLM's rule without ``include_stop_str_in_output``; its id stays in the output ids).
     """
 
-    def __init__(self, tokenizer: Any, lock: threading.RLock, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, lock: threading.RLock, stop: Sequence[str] = (),
+                 stop_token_ids: Sequence[int] = ()) -> None:  # fmt: skip
         self.tokenizer, self.lock, self.stop = tokenizer, lock, tuple(stop)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.tokens: list[int] = []
         self.text = ""
         self.emitted = 0  # characters of ``text`` handed out
@@ -145,6 +150,8 @@ class Detokenizer:
         if self.stopped_at is not None:
             return ""
         for token in tokens:
+            if token in self.stop_token_ids:  # the answer's last token (the core stops at it): no text
+                break
             self.tokens.append(int(token))
             self._decode(final=False)
             if self._find_stop() is not None:

@@ -23,7 +23,7 @@ sets none of them stays on the batched-argmax fast path): OpenAI's ``frequency_p
 ({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400 naming ``logit_bias``); vLLM's
 ``repetition_penalty`` (> 0, over prompt + answer, HF's processor), ``min_p`` ([0, 1]), ``min_tokens`` (no
 end-of-sequence / stop token before that many; at most ``max_tokens``), ``stop_token_ids`` (end the answer,
-``finish_reason: stop``; the token stays in the answer) and ``ignore_eos``.
+``finish_reason: stop``; its id ends the token ids, its text is not in the answer, as vLLM) and ``ignore_eos``.
 Extensions: ``top_k`` (0 or -1: off), ``cache_salt`` (vLLM's field: appended to the tenant's salt) and
 ``return_token_ids`` (vLLM's: the generated token ids in each choice / chunk).
 """
