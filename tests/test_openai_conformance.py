@@ -435,7 +435,7 @@ def test_every_response_is_valid_against_openais_schema(server, chat):
                 assert status == 200
                 stream(server, path, body)
                 stream(server, path, {**body, "stream_options": {"include_usage": True}})
-    for bad in ({"n": 0}, {"max_tokens": 100_000}, {"temperature": 5}, {"logprobs": 99}, {"repetition_penalty": 1.5}):
+    for bad in ({"n": 0}, {"max_tokens": 100_000}, {"temperature": 5}, {"logprobs": 99}, {"repetition_penalty": 0}):
         status, _ = post(server, path, {**prompt, **bad})
         assert status == 400
     with server.http(key=None) as c:

@@ -10,7 +10,8 @@ random fp32 model:
 - what kvboost cannot serve is a 400 naming the field: image / audio / file parts, a previous ``audio`` answer,
   ``tools``, a ``tool_choice`` that requires a call;
 - unknown fields are ignored with the ``X-Kvboost-Ignored-Fields`` header and a log line (a 400 under strict mode);
-- each sampling field of vLLM's that kvboost does not implement is a 400 naming it, its neutral value is accepted;
+- each sampling field of vLLM's that kvboost does not implement is a 400 naming it, its neutral value is accepted
+  (the implemented ones, penalties, ``min_p``, ``logit_bias``...: ``tests/test_sampling_fields.py``);
 - served model aliases (vLLM's ``--served-model-name A B``) and the default name (the full model id).
 
 The trimmed copy of OpenAI's spec in ``tests/data/`` holds response schemas only (its extractor also drops every
@@ -312,15 +313,13 @@ def test_strict_requests_refuse_unknown_fields(strict):
 #: (field, a value that changes the answer, its neutral value); every DEFAULT_ONLY field kvboost sends to both
 #: endpoints, plus the chat-only ones
 NOT_IMPLEMENTED = [
-    ("repetition_penalty", 1.1, 1.0), ("presence_penalty", 0.5, 0), ("frequency_penalty", 0.5, 0.0),
-    ("min_p", 0.05, 0), ("ignore_eos", True, False), ("min_tokens", 2, 0), ("stop_token_ids", [7], []),
     ("skip_special_tokens", False, True), ("spaces_between_special_tokens", False, True),
     ("include_stop_str_in_output", True, False), ("bad_words", ["x"], []), ("allowed_token_ids", [5, 6], None),
     ("logits_processors", ["m.P"], None), ("truncate_prompt_tokens", 8, None), ("prompt_logprobs", 1, None),
     ("use_beam_search", True, False), ("length_penalty", 0.5, 1), ("return_tokens_as_token_ids", True, False),
     ("guided_json", {"type": "object"}, None), ("guided_regex", "a+", None), ("guided_choice", ["a", "b"], None),
     ("guided_grammar", "root ::= 'a'", None), ("structured_outputs", {"regex": "a+"}, None), ("echo", True, False),
-    ("best_of", 2, 1), ("logit_bias", {"5": 10}, {}), ("suffix", "x", ""),  # suffix: completions only
+    ("best_of", 2, 1), ("suffix", "x", ""),  # suffix: completions only
     # chat only
     ("add_generation_prompt", False, True), ("continue_final_message", True, False),
     ("add_special_tokens", True, False), ("chat_template", "{{ messages }}", None),

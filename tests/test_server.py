@@ -365,9 +365,9 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 512}), 400, "context_length_exceeded", "max_tokens"),
     (
         "/v1/completions",
-        json.dumps({"prompt": "x", "frequency_penalty": 0.5}),
+        json.dumps({"prompt": "x", "frequency_penalty": 2.5}),  # OpenAI's range is [-2, 2]
         400,
-        "unsupported_value",
+        "invalid_value",
         "frequency_penalty",
     ),
     ("/v1/completions", json.dumps({"prompt": "x", "echo": True}), 400, "unsupported_value", "echo"),
@@ -386,8 +386,10 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": "x", "stream": True, "stream_options": {"include_usage": "zz"}}), 400,
      "invalid_value", "stream_options.include_usage"),
     ("/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}), 404, "model_not_found", "model"),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "min_p": 0.5}), 400,
-     "unsupported_value", "min_p"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}), 400,
+     "invalid_value", "min_p"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "best_of": 2}), 400,
+     "unsupported_value", "best_of"),
     ("/v1/chat/completions", json.dumps({"messages": []}), 400, "invalid_value", "messages"),
     (
         "/v1/chat/completions",

@@ -490,7 +490,8 @@ class EngineCore:
     def _greedy_tokens(self, rows: list[tuple[Request, int]], per_row: list[torch.Tensor]) -> dict[int, int]:
         """The next token of every plain greedy decode row, from one argmax over their logits (one device sync)."""
         picks = [(r, out) for (r, _), out in zip(rows, per_row, strict=True)
-                 if r.phase == "decode" and r.proposal is None and not r.sampling.do_sample]  # fmt: skip
+                 if r.phase == "decode" and r.proposal is None and not r.sampling.do_sample
+                 and not r.sampling.processed]  # fmt: skip
         if not picks:
             return {}
         tokens = torch.argmax(torch.cat([out for _, out in picks]), dim=-1).tolist()

@@ -12,6 +12,7 @@ HF's fast tokenizers are not safe to use from two threads at once: every use goe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvboost.decoding import Sampling
+from kvboost.decoding import Sampling, TokenHistory
 from kvboost.engine import pipeline
 from kvboost.engine.requests import RequestHandle, SamplingParams, sample_seed
 from kvboost.engine.sequences import Request
@@ -71,10 +72,11 @@ def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: Sampli
     ids, spans, messages = tokenized.ids, tokenized.spans, tokenized.messages
     n = len(ids)
     max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
+    params.check_vocab(engine.vocab_size)
     pipeline.check_memory(engine, n + max_new)
     clock.mark("tokenized")
     sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
-                        top_p=params.top_p)  # fmt: skip
+                        top_p=params.top_p, **params.processors())  # fmt: skip
     deadline = core.deadline(timeout_s)
     samples: list[Request] = []
     for index in range(params.n):
@@ -86,8 +88,11 @@ def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: Sampli
                           mode=mode, salt=cache_salt, store=store, generator=generator,
                           clock=clock if index == 0 else clock.fork(), deadline=deadline)  # fmt: skip
         request.messages, request.logprobs, request.sample_index = messages, params.logprobs, index
+        if sampling.processed:  # penalties read this sample's own tokens
+            request.sampling = dataclasses.replace(sampling, history=TokenHistory(ids, request.tokens, engine.eos_ids))
         rid = request_id if index == 0 or request_id is None else f"{request_id}-{index}"
-        _attach_handle(core, request, rid, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop))
+        _attach_handle(core, request, rid, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop,
+                                                       params.stop_token_ids))
         request.handle.index = index
         samples.append(request)
     first = samples[0]
@@ -125,10 +130,14 @@ class Detokenizer:
         tokenizer: the engine's tokenizer.
         lock: the lock every use of ``tokenizer`` takes.
         stop: stop strings (the text ends before the first one; the request finishes with ``"stop"``).
+        stop_token_ids: the request's stop tokens (``SamplingParams.stop_token_ids``): one ends the answer, and
+            adds no text (vLLM's rule without ``include_stop_str_in_output``; its id stays in the output ids).
     """
 
-    def __init__(self, tokenizer: Any, lock: threading.RLock, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, lock: threading.RLock, stop: Sequence[str] = (),
+                 stop_token_ids: Sequence[int] = ()) -> None:  # fmt: skip
         self.tokenizer, self.lock, self.stop = tokenizer, lock, tuple(stop)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.tokens: list[int] = []
         self.text = ""
         self.emitted = 0  # characters of ``text`` handed out
@@ -141,6 +150,8 @@ class Detokenizer:
         if self.stopped_at is not None:
             return ""
         for token in tokens:
+            if token in self.stop_token_ids:  # the answer's last token (the core stops at it): no text
+                break
             self.tokens.append(int(token))
             self._decode(final=False)
             if self._find_stop() is not None:

@@ -54,7 +54,14 @@ class SamplingParams:
     ``n``: samples of the prompt (one prefill; the samples fork its blocks, see ``kvboost.engine.core``), sample
     ``i`` seeded with :func:`sample_seed` ``(seed, i)``. ``logprobs``: None (off), or how many of the likeliest
     alternatives to report with each generated token's own log-probability (0: the token's only). Log-probabilities
-    are the model's raw ``log_softmax`` of the logits, before temperature / top-k / top-p (vLLM's default)."""
+    are the model's raw ``log_softmax`` of the logits, before any penalty, bias, temperature, top-k / top-p / min-p
+    (vLLM's default).
+
+    vLLM's and OpenAI's logit processors (:class:`kvboost.decoding.Sampling` applies them, greedy requests
+    included): ``min_p`` in [0, 1]; ``frequency_penalty`` / ``presence_penalty`` in [-2, 2] (OpenAI's, over the
+    answer so far); ``repetition_penalty`` > 0 (vLLM's / HF's, over prompt + answer; 1 off); ``logit_bias``
+    {token id: bias in [-100, 100]}; ``min_tokens`` (no stop token before that many); ``stop_token_ids`` (end the
+    answer, finish reason ``stop``); ``ignore_eos`` (generate past the model's end-of-sequence tokens)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -64,8 +71,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1
     logprobs: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = ()  # {token id: bias} or (id, bias) pairs; kept as sorted pairs
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        self._check_processors()
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -87,9 +103,62 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):  # fmt: skip
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
+    def _check_processors(self) -> None:
+        def number(name: str, low: float, high: float, *, open_low: bool = False) -> None:
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                and (value > low if open_low else value >= low) and value <= high  # fmt: skip
+            if not ok:
+                raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}")
+
+        number("min_p", 0, 1)
+        number("frequency_penalty", -2, 2)
+        number("presence_penalty", -2, 2)
+        number("repetition_penalty", 0, math.inf, open_low=True)
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = sorted((token, bias) for token, bias in pairs)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}") from None
+        for token, bias in pairs:
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in pairs))
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        stop_ids = tuple(self.stop_token_ids)
+        if any(not _is_int(t) or t < 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {list(stop_ids)!r}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field when ``logit_bias`` or ``stop_token_ids`` holds an id outside the model's
+        vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the model's vocabulary (0-{vocab_size - 1})")
+
+    def processors(self) -> dict[str, Any]:
+        """The :class:`kvboost.decoding.Sampling` fields of the logit processors and stop rule."""
+        return {"min_p": float(self.min_p), "frequency_penalty": float(self.frequency_penalty),
+                "presence_penalty": float(self.presence_penalty), "repetition_penalty": float(self.repetition_penalty),
+                "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
+                "ignore_eos": self.ignore_eos}  # fmt: skip
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class Request:
     def accept(self, tokens: list[int], eos_ids: set[int], max_positions: int | None) -> str | None:
         """Append generated ``tokens`` (one, or a verified draft's); returns the stop reason when the request stops
         (:func:`kvboost.decoding.stop_reason`), which also ends its decoding. Tokens past the stop are dropped."""
-        reason = None
+        reason, eos_ids = None, self.sampling.stop_ids(eos_ids)  # the request's stop_token_ids, ignore_eos
         for token in tokens:
             self.tokens.append(int(token))
             reason = stop_reason(self.tokens, max_new_tokens=self.max_new_tokens, eos_ids=eos_ids,

@@ -5,7 +5,7 @@ assistant's ``content: null``, ``refusal``, ``tool_calls``, ``function_call``, `
 extra keys on a part accepted). Unknown fields are kept aside, not refused: the server ignores them with a log line
 and the :data:`IGNORED_FIELDS_HEADER` response header (``--strict-requests``: a 400 naming the field, as before).
 Known fields are never silently dropped: those kvboost does not implement (:data:`DEFAULT_ONLY`, one commented list:
-penalties, ``min_p``, ``ignore_eos``, tools, structured output...) are accepted at their neutral value only, any other
+beam search, ``bad_words``, tools, structured output...) are accepted at their neutral value only, any other
 value is a 400 naming the field; those that change nothing in the answer are accepted (:data:`NO_EFFECT`); image,
 audio and file content parts are a 400 naming the part.
 
@@ -14,7 +14,16 @@ OpenAI's defaults: ``temperature`` 1.0 and ``top_p`` 1.0 when omitted (send ``te
 :func:`kvboost.engine.requests.sample_seed`); ``logprobs`` (completions: an int 0-5, the legacy
 ``{tokens, token_logprobs, top_logprobs, text_offset}``; chat: ``logprobs: true`` and ``top_logprobs`` 0-20,
 ``{content: [{token, logprob, bytes, top_logprobs}], refusal: null}``). Log-probabilities are the model's raw
-``log_softmax`` of its logits, before temperature / top-k / top-p (vLLM's default), whatever the sampling settings.
+``log_softmax`` of its logits, before penalties, ``logit_bias``, temperature / top-k / top-p / min-p (vLLM's
+default), whatever the sampling settings.
+
+Sampling fields implemented (``kvboost.decoding.Sampling``, per request, greedy requests included; a request that
+sets none of them stays on the batched-argmax fast path): OpenAI's ``frequency_penalty`` / ``presence_penalty``
+([-2, 2]; ``logit -= count * frequency + (count > 0) * presence`` over the answer so far) and ``logit_bias``
+({"token id": bias in [-100, 100]}; an id outside the vocabulary is a 400 naming ``logit_bias``); vLLM's
+``repetition_penalty`` (> 0, over prompt + answer, HF's processor), ``min_p`` ([0, 1]), ``min_tokens`` (no
+end-of-sequence / stop token before that many; at most ``max_tokens``), ``stop_token_ids`` (end the answer,
+``finish_reason: stop``; its id ends the token ids, its text is not in the answer, as vLLM) and ``ignore_eos``.
 Extensions: ``top_k`` (0 or -1: off), ``cache_salt`` (vLLM's field: appended to the tenant's salt) and
 ``return_token_ids`` (vLLM's: the generated token ids in each choice / chunk).
 """
@@ -56,9 +65,6 @@ MAX_TOP_LOGPROBS = 20
 #: before-validator (:func:`_default_only`) gives the message. This is the one list: the README and the tests read it.
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     # ---- OpenAI's fields
-    "frequency_penalty": (None, 0),  # lowers a token's logit by its count in the answer so far
-    "presence_penalty": (None, 0),  # lowers the logit of every token already in the answer
-    "logit_bias": (),  # per-token logit offsets
     "echo": (None, False),  # completions: the prompt before the answer; chat (vLLM): the last message's text
     "suffix": (None, ""),  # completions: text after an insertion point
     "best_of": (None, 1),  # the best of n sampled answers, chosen on the server
@@ -72,12 +78,8 @@ DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),  # a web search before answering
     "moderation": (None,),  # moderation of the input and output (may block the answer)
     "continuous_usage_stats": (None, False),  # stream_options (vLLM): usage on every chunk
-    # ---- vLLM's sampling extensions (vLLM's SamplingParams; kvboost implements top_k, seed, n, stop, logprobs)
-    "min_p": (None, 0),  # drops tokens less likely than min_p x the likeliest
-    "repetition_penalty": (None, 1),  # divides / multiplies the logits of tokens in the prompt and answer
-    "ignore_eos": (None, False),  # generates past the end-of-sequence token
-    "min_tokens": (None, 0),  # forbids end-of-sequence and stop tokens before this many tokens
-    "stop_token_ids": (),  # token ids that end the answer
+    # ---- vLLM's sampling extensions (vLLM's SamplingParams; kvboost implements top_k, seed, n, stop, logprobs,
+    # min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids: see _GenerationBody)
     "skip_special_tokens": (None, True),  # false keeps special tokens in the text (kvboost always skips them)
     "spaces_between_special_tokens": (None, True),  # only matters with skip_special_tokens: false
     "include_stop_str_in_output": (None, False),  # keeps the stop string in the answer
@@ -143,6 +145,20 @@ def _default_only(value: Any, info: ValidationInfo) -> Any:
     raise ValueError(f"{info.field_name} is not implemented by kvboost (accepted: {shown}, or leave it out)")
 
 
+class FieldError(ValueError):
+    """A request value the engine loop refuses; ``param`` names the field (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _field_of(message: str) -> str | None:
+    """The field a :class:`SamplingParams` error message starts with (its messages name the field first)."""
+    name = message.split(" ", 1)[0].rstrip(":")
+    return name if name in _GenerationBody.model_fields else None
+
+
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 
@@ -180,7 +196,6 @@ def unknown_fields(model: BaseModel, where: str = "") -> list[str]:
 #: the schema of a DEFAULT_ONLY field: only its neutral values (None: any, the validator alone decides)
 Off = Literal[False] | None
 On = Literal[True] | None
-Zero = Annotated[float, Field(ge=0, le=0)] | None
 One = Annotated[float, Field(ge=1, le=1)] | None
 Empty = Annotated[list[Any], Field(max_length=0)] | Annotated[dict[str, Any], Field(max_length=0)] | None
 
@@ -209,9 +224,12 @@ class _GenerationBody(_Options):
                           "seed + i)")  # fmt: skip
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="only 0 is supported")
-    presence_penalty: float | None = Field(0.0, ge=0, le=0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="only empty is supported")
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="OpenAI's: logit -= count x this, over "
+                                            "the answer so far")  # fmt: skip
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="OpenAI's: logit -= this for every token "
+                                           "already in the answer")  # fmt: skip
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100], added to its logit")
     cache_salt: str | None = Field(None, max_length=256, description="appended to the tenant's cache salt")
     return_token_ids: bool | None = Field(False, description="vLLM extension: generated token ids in the choices")
     echo: Off = False
@@ -228,12 +246,16 @@ class _GenerationBody(_Options):
     prediction: dict[str, Any] | None = None
     priority: int | None = None
     request_id: str | None = None
+    # vLLM's sampling extensions (kvboost.decoding.Sampling)
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM: drop tokens less likely than min_p x the "
+                                "likeliest")  # fmt: skip
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM/HF: divides (multiplies, if negative) "
+                                             "the logits of prompt and answer tokens; 1 off")  # fmt: skip
+    ignore_eos: bool | None = Field(None, description="vLLM: generate past the end-of-sequence token")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM: no end-of-sequence / stop token before this many")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM: token ids that end "
+                                                                     "the answer (finish_reason stop)")  # fmt: skip
     # not implemented: accepted at their neutral values only (DEFAULT_ONLY)
-    min_p: Zero = None
-    repetition_penalty: One = None
-    ignore_eos: Off = None
-    min_tokens: Annotated[int, Field(ge=0, le=0)] | None = None
-    stop_token_ids: Empty = None
     skip_special_tokens: On = None
     spaces_between_special_tokens: On = None
     include_stop_str_in_output: Off = None
@@ -256,6 +278,23 @@ class _GenerationBody(_Options):
     def _no_bools(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, bool):
             raise ValueError(f"{info.field_name} must be an integer, got {json.dumps(v)}")  # noqa: TRY004 (pydantic)
+        return v
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}")
+        return v
+
+    @field_validator("min_tokens", "ignore_eos", mode="before")
+    @classmethod
+    def _strict_kinds(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "min_tokens" and isinstance(v, bool):
+            raise ValueError(f"min_tokens must be an integer, got {json.dumps(v)}")  # noqa: TRY004 (pydantic)
+        if info.field_name == "ignore_eos" and v is not None and not isinstance(v, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {json.dumps(v)}")  # noqa: TRY004 (pydantic)
         return v
 
     @field_validator("stop", mode="before")
@@ -298,11 +337,24 @@ class _GenerationBody(_Options):
             top_k = 0
         temperature = float(self.temperature if self.temperature is not None else DEFAULT_TEMPERATURE)
         top_p = float(self.top_p if self.top_p is not None else DEFAULT_TOP_P)
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
-            top_p=max(top_p, MIN_TOP_P), top_k=top_k, seed=self.seed,
-            stop=tuple([stop] if isinstance(stop, str) else stop), n=int(self.n or 1), logprobs=self.num_logprobs(),
-        )  # fmt: skip
+        bias = {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
+                top_p=max(top_p, MIN_TOP_P), top_k=top_k, seed=self.seed,
+                stop=tuple([stop] if isinstance(stop, str) else stop), n=int(self.n or 1),
+                logprobs=self.num_logprobs(), min_p=float(self.min_p or 0.0),
+                frequency_penalty=float(self.frequency_penalty or 0.0),
+                presence_penalty=float(self.presence_penalty or 0.0),
+                repetition_penalty=float(self.repetition_penalty if self.repetition_penalty is not None else 1.0),
+                logit_bias=bias, min_tokens=int(self.min_tokens or 0), stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=bool(self.ignore_eos),
+            )  # fmt: skip
+            if vocab_size is not None:
+                params.check_vocab(vocab_size)
+        except ValueError as exc:
+            raise FieldError(str(exc), _field_of(str(exc))) from None
+        return params
 
     @property
     def include_usage(self) -> bool:

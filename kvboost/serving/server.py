@@ -334,7 +334,7 @@ class _Service:
         try:
             params = body.sampling_params(max_tokens, vocab_size=self.vocab_size)
         except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from None
+            raise APIError(400, str(exc), code="invalid_value", param=getattr(exc, "param", None)) from None
         try:
             return self.loop.submit(prompt, params, cache_salt=tenant.cache_salt(body.cache_salt), chat=chat,
                                     request_id=rid)  # fmt: skip

@@ -127,7 +127,7 @@ def propose(request: Any, max_positions: int | None) -> Draft:
     out = len(request.tokens)
     room = min(request.max_new_tokens, (max_positions or 1 << 62) - request.prompt_len)
     k = min(request.draft_length.current, room - out - 1)
-    if k <= 0:
+    if k <= 0 or request.sampling.processed:  # penalties / logit_bias / min_tokens: verification ignores them
         return Draft()
     draft = request.draft.propose(request.ids + request.tokens, k, request.sampling, request.generator)
     if len(draft) > k:
