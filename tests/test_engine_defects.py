@@ -395,3 +395,55 @@ def test_threading_server_warm_tokenizes_off_the_loop_thread():
     finally:
         loop.shutdown()
     engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 1
+def draft_engine(**draft_options):
+    """A tiny llama with a 1-layer tiny llama (same vocabulary, other weights) as its speculative draft model."""
+    from kvboost_testkit.tiny import tiny_model
+
+    draft = tiny_model("llama", seed=1, num_hidden_layers=1)
+    return pool_engine(64, speculative={"name": "draft_model", "model": draft, "num_draft": 3, **draft_options})
+
+
+def test_defect1_draft_model_serves_a_batch():
+    """``generate_batch`` of six 120-token prompts with ``speculative=draft_model`` gives the tokens of plain
+    decoding and leaves the draft's pool empty. Before the fix the draft's pool was sized for one sequence of the
+    context (33 blocks) and shared by every request: the batch failed with ``PoolExhausted`` (an error about
+    ``kv.pool_bytes``, which is the target's)."""
+    prompts = [random_ids(120, seed=s) for s in range(6)]
+    want = [r.output_ids for r in pool_engine(64).generate_batch(prompts, 30, mode="cold")]
+    engine = draft_engine()
+    got = engine.generate_batch(prompts, 30)
+    assert [r.output_ids for r in got] == want
+    assert all(r.extra["drafted_tokens"] > 0 for r in got)
+    assert engine.speculative._runtime.pool.num_referenced == 0
+
+
+def test_defect1_a_full_draft_pool_means_no_draft_this_step():
+    """More requests than the draft's pool holds contexts (``sequences=1``): the others decode without a draft
+    while it is full (counted in ``failed_drafts``), none fails, all give plain decoding's tokens."""
+    prompts = [random_ids(120, seed=s) for s in range(6)]
+    want = [r.output_ids for r in pool_engine(64).generate_batch(prompts, 30, mode="cold")]
+    engine = draft_engine(sequences=1)
+    got = engine.generate_batch(prompts, 30)
+    assert [r.output_ids for r in got] == want
+    assert engine.core.counters["failed_drafts"] > 0, "the draft pool never ran short"
+    assert engine.speculative._runtime.pool.num_referenced == 0
+
+
+def test_defect1_every_end_of_a_request_releases_its_draft():
+    """A request aborted while it decodes with a draft (``core.abort``: its caller was interrupted; ``abort_all``:
+    a loop shutting down) gives its draft table back. Before the fix only ``_finish`` ended drafts, ``_complete``
+    did not: the aborted request's draft rows stayed held in the draft's pool for good."""
+    engine = draft_engine()
+    draft_pool = engine.speculative._runtime.pool
+    for abort in (lambda r: engine.core.abort([r]), lambda r: engine.core.abort_all()):
+        handle = engine.add_request(random_ids(30, seed=9), SamplingParams(max_tokens=30))
+        for _ in range(4):
+            engine.step()
+        assert handle._request.draft is not None and draft_pool.num_referenced > 0
+        abort(handle._request)
+        assert handle.done
+        assert draft_pool.num_referenced == 0, f"{draft_pool.num_referenced} draft blocks leaked"
+    assert engine.pool.num_referenced == 0

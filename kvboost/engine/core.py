@@ -90,7 +90,7 @@ class EngineCore:
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "canonical_prefill_tokens": 0,
                          "resumed_hit_tokens": 0, "failed_forwards": 0, "unadmittable": 0, "prefill_tokens": 0,
-                         "forked_samples": 0, "forked_prompt_tokens": 0}  # fmt: skip
+                         "forked_samples": 0, "forked_prompt_tokens": 0, "failed_drafts": 0}  # fmt: skip
         self._forked: list[Request] = []  # samples forked in this step, not yet handed out
         # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
         # thread reads a whole list while the core finishes requests
@@ -399,7 +399,8 @@ class EngineCore:
     # ------------------------------------------------------------------ drafts, blocks, preemption
     def _propose(self, finished: list[Completion]) -> None:
         """Each speculative decoding request's draft for this step (a layer-skip draft runs the runner's first
-        layers over the request's table and leaves it as it was)."""
+        layers over the request's table and leaves it as it was). A proposal that raises (a draft model's pool is
+        full, a fault) means no draft this step: the request decodes its plain row and drafts again next step."""
         for request in list(self.scheduler.running):
             if request.draft is not None and request.phase == "decode" and request.proposal is None:
                 length = request.table.length
@@ -407,7 +408,8 @@ class EngineCore:
                     request.proposal = speculation.propose(request, self.engine.adapter.max_positions)
                 except Exception as exc:
                     self._rollback([(request, length)])
-                    _collect(finished, self._fail(request, exc))
+                    self.counters["failed_drafts"] += 1
+                    log.debug("kvboost: no draft for request %s this step: %r", request.request_id, exc)
 
     def _blocks_needed(self, request: Request, n: int) -> int:
         table, pool = request.table, self.engine.pool
@@ -660,8 +662,7 @@ class EngineCore:
         request.finish_reason = reason
         normal = reason == "stop" or (reason == "length" and request.kind == "generate")
         try:
-            if request.draft is not None:
-                speculation.end(request)
+            self._end_draft(request)  # (before the result is built: the draft's stats go into it)
             if normal and request.kind == "generate" and request.tokens and request.phase != "score":
                 request.finish_decoding()
                 request.clock.mark("decoded")
@@ -688,8 +689,18 @@ class EngineCore:
             reason, error, request.error = "error", f"{type(exc).__name__}: {exc}", exc
         return self._complete(request, reason, error=error)
 
+    def _end_draft(self, request: Request) -> None:
+        """Release the request's speculative draft (a draft model's table in its own pool), once."""
+        if request.draft is not None:
+            speculation.end(request)
+
     def _complete(self, request: Request, reason: str, *, error: str | None = None) -> Completion:
         self.scheduler.remove(request)
+        try:  # every end (finish, abort, shutdown) releases what the request holds: its draft too
+            self._end_draft(request)
+        except Exception:
+            log.exception("kvboost: ending the draft of request %s failed", request.request_id)
+            request.draft = None
         request.table.release()
         forks, request.forks = request.forks, []
         for child in forks:  # samples that never forked (it ended before its prefill did): they end with it
