@@ -447,3 +447,54 @@ def test_defect1_every_end_of_a_request_releases_its_draft():
         assert handle.done
         assert draft_pool.num_referenced == 0, f"{draft_pool.num_referenced} draft blocks leaked"
     assert engine.pool.num_referenced == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 3
+@pytest.mark.parametrize("point", ["assembly", "content repair"])
+def test_defect3_interrupt_during_admission_leaves_the_request_waiting(monkeypatch, point):
+    """A KeyboardInterrupt while a request is admitted (its exact assembly, or the repair of its content hits)
+    reaches the caller, and the request is back in the queue as before the step, holding no block: the next steps
+    run it to the tokens it gives alone. Before the fix the interrupt was rolled back only inside the forward: the
+    request stayed in ``running`` with nothing to compute, and ``while core.has_work(): step()`` never ended."""
+    from kvboost.engine import core as core_module
+    from kvboost.engine import pipeline
+
+    options = dict(chat=False, chunker=SEPARATOR, recompute={"name": "cacheblend", "ratio": 0.3, "check_layers": [1]})
+    prompt = "\n\n".join(reversed(DOCS)) + "\n\nWhere does the cat sleep?"
+    engine = pool_engine(40, layers=4, **options)
+    for doc in DOCS:
+        engine.warm(doc, chat=False)
+    want = pool_engine(40, layers=4, **options)
+    for doc in DOCS:
+        want.warm(doc, chat=False)
+    expected = want.generate(prompt, 5)
+    if point == "content repair":
+        assert expected.content_hit_tokens > 0, "the prompt no longer gets content hits"
+    module, name = (core_module, "assemble_exact") if point == "assembly" else (pipeline, "prefill_with_repair")
+    real = getattr(module, name)
+    state = {"raised": False}
+
+    def interrupted(*args, **kwargs):
+        if not state["raised"]:
+            state["raised"] = True
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, interrupted)
+    other = engine.add_request(random_ids(20, seed=5), SamplingParams(max_tokens=4))
+    text = prompt if point == "content repair" else random_ids(40, seed=6)
+    handle = engine.add_request(text, SamplingParams(max_tokens=5))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(5):
+            engine.step()
+    assert state["raised"], f"the {point} never ran"
+    request = handle._request
+    assert request in engine.core.scheduler.waiting and not request.table.blocks
+    drain(engine, 50, f"after an interrupt in {point}")
+    if point == "content repair":
+        assert handle.result(0).output_ids == expected.output_ids
+    else:
+        assert handle.result(0).output_ids == want.generate(text, 5, mode="cold").output_ids
+    assert other.result(0).finish_reason == "length"
+    engine.pool.verify()
+    assert engine.pool.num_referenced == 0

@@ -323,11 +323,27 @@ class EngineCore:
         not fit this step's budget)."""
         engine = self.engine
         plan = pipeline.plan_for(engine, request)
+        before = _Admission.of(request, self.counters)
         try:
             return self._start_planned(request, plan, budget)
         except BaseException:
             plan.release()  # idempotent: the references the lookup took, if assembly did not take them over
+            if request in self.scheduler.running:  # admitted, then interrupted (assembly, repair, first token)
+                self._unadmit(request, before)
             raise
+
+    def _unadmit(self, request: Request, before: _Admission) -> None:
+        """Put a request whose admission raised back as it was before the step: at the queue's head, no blocks, no
+        draft, its tokens and the counters as they were. A KeyboardInterrupt there left it in ``running`` with
+        nothing to compute, and ``while core.has_work(): step()`` never ended."""
+        self.scheduler.running.remove(request)
+        self.scheduler.waiting.appendleft(request)
+        if request.draft is not None and before.draft is None:
+            request.draft.end()
+            request.draft = None
+        request.table.release()
+        request.table = BlockTable(self.engine.pool)
+        before.restore(request, self.counters)
 
     def _start_planned(self, request: Request, plan: Any, budget: int) -> int | str:
         engine, pool = self.engine, self.engine.pool
@@ -765,6 +781,45 @@ class EngineCore:
                 "step_prefill_chunk_32": (self.scheduler.step_budget.chunk(32) if self.scheduler.step_budget
                                           else self.scheduler.max_batch_tokens),
                 **self.counters}  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Admission:
+    """What an admission changes on a request (and the core's counters), to undo an admission that raised."""
+
+    started: bool
+    preempted: bool
+    phase: str
+    fed: list[int]
+    fed_pos: int
+    tokens: int
+    token_times: int
+    token_logprobs: int
+    done: bool
+    finish_reason: str | None
+    counts: Any
+    approx_from: int | None
+    first_logits: Any
+    first_token_at: float | None
+    draft: Any
+    counters: dict[str, int]
+
+    @classmethod
+    def of(cls, request: Request, counters: dict[str, int]) -> _Admission:
+        return cls(request.started, request.preempted, request.phase, request.fed, request.fed_pos,
+                   len(request.tokens), len(request.token_times), len(request.token_logprobs), request.done,
+                   request.finish_reason, request.counts, request.approx_from, request.first_logits,
+                   request.first_token_at, request.draft, dict(counters))  # fmt: skip
+
+    def restore(self, request: Request, counters: dict[str, int]) -> None:
+        request.started, request.preempted, request.phase = self.started, self.preempted, self.phase
+        request.fed, request.fed_pos, request.done, request.finish_reason = self.fed, self.fed_pos, self.done, self.finish_reason
+        del request.tokens[self.tokens :], request.token_times[self.token_times :]
+        del request.token_logprobs[self.token_logprobs :]
+        request.counts, request.approx_from, request.first_logits = self.counts, self.approx_from, self.first_logits
+        request.first_token_at, request.plan = self.first_token_at, None
+        counters.clear()
+        counters.update(self.counters)
 
 
 def _collect(finished: list[Completion], completion: Completion | None) -> None:
