@@ -711,6 +711,10 @@ class EngineCore:
             speculation.end(request)
 
     def _complete(self, request: Request, reason: str, *, error: str | None = None) -> Completion:
+        if request not in self.scheduler.running and request not in self.scheduler.waiting:
+            for owner in (*self.scheduler.running, *self.scheduler.waiting, *self._inbox):  # a sample not forked yet:
+                if request in owner.forks:  # its first sample must not fork it later
+                    owner.forks.remove(request)
         self.scheduler.remove(request)
         try:  # every end (finish, abort, shutdown) releases what the request holds: its draft too
             self._end_draft(request)
