@@ -498,3 +498,23 @@ def test_defect3_interrupt_during_admission_leaves_the_request_waiting(monkeypat
     assert other.result(0).finish_reason == "length"
     engine.pool.verify()
     assert engine.pool.num_referenced == 0
+
+
+# ------------------------------------------------------------------------------ found by the widened state machine
+def test_aborting_a_sample_not_forked_yet_leaves_the_others_to_finish():
+    """``core.abort`` of the second of ``n=2`` samples before the first's prompt is prefilled ends it, and the
+    first sample never forks it later (it finishes alone, with its tokens). Before the fix the aborted sample
+    stayed in the first's ``forks``: at the first token it was forked (``forked_samples`` 1), adopted into the
+    running set although finished, and decoded for nothing."""
+    engine = pool_engine(16)
+    prompt = random_ids(40, seed=3)
+    want = engine.generate(prompt, 4, mode="cold").output_ids
+    first = engine.add_request(prompt, SamplingParams(max_tokens=4, n=2))
+    second = first.samples[1]
+    engine.core.abort([second._request])
+    assert second.done and second.result(0).finish_reason == "cancelled"
+    drain(engine, 50, "the first sample")
+    assert first.result(0).output_ids == want
+    assert engine.core.counters["forked_samples"] == 0, "the aborted sample was forked and computed anyway"
+    assert second.result(0).finish_reason == "cancelled" and not second.result(0).output_ids
+    assert engine.pool.num_referenced == 0
