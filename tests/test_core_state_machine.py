@@ -3,9 +3,11 @@
 Hypothesis drives one engine on a tiny fp32 llama (8-token blocks and chunks, a pool of a few dozen blocks, a disk
 tier below the pool) through random sequences of: submit / submit ``n`` samples of one prompt (one prefill, then the
 samples fork its block table: references on its blocks, the partial last one copied on write) / step / cancel (a
-sample before or after its fork) / warm (pinned or not) / unpin / evict
-under pool pressure / a forward that raises once (retried alone) / one that keeps raising for one request (that
-request fails, alone) / a KeyboardInterrupt inside a step / a forced preemption / a restart from the disk tier. After
+sample before or after its fork) / abort (``core.abort``) / warm (pinned or not) / unpin / evict
+under pool pressure / a forward that raises once (its rows retried one request at a time: only a lone row may fail,
+every other request must finish with its tokens alone) / one that keeps raising for one request (that request
+fails, alone) / a KeyboardInterrupt inside a step's forward / one during admission (the request back in the queue,
+then run to its tokens) / a forced preemption / a restart from the disk tier. After
 every rule it checks:
 
 - the pool's and the store's own books (``KVPool.verify``, ``KVStore.verify``);
@@ -202,25 +204,66 @@ class CoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.engine.core.has_work())
     @rule()
     def forward_raises_once(self) -> None:
-        """The next forward raises once: it is rolled back and its rows run again alone."""
+        """The next forward raises once: it is rolled back and its rows run again one request at a time. Only a
+        forward of one request's rows has no one to be retried beside: that request fails, alone; when the forward
+        held several, every one of them must survive and finish with its tokens alone (``_check_output``)."""
         runner = self.engine.runner
         real = runner.run
-        state = {"raised": False}
+        state: dict = {"tables": None}
 
         def run(batch):
-            if not state["raised"]:
-                state["raised"] = True
+            if state["tables"] is None:
+                state["tables"] = list(batch.tables)
                 raise RuntimeError("injected: one failing forward")
             return real(batch)
 
         runner.run = run
-        rows = list(self.engine.core.scheduler.running) + list(self.engine.core.scheduler.waiting)
-        self.errors_allowed |= {id(r.handle) for r in rows}  # a lone row has no one to be retried beside
-        self.errors_allowed |= {id(h) for h in self.live}
+        unforked = {id(h): [c.handle for c in h._request.forks] for h in self.live}  # (a failure empties forks)
         try:
-            self._step()
+            self.engine.step()
         finally:
             del runner.run
+        tables = state["tables"] or []
+        if len(tables) == 1:  # the lone request (and its samples not forked yet) may fail
+            for handle in self.live:
+                if handle._request.table is tables[0]:
+                    self.errors_allowed.add(id(handle))
+                    self.errors_allowed |= {id(child) for child in unforked.get(id(handle), ())}
+        self._collect()
+
+    @precondition(lambda self: self.engine.core.num_waiting() > 0)
+    @rule()
+    def interrupted_admission(self) -> None:
+        """A KeyboardInterrupt while a request is admitted (its assembly): it reaches the caller, and the request is
+        back in the queue holding no block (``references_are_the_holders``), then runs to its tokens alone."""
+        from kvboost.engine import core as core_module
+
+        real = core_module.assemble_exact
+        state = {"raised": False}
+
+        def assemble(*args, **kwargs):
+            if not state["raised"]:
+                state["raised"] = True
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        core_module.assemble_exact = assemble
+        try:
+            self.engine.step()
+        except KeyboardInterrupt:
+            assert state["raised"], "a KeyboardInterrupt that was not injected"
+        finally:
+            core_module.assemble_exact = real
+        self._collect()
+
+    @precondition(lambda self: bool(self.live))
+    @rule(index=st.integers(0, 7))
+    def abort(self, index: int) -> None:
+        """``core.abort`` (a caller interrupted inside ``generate``): the request ends at once, its blocks back."""
+        handle = self.live[index % len(self.live)]
+        self.engine.core.abort([handle._request])
+        assert handle.done
+        self._collect()
 
     @precondition(lambda self: len(self.live) >= 2)
     @rule(index=st.integers(0, 7))

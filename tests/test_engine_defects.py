@@ -395,3 +395,126 @@ def test_threading_server_warm_tokenizes_off_the_loop_thread():
     finally:
         loop.shutdown()
     engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 1
+def draft_engine(**draft_options):
+    """A tiny llama with a 1-layer tiny llama (same vocabulary, other weights) as its speculative draft model."""
+    from kvboost_testkit.tiny import tiny_model
+
+    draft = tiny_model("llama", seed=1, num_hidden_layers=1)
+    return pool_engine(64, speculative={"name": "draft_model", "model": draft, "num_draft": 3, **draft_options})
+
+
+def test_defect1_draft_model_serves_a_batch():
+    """``generate_batch`` of six 120-token prompts with ``speculative=draft_model`` gives the tokens of plain
+    decoding and leaves the draft's pool empty. Before the fix the draft's pool was sized for one sequence of the
+    context (33 blocks) and shared by every request: the batch failed with ``PoolExhausted`` (an error about
+    ``kv.pool_bytes``, which is the target's)."""
+    prompts = [random_ids(120, seed=s) for s in range(6)]
+    want = [r.output_ids for r in pool_engine(64).generate_batch(prompts, 30, mode="cold")]
+    engine = draft_engine()
+    got = engine.generate_batch(prompts, 30)
+    assert [r.output_ids for r in got] == want
+    assert all(r.extra["drafted_tokens"] > 0 for r in got)
+    assert engine.speculative._runtime.pool.num_referenced == 0
+
+
+def test_defect1_a_full_draft_pool_means_no_draft_this_step():
+    """More requests than the draft's pool holds contexts (``sequences=1``): the others decode without a draft
+    while it is full (counted in ``failed_drafts``), none fails, all give plain decoding's tokens."""
+    prompts = [random_ids(120, seed=s) for s in range(6)]
+    want = [r.output_ids for r in pool_engine(64).generate_batch(prompts, 30, mode="cold")]
+    engine = draft_engine(sequences=1)
+    got = engine.generate_batch(prompts, 30)
+    assert [r.output_ids for r in got] == want
+    assert engine.core.counters["failed_drafts"] > 0, "the draft pool never ran short"
+    assert engine.speculative._runtime.pool.num_referenced == 0
+
+
+def test_defect1_every_end_of_a_request_releases_its_draft():
+    """A request aborted while it decodes with a draft (``core.abort``: its caller was interrupted; ``abort_all``:
+    a loop shutting down) gives its draft table back. Before the fix only ``_finish`` ended drafts, ``_complete``
+    did not: the aborted request's draft rows stayed held in the draft's pool for good."""
+    engine = draft_engine()
+    draft_pool = engine.speculative._runtime.pool
+    for abort in (lambda r: engine.core.abort([r]), lambda r: engine.core.abort_all()):
+        handle = engine.add_request(random_ids(30, seed=9), SamplingParams(max_tokens=30))
+        for _ in range(4):
+            engine.step()
+        assert handle._request.draft is not None and draft_pool.num_referenced > 0
+        abort(handle._request)
+        assert handle.done
+        assert draft_pool.num_referenced == 0, f"{draft_pool.num_referenced} draft blocks leaked"
+    assert engine.pool.num_referenced == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- defect 3
+@pytest.mark.parametrize("point", ["assembly", "content repair"])
+def test_defect3_interrupt_during_admission_leaves_the_request_waiting(monkeypatch, point):
+    """A KeyboardInterrupt while a request is admitted (its exact assembly, or the repair of its content hits)
+    reaches the caller, and the request is back in the queue as before the step, holding no block: the next steps
+    run it to the tokens it gives alone. Before the fix the interrupt was rolled back only inside the forward: the
+    request stayed in ``running`` with nothing to compute, and ``while core.has_work(): step()`` never ended."""
+    from kvboost.engine import core as core_module
+    from kvboost.engine import pipeline
+
+    options = dict(chat=False, chunker=SEPARATOR, recompute={"name": "cacheblend", "ratio": 0.3, "check_layers": [1]})
+    prompt = "\n\n".join(reversed(DOCS)) + "\n\nWhere does the cat sleep?"
+    engine = pool_engine(40, layers=4, **options)
+    for doc in DOCS:
+        engine.warm(doc, chat=False)
+    want = pool_engine(40, layers=4, **options)
+    for doc in DOCS:
+        want.warm(doc, chat=False)
+    expected = want.generate(prompt, 5)
+    if point == "content repair":
+        assert expected.content_hit_tokens > 0, "the prompt no longer gets content hits"
+    module, name = (core_module, "assemble_exact") if point == "assembly" else (pipeline, "prefill_with_repair")
+    real = getattr(module, name)
+    state = {"raised": False}
+
+    def interrupted(*args, **kwargs):
+        if not state["raised"]:
+            state["raised"] = True
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, interrupted)
+    other = engine.add_request(random_ids(20, seed=5), SamplingParams(max_tokens=4))
+    text = prompt if point == "content repair" else random_ids(40, seed=6)
+    handle = engine.add_request(text, SamplingParams(max_tokens=5))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(5):
+            engine.step()
+    assert state["raised"], f"the {point} never ran"
+    request = handle._request
+    assert request in engine.core.scheduler.waiting and not request.table.blocks
+    drain(engine, 50, f"after an interrupt in {point}")
+    if point == "content repair":
+        assert handle.result(0).output_ids == expected.output_ids
+    else:
+        assert handle.result(0).output_ids == want.generate(text, 5, mode="cold").output_ids
+    assert other.result(0).finish_reason == "length"
+    engine.pool.verify()
+    assert engine.pool.num_referenced == 0
+
+
+# ------------------------------------------------------------------------------ found by the widened state machine
+def test_aborting_a_sample_not_forked_yet_leaves_the_others_to_finish():
+    """``core.abort`` of the second of ``n=2`` samples before the first's prompt is prefilled ends it, and the
+    first sample never forks it later (it finishes alone, with its tokens). Before the fix the aborted sample
+    stayed in the first's ``forks``: at the first token it was forked (``forked_samples`` 1), adopted into the
+    running set although finished, and decoded for nothing."""
+    engine = pool_engine(16)
+    prompt = random_ids(40, seed=3)
+    want = engine.generate(prompt, 4, mode="cold").output_ids
+    first = engine.add_request(prompt, SamplingParams(max_tokens=4, n=2))
+    second = first.samples[1]
+    engine.core.abort([second._request])
+    assert second.done and second.result(0).finish_reason == "cancelled"
+    drain(engine, 50, "the first sample")
+    assert first.result(0).output_ids == want
+    assert engine.core.counters["forked_samples"] == 0, "the aborted sample was forked and computed anyway"
+    assert second.result(0).finish_reason == "cancelled" and not second.result(0).output_ids
+    assert engine.pool.num_referenced == 0

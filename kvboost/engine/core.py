@@ -90,7 +90,7 @@ class EngineCore:
                          "recompute_pairs": 0, "requests_finished": 0, "preemptions": 0, "steps": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "canonical_prefill_tokens": 0,
                          "resumed_hit_tokens": 0, "failed_forwards": 0, "unadmittable": 0, "prefill_tokens": 0,
-                         "forked_samples": 0, "forked_prompt_tokens": 0}  # fmt: skip
+                         "forked_samples": 0, "forked_prompt_tokens": 0, "failed_drafts": 0}  # fmt: skip
         self._forked: list[Request] = []  # samples forked in this step, not yet handed out
         # end-to-end seconds of the last 64 requests, for Retry-After; replaced (never mutated) so that a submitting
         # thread reads a whole list while the core finishes requests
@@ -323,11 +323,27 @@ class EngineCore:
         not fit this step's budget)."""
         engine = self.engine
         plan = pipeline.plan_for(engine, request)
+        before = _Admission.of(request, self.counters)
         try:
             return self._start_planned(request, plan, budget)
         except BaseException:
             plan.release()  # idempotent: the references the lookup took, if assembly did not take them over
+            if request in self.scheduler.running:  # admitted, then interrupted (assembly, repair, first token)
+                self._unadmit(request, before)
             raise
+
+    def _unadmit(self, request: Request, before: _Admission) -> None:
+        """Put a request whose admission raised back as it was before the step: at the queue's head, no blocks, no
+        draft, its tokens and the counters as they were. A KeyboardInterrupt there left it in ``running`` with
+        nothing to compute, and ``while core.has_work(): step()`` never ended."""
+        self.scheduler.running.remove(request)
+        self.scheduler.waiting.appendleft(request)
+        if request.draft is not None and before.draft is None:
+            request.draft.end()
+            request.draft = None
+        request.table.release()
+        request.table = BlockTable(self.engine.pool)
+        before.restore(request, self.counters)
 
     def _start_planned(self, request: Request, plan: Any, budget: int) -> int | str:
         engine, pool = self.engine, self.engine.pool
@@ -399,7 +415,8 @@ class EngineCore:
     # ------------------------------------------------------------------ drafts, blocks, preemption
     def _propose(self, finished: list[Completion]) -> None:
         """Each speculative decoding request's draft for this step (a layer-skip draft runs the runner's first
-        layers over the request's table and leaves it as it was)."""
+        layers over the request's table and leaves it as it was). A proposal that raises (a draft model's pool is
+        full, a fault) means no draft this step: the request decodes its plain row and drafts again next step."""
         for request in list(self.scheduler.running):
             if request.draft is not None and request.phase == "decode" and request.proposal is None:
                 length = request.table.length
@@ -407,7 +424,8 @@ class EngineCore:
                     request.proposal = speculation.propose(request, self.engine.adapter.max_positions)
                 except Exception as exc:
                     self._rollback([(request, length)])
-                    _collect(finished, self._fail(request, exc))
+                    self.counters["failed_drafts"] += 1
+                    log.debug("kvboost: no draft for request %s this step: %r", request.request_id, exc)
 
     def _blocks_needed(self, request: Request, n: int) -> int:
         table, pool = request.table, self.engine.pool
@@ -661,8 +679,7 @@ class EngineCore:
         request.finish_reason = reason
         normal = reason == "stop" or (reason == "length" and request.kind == "generate")
         try:
-            if request.draft is not None:
-                speculation.end(request)
+            self._end_draft(request)  # (before the result is built: the draft's stats go into it)
             if normal and request.kind == "generate" and request.tokens and request.phase != "score":
                 request.finish_decoding()
                 request.clock.mark("decoded")
@@ -689,8 +706,22 @@ class EngineCore:
             reason, error, request.error = "error", f"{type(exc).__name__}: {exc}", exc
         return self._complete(request, reason, error=error)
 
+    def _end_draft(self, request: Request) -> None:
+        """Release the request's speculative draft (a draft model's table in its own pool), once."""
+        if request.draft is not None:
+            speculation.end(request)
+
     def _complete(self, request: Request, reason: str, *, error: str | None = None) -> Completion:
+        if request not in self.scheduler.running and request not in self.scheduler.waiting:
+            for owner in (*self.scheduler.running, *self.scheduler.waiting, *self._inbox):  # a sample not forked yet:
+                if request in owner.forks:  # its first sample must not fork it later
+                    owner.forks.remove(request)
         self.scheduler.remove(request)
+        try:  # every end (finish, abort, shutdown) releases what the request holds: its draft too
+            self._end_draft(request)
+        except Exception:
+            log.exception("kvboost: ending the draft of request %s failed", request.request_id)
+            request.draft = None
         request.table.release()
         forks, request.forks = request.forks, []
         for child in forks:  # samples that never forked (it ended before its prefill did): they end with it
@@ -755,6 +786,45 @@ class EngineCore:
                 "step_prefill_chunk_32": (self.scheduler.step_budget.chunk(32) if self.scheduler.step_budget
                                           else self.scheduler.max_batch_tokens),
                 **self.counters}  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Admission:
+    """What an admission changes on a request (and the core's counters), to undo an admission that raised."""
+
+    started: bool
+    preempted: bool
+    phase: str
+    fed: list[int]
+    fed_pos: int
+    tokens: int
+    token_times: int
+    token_logprobs: int
+    done: bool
+    finish_reason: str | None
+    counts: Any
+    approx_from: int | None
+    first_logits: Any
+    first_token_at: float | None
+    draft: Any
+    counters: dict[str, int]
+
+    @classmethod
+    def of(cls, request: Request, counters: dict[str, int]) -> _Admission:
+        return cls(request.started, request.preempted, request.phase, request.fed, request.fed_pos,
+                   len(request.tokens), len(request.token_times), len(request.token_logprobs), request.done,
+                   request.finish_reason, request.counts, request.approx_from, request.first_logits,
+                   request.first_token_at, request.draft, dict(counters))  # fmt: skip
+
+    def restore(self, request: Request, counters: dict[str, int]) -> None:
+        request.started, request.preempted, request.phase = self.started, self.preempted, self.phase
+        request.fed, request.fed_pos, request.done, request.finish_reason = self.fed, self.fed_pos, self.done, self.finish_reason
+        del request.tokens[self.tokens :], request.token_times[self.token_times :]
+        del request.token_logprobs[self.token_logprobs :]
+        request.counts, request.approx_from, request.first_logits = self.counts, self.approx_from, self.first_logits
+        request.first_token_at, request.plan = self.first_token_at, None
+        counters.clear()
+        counters.update(self.counters)
 
 
 def _collect(finished: list[Completion], completion: Completion | None) -> None:

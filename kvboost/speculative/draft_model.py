@@ -4,7 +4,11 @@ The draft keeps its own KV cache of the request's context. Its rows stay valid e
 they were computed from is unchanged: each proposal compares the context it is given with the token ids its cache
 holds, keeps the common prefix (``truncate``: the rollback past a rejected token) and runs only the rest, in one
 forward, before drafting token by token. The draft runs on a pool and runner of its own
-(:class:`~kvboost.runtime.standalone.StandaloneRunner`): the same arithmetic as the target's.
+(:class:`~kvboost.runtime.standalone.StandaloneRunner`): the same arithmetic as the target's. That pool holds
+``sequences`` contexts (one per request drafting at once); every request's copy of the strategy has a table in it.
+When it runs short, a proposal raises ``PoolExhausted`` after giving its request's draft rows back: the engine core
+then decodes that request without a draft this step (it drafts again once rows are free), and the end of a request
+(finish, abort, shutdown) releases its table.
 """
 
 from __future__ import annotations
@@ -29,12 +33,19 @@ class DraftModel(DraftStrategy):
             (a config check builds the strategy without loading anything).
         dtype: the draft's dtype when it is loaded here (``"auto"``, ``"float32"``, ``"bfloat16"``...).
         num_draft, max_draft, adaptive: see :class:`~kvboost.speculative.base.DraftStrategy`.
+        sequences: contexts the draft's own KV pool holds (requests drafting at once; more decode undrafted while it
+            is full). Default 8.
     """
 
     def __init__(
-        self, model: Any = None, dtype: str = "float32", num_draft: int = 4, max_draft: int = 8, adaptive: bool = True
-    ) -> None:
+        self, model: Any = None, dtype: str = "float32", num_draft: int = 4, max_draft: int = 8, adaptive: bool = True,
+        sequences: int = 8,
+    ) -> None:  # fmt: skip
         super().__init__(num_draft=num_draft, max_draft=max_draft, adaptive=adaptive)
+        from kvboost.speculative.base import check_positive_int
+
+        check_positive_int("draft_model", "sequences", sequences)
+        self.sequences = sequences
         if model is not None and not isinstance(model, (str, torch.nn.Module)):
             raise ValueError(
                 f"speculative 'draft_model': model must be a path, a hub id, null or a loaded model, got {model!r}"
@@ -64,7 +75,7 @@ class DraftModel(DraftStrategy):
             )
         self.draft = draft.eval()
         # The draft has a pool and a runner of its own (the target's arithmetic, on the draft's weights).
-        self._runtime = StandaloneRunner(self.draft)
+        self._runtime = StandaloneRunner(self.draft, sequences=self.sequences)
 
     def begin(self, request: DraftRequest) -> None:
         if self._runtime is None:
@@ -95,14 +106,19 @@ class DraftModel(DraftStrategy):
         feed = list(context[keep:])
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
-        for _ in range(k):
-            logits = self._runtime.runner.run(ForwardBatch.build([SeqInput(table, feed)]))[0]
-            self._cached.extend(feed)
-            token, q = choose_draft_token(logits, sampling, generator)
-            tokens.append(token)
-            if q is not None:
-                qs.append(q)
-            feed = [token]
+        try:
+            for _ in range(k):
+                logits = self._runtime.runner.run(ForwardBatch.build([SeqInput(table, feed)]))[0]
+                self._cached.extend(feed)
+                token, q = choose_draft_token(logits, sampling, generator)
+                tokens.append(token)
+                if q is not None:
+                    qs.append(q)
+                feed = [token]
+        except BaseException:  # (the draft pool is full, most likely) its rows go back to the other requests' drafts
+            table.truncate(0)
+            self._cached = []
+            raise
         return Draft(tokens, torch.stack(qs) if qs else None)
 
     def fingerprint(self) -> str:
