@@ -7,36 +7,18 @@ reason its docstring gives. Step loops are bounded, so none of them can hang on 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kvboost_testkit import pools
+from kvboost_testkit.pools import BLOCK, block_bytes, one_thread  # noqa: F401 - one_thread: autouse fixture
 from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.engine import SamplingParams
 
-BLOCK = 16  # tokens per block (the pool's default) and per chunk (make_engine's fixed chunker)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (two spin on barriers when the machine is loaded)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def block_bytes(layers: int = 2) -> int:
-    """Bytes of one pool block of the tiny llama (K and V, 2 KV heads of 16 dims, fp32, 16 tokens)."""
-    return 2 * layers * 2 * BLOCK * 16 * 4
-
-
-def pool_engine(blocks: int, layers: int = 2, **options):
-    """An engine on the tiny llama whose KV pool holds exactly ``blocks`` blocks."""
-    options.setdefault("decode", "eager")
-    engine = make_engine("llama", layers=layers, kv={"pool_bytes": block_bytes(layers) * blocks}, **options)
-    assert engine.pool.num_blocks == blocks
-    engine.eos_ids = set()  # a random model: no early stop, every request decodes its max_new_tokens
-    return engine
+# eos=False: a random model may sample EOS; every request here decodes its max_new_tokens
+pool_engine = functools.partial(pools.pool_engine, eos=False)
 
 
 def drain(engine, limit: int, what: str) -> int:

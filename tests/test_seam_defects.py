@@ -17,34 +17,12 @@ import time
 
 import pytest
 import torch
+from kvboost_testkit.pools import BLOCK, block_bytes, one_thread, pool_engine  # noqa: F401 - one_thread: autouse
 from kvboost_testkit.tiny import make_engine, random_ids
 
 from kvboost.engine import SamplingParams
 
-BLOCK = 16  # tokens per block (the pool's default)
 TOL = 1e-4  # fp32: reuse equals a cold prefill within this (max abs logit difference)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (two spin on barriers when the machine is loaded, 10-40x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def block_bytes(layers: int = 2) -> int:
-    """Bytes of one pool block of the tiny llama (K and V, 2 KV heads of 16 dims, fp32, 16 tokens)."""
-    return 2 * layers * 2 * BLOCK * 16 * 4
-
-
-def pool_engine(blocks: int, layers: int = 2, **options):
-    """An engine whose KV pool holds exactly ``blocks`` blocks."""
-    engine = make_engine("llama", layers=layers, decode="eager", kv={"pool_bytes": block_bytes(layers) * blocks},
-                         **options)  # fmt: skip
-    assert engine.pool.block_bytes == block_bytes(layers) and engine.pool.num_blocks == blocks
-    return engine
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

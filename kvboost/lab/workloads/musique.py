@@ -314,26 +314,10 @@ class Musique(PassagesAfterHead, Workload):
         the tokenizer's BOS and the separator (``independent``; the passage alone where the tokenizer has no BOS,
         e.g. Qwen2.5), so its KV is what the passage computes on its own, as the reference code encodes it."""
         if self.cfg.layout == "shared_prefix":
-            head = self._head_and_separator()
-        else:
-            bos = getattr(self.tokenizer, "bos_token", None)
-            head = bos + self.cfg.separator if bos else ""
+            return super().passage_encodings(passages)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        head = bos + self.cfg.separator if bos else ""
         return [head + p for p in passages]
-
-    def shared_context(self) -> list[str]:
-        """``warm_passages: all``: every distinct passage of the run once, encoded as the layout says."""
-        if self.cfg.warm_passages != "all":
-            return []
-        return self.passage_encodings(list(dict.fromkeys(p for item in self.items for p in item.passages)))
-
-    def request_context(self, request: Request) -> list[str]:
-        """``warm_passages: per_query``: the request's passages, encoded as the layout says (else nothing)."""
-        if self.cfg.warm_passages != "per_query":
-            return []
-        by_id = getattr(self, "_items_by_id", None)
-        if by_id is None:
-            by_id = self._items_by_id = {item.item_id: item for item in self.items}
-        return self.passage_encodings(by_id[request.request_id].passages)
 
     def requests(self) -> Iterator[Request]:
         for item in self.items:

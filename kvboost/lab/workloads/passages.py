@@ -8,6 +8,7 @@ passages before it. ``warm_passages`` says when: ``per_query`` (a request's pass
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvboost.lab.workloads.base import Request
@@ -61,19 +62,25 @@ class PassagesAfterHead:
             head = self._passage_head = self.shared_head() + self.cfg.separator
         return head
 
+    def passage_encodings(self, passages: Sequence[str]) -> list[str]:
+        """The texts the passages are cached as (warmed): each after the shared head. A workload whose layout
+        encodes passages otherwise overrides this one method."""
+        head = self._head_and_separator()
+        return [head + p for p in passages]
+
     def shared_context(self) -> list[str]:
-        """``warm_passages: all``: every distinct passage of the run once, after the shared head (else nothing)."""
+        """``warm_passages: all``: every distinct passage of the run once, as :meth:`passage_encodings` gives it
+        (else nothing)."""
         if self.cfg.warm_passages != "all":
             return []
-        head = self._head_and_separator()
-        return [head + p for p in dict.fromkeys(p for item in self.items for p in item.passages)]
+        return self.passage_encodings(list(dict.fromkeys(p for item in self.items for p in item.passages)))
 
     def request_context(self, request: Request) -> list[str]:
-        """``warm_passages: per_query``: the request's passages, each after the shared head (else nothing)."""
+        """``warm_passages: per_query``: the request's passages, as :meth:`passage_encodings` gives them (else
+        nothing)."""
         if self.cfg.warm_passages != "per_query":
             return []
         by_id = getattr(self, "_items_by_id", None)
         if by_id is None:
             by_id = self._items_by_id = {item.item_id: item for item in self.items}
-        head = self._head_and_separator()
-        return [head + p for p in by_id[request.request_id].passages]
+        return self.passage_encodings(by_id[request.request_id].passages)
