@@ -370,9 +370,11 @@ BAD_REQUESTS = [
         "invalid_value",
         "frequency_penalty",
     ),
-    ("/v1/completions", json.dumps({"prompt": "x", "echo": True}), 400, "unsupported_value", "echo"),
+    ("/v1/completions", json.dumps({"prompt": "x", "echo": True, "stream": True}), 400, "unsupported_value", "stream"),
+    ("/v1/completions", json.dumps({"prompt": "x", "echo": 3}), 400, "invalid_value", "echo"),
     ("/v1/completions", json.dumps({"prompt": "x", "temperature": 3}), 400, "invalid_value", "temperature"),
-    ("/v1/completions", json.dumps({"prompt": ["a", "b"]}), 400, "unsupported_value", "prompt"),
+    ("/v1/completions", json.dumps({"prompt": ["a"] * 257}), 400, "invalid_value", "prompt"),  # MAX_PROMPTS
+    ("/v1/completions", json.dumps({"prompt": ["a", "   "]}), 400, "invalid_prompt", "prompt"),
     ("/v1/completions", json.dumps({"prompt": "   "}), 400, "invalid_prompt", "prompt"),
     ("/v1/completions", json.dumps({"prompt": [5, 999]}), 400, "invalid_prompt", "prompt"),
     ("/v1/completions", json.dumps({"prompt": "x" * 600}), 400, "context_length_exceeded", "prompt"),

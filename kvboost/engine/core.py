@@ -578,13 +578,7 @@ class EngineCore:
         if request.logprobs is None:
             return
         added = request.tokens[before:]
-        logp = torch.log_softmax(logits[: len(added)].float(), dim=-1)
-        chosen = logp.gather(-1, torch.tensor(added, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
-        k = min(request.logprobs, logp.shape[-1])
-        top_v, top_i = torch.topk(logp, k, dim=-1) if k else (None, None)
-        for j, value in enumerate(chosen):
-            top = tuple(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)) if k else ()
-            request.token_logprobs.append(TokenLogprob(float(value), top))
+        request.token_logprobs.extend(token_logprobs(logits[: len(added)], added, request.logprobs))
 
     def _fork(self, parent: Request, logits: torch.Tensor) -> None:
         """The other samples of ``parent``'s prompt (``SamplingParams.n``), now that it is prefilled: each takes a
@@ -651,6 +645,10 @@ class EngineCore:
         rows = torch.cat(request.score_logits) if request.score_logits else None
         request.result.extra["answer_logprob"] = continuation_logprob(request.first_logits, list(request.score_ids),
                                                                       lambda _: rows)  # fmt: skip
+        if request.logprobs is not None:  # per position (the server's prompt logprobs), from the same rows
+            every = request.first_logits.reshape(1, -1) if rows is None else \
+                torch.cat([request.first_logits.reshape(1, -1), rows])  # fmt: skip
+            request.score_logprobs = token_logprobs(every, list(request.score_ids), request.logprobs)
         request.score_logits = []
         request.phase = "decode"
         self._complete(request, "stop" if request.tokens[-1] in self.engine.eos_ids else "length")
@@ -736,6 +734,7 @@ class EngineCore:
             first_token_at=request.first_token_at, finished_at=now, token_times=list(request.token_times),
             preemptions=request.preemptions, index=request.sample_index,
             logprobs=list(request.token_logprobs) if request.logprobs is not None else None,
+            score_logprobs=request.score_logprobs,
         )  # fmt: skip
         self.counters["requests_finished"] += 1
         self.counters["generation_tokens"] += len(request.tokens)
@@ -830,3 +829,14 @@ class _Admission:
 def _collect(finished: list[Completion], completion: Completion | None) -> None:
     if completion is not None:
         finished.append(completion)
+
+
+def token_logprobs(logits: torch.Tensor, ids: Sequence[int], k: int) -> list[TokenLogprob]:
+    """The log-probability of ``ids[j]`` under row ``j`` of ``logits`` (the raw ``log_softmax``, fp32) and each
+    row's ``k`` likeliest tokens: a generated token's logprobs (``_accept``) and a score row's (``_finish_score``)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(list(ids), device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    k = min(k, logp.shape[-1])
+    top_v, top_i = torch.topk(logp, k, dim=-1) if k else (None, None)
+    return [TokenLogprob(float(value), tuple(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)) if k else ())
+            for j, value in enumerate(chosen)]  # fmt: skip

@@ -27,7 +27,7 @@ from kvboost.engine.requests import RequestHandle, SamplingParams, sample_seed
 from kvboost.engine.sequences import Request
 from kvboost.generation import PhaseClock
 from kvboost.kv.block_table import BlockTable
-from kvboost.prompts import Prompt, chat_messages
+from kvboost.prompts import Prompt, PromptError, chat_messages, check_token_ids
 
 _ids = itertools.count()
 
@@ -56,10 +56,13 @@ def tokenize_prompt(engine: Any, prompt: Prompt, *, chat: bool | None = None) ->
 
 def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: SamplingParams, *, cache_salt: str = "",
                      chat: bool | None = None, request_id: str | None = None, timeout_s: float | None = None,
-                     mode: str = "reuse", store: bool = True, clock: PhaseClock | None = None) -> Request:  # fmt: skip
+                     mode: str = "reuse", store: bool = True, clock: PhaseClock | None = None,
+                     score_ids: Sequence[int] | None = None) -> Request:  # fmt: skip
     """A generate request for ``core``, tokenized and validated on the caller's thread (nothing of the engine
     changes). ``mode``/``store`` as ``engine.generate``'s; ``clock``: where the request's TTFT starts (default: now,
-    or a :class:`TokenizedPrompt`'s, which is then not tokenized again)."""
+    or a :class:`TokenizedPrompt`'s, which is then not tokenized again). ``score_ids``: as ``engine.generate``'s
+    (teacher-forced rows after the prompt, always computed); with ``params.logprobs`` the completion's
+    ``score_logprobs`` has each score id's log-probability and top alternatives (``n`` must be 1)."""
     engine = core.engine
     if engine._closed:
         raise RuntimeError("this engine is closed")
@@ -74,6 +77,11 @@ def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: Sampli
     max_new = min(params.max_tokens, (engine.adapter.max_positions or n + params.max_tokens) - n)
     params.check_vocab(engine.vocab_size)
     pipeline.check_memory(engine, n + max_new)
+    if score_ids is not None:
+        score_ids = checked_score_ids(score_ids, engine.vocab_size)
+        if params.n != 1:
+            raise ValueError("score_ids needs n=1")
+        pipeline.check_memory(engine, n + len(score_ids), what="prompt + score_ids")
     clock.mark("tokenized")
     sampling = Sampling(do_sample=not params.greedy, temperature=params.temperature or 1.0, top_k=params.top_k,
                         top_p=params.top_p, **params.processors())  # fmt: skip
@@ -88,11 +96,12 @@ def generate_request(core: Any, prompt: Prompt | TokenizedPrompt, params: Sampli
                           mode=mode, salt=cache_salt, store=store, generator=generator,
                           clock=clock if index == 0 else clock.fork(), deadline=deadline)  # fmt: skip
         request.messages, request.logprobs, request.sample_index = messages, params.logprobs, index
+        request.score_ids = score_ids
         if sampling.processed:  # penalties read this sample's own tokens
             request.sampling = dataclasses.replace(sampling, history=TokenHistory(ids, request.tokens, engine.eos_ids))
         rid = request_id if index == 0 or request_id is None else f"{request_id}-{index}"
         _attach_handle(core, request, rid, Detokenizer(engine.tokenizer, engine.tokenizer_lock, params.stop,
-                                                       params.stop_token_ids))
+                                                       params.stop_token_ids, params.skip_special_tokens))
         request.handle.index = index
         samples.append(request)
     first = samples[0]
@@ -132,11 +141,13 @@ class Detokenizer:
         stop: stop strings (the text ends before the first one; the request finishes with ``"stop"``).
         stop_token_ids: the request's stop tokens (``SamplingParams.stop_token_ids``): one ends the answer, and
             adds no text (vLLM's rule without ``include_stop_str_in_output``; its id stays in the output ids).
+        skip_special_tokens: leave special tokens out of the text (vLLM's default); False keeps them.
     """
 
     def __init__(self, tokenizer: Any, lock: threading.RLock, stop: Sequence[str] = (),
-                 stop_token_ids: Sequence[int] = ()) -> None:  # fmt: skip
+                 stop_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:  # fmt: skip
         self.tokenizer, self.lock, self.stop = tokenizer, lock, tuple(stop)
+        self.skip_special_tokens = skip_special_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tokens: list[int] = []
         self.text = ""
@@ -177,8 +188,9 @@ class Detokenizer:
         does not end in an incomplete character."""
         with self.lock:
             decode = self.tokenizer.decode
-            before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
-            after = decode(self.tokens[self._prefix :], skip_special_tokens=True)
+            skip = self.skip_special_tokens
+            before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=skip)
+            after = decode(self.tokens[self._prefix :], skip_special_tokens=skip)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.tokens)
@@ -216,3 +228,16 @@ def wants_canonical(engine: Any, request: Any) -> bool:
         and request.kind == "generate" and request.mode != "cold" and request.store and request.score_ids is None
         and request.approx_from is None and request.finish_reason in ("stop", "length") and request.tokens
     )  # fmt: skip
+
+
+def checked_score_ids(score_ids: Any, vocab_size: int | None) -> list[int]:
+    """``score_ids`` as a list of token ids, or a PromptError saying what is wrong with it."""
+    if isinstance(score_ids, (str, bytes)) or not isinstance(score_ids, Sequence):
+        raise PromptError(f"score_ids must be a sequence of token ids, got {type(score_ids).__name__}")
+    ids = list(score_ids)
+    if not ids:
+        raise PromptError("score_ids is empty: give the token ids of the answer to score")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise PromptError(f"score_ids must hold ints (token ids), got {sorted({type(t).__name__ for t in ids})}")
+    check_token_ids(ids, vocab_size)
+    return ids

@@ -37,6 +37,7 @@ from kvboost.kv.sizing import activation_bytes, make_pool, parse_bytes, row_bloc
 from kvboost.models.adapter import ModelAdapter
 from kvboost.models.compat import UnsupportedArchitectureError, check_architecture
 from kvboost.original_api import GenerationMode, engine_mode, translate_options
+from kvboost.engine.frontend import checked_score_ids
 from kvboost.prompts import Prompt, PromptError, check_length, check_token_ids, prompt_text_or_ids
 from kvboost.quality import verify_correctness
 from kvboost.registry import ATTENTION, CHUNKERS, DRAFT, HASHERS, KV_QUANT, RECOMPUTE
@@ -439,7 +440,7 @@ class InferenceEngine:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         mode = engine_mode(mode)  # a GenerationMode of the original API, or reuse | prefix | cold
         if score_ids is not None:
-            score_ids = _checked_score_ids(score_ids, self.vocab_size)
+            score_ids = checked_score_ids(score_ids, self.vocab_size)
         clock = PhaseClock(self.adapter.device)
         requests = []
         for prompt, temperature, do_sample in zip(prompts, temps, samples, strict=True):
@@ -608,19 +609,6 @@ def warm_result(request: Any) -> WarmResult:
     if request.finish_reason != "stop":
         raise request.error or RuntimeError(f"warm ended: {request.finish_reason}")
     return request.result
-
-
-def _checked_score_ids(score_ids: Any, vocab_size: int | None) -> list[int]:
-    """``score_ids`` as a list of token ids, or a PromptError saying what is wrong with it."""
-    if isinstance(score_ids, (str, bytes)) or not isinstance(score_ids, Sequence):
-        raise PromptError(f"score_ids must be a sequence of token ids, got {type(score_ids).__name__}")
-    ids = list(score_ids)
-    if not ids:
-        raise PromptError("score_ids is empty: give the token ids of the answer to score")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise PromptError(f"score_ids must hold ints (token ids), got {sorted({type(t).__name__ for t in ids})}")
-    check_token_ids(ids, vocab_size)
-    return ids
 
 
 def _engine_fingerprint(ref: weakref.ReferenceType[InferenceEngine]) -> str:

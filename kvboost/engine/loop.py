@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvboost.engine.frontend import TokenizedPrompt, tokenize_prompt
@@ -106,13 +106,15 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ clients
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, cache_salt: str = "",
-               chat: bool | None = None, request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:  # fmt: skip
+               chat: bool | None = None, request_id: str | None = None, timeout_s: float | None = None,
+               score_ids: Sequence[int] | None = None) -> RequestHandle:  # fmt: skip
         """Queue a request (thread-safe). Raises on a bad prompt (``PromptError`` / ``ValueError``), ``QueueFull``,
-        ``LoopStopped``. With ``params.n`` > 1 the handle is the first sample's; ``handle.samples`` holds all n."""
+        ``LoopStopped``. With ``params.n`` > 1 the handle is the first sample's; ``handle.samples`` holds all n.
+        ``score_ids``: teacher-forced rows after the prompt (``kvboost.engine.frontend.generate_request``)."""
         if not self.running:
             raise LoopStopped("the engine loop is not running" + (f" (it failed: {self.error!r})" if self.error else ""))
         request = self.core.prepare(prompt, params or SamplingParams(), cache_salt=cache_salt, chat=chat,
-                                    request_id=request_id, timeout_s=timeout_s)  # fmt: skip
+                                    request_id=request_id, timeout_s=timeout_s, score_ids=score_ids)  # fmt: skip
         if not self.running:
             raise LoopStopped("the engine loop is shutting down")
         return self.core.submit(request)

@@ -79,6 +79,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: vLLM's: False keeps special tokens (end-of-sequence, chat markers) in the generated text
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self._check_processors()
@@ -203,6 +205,9 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     #: which of the request's ``n`` samples this is
     index: int = 0
+    #: a ``score_ids`` request with log-probabilities: one per score id (its teacher-forced log-probability after
+    #: the prompt and the ids before it, with the likeliest alternatives), else None
+    score_logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -80,6 +80,8 @@ class Request:
         self.keep_logits = False
         self.score_ids: Sequence[int] | None = None
         self.score_logits: list[torch.Tensor] = []
+        #: per position of ``score_ids`` (a request with ``logprobs``): the server's prompt logprobs
+        self.score_logprobs: list[Any] | None = None
         self.scoring = False  # its decoding is over and its score rows are queued (they stay so across preemption)
         self.messages: list[dict[str, str]] | None = None  # chat messages of the prompt (canonical store)
         self.own_canonical = False  # its caller (generate) stores its canonical turn, not the core's hook

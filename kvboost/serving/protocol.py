@@ -56,6 +56,8 @@ MAX_N = 128
 #: OpenAI's bounds on completions' ``logprobs`` and chat's ``top_logprobs``
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
+#: prompts in one /v1/completions batch at most (each is a request of its own to the engine loop)
+MAX_PROMPTS = 256
 
 
 #: Every request field kvboost knows but does not implement, with the value(s) at which it changes nothing (``()``:
@@ -65,7 +67,6 @@ MAX_TOP_LOGPROBS = 20
 #: before-validator (:func:`_default_only`) gives the message. This is the one list: the README and the tests read it.
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     # ---- OpenAI's fields
-    "echo": (None, False),  # completions: the prompt before the answer; chat (vLLM): the last message's text
     "suffix": (None, ""),  # completions: text after an insertion point
     "best_of": (None, 1),  # the best of n sampled answers, chosen on the server
     "tools": (),  # function calling: kvboost neither shows tools to the model nor parses calls from its output
@@ -80,7 +81,6 @@ DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "continuous_usage_stats": (None, False),  # stream_options (vLLM): usage on every chunk
     # ---- vLLM's sampling extensions (vLLM's SamplingParams; kvboost implements top_k, seed, n, stop, logprobs,
     # min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids: see _GenerationBody)
-    "skip_special_tokens": (None, True),  # false keeps special tokens in the text (kvboost always skips them)
     "spaces_between_special_tokens": (None, True),  # only matters with skip_special_tokens: false
     "include_stop_str_in_output": (None, False),  # keeps the stop string in the answer
     "bad_words": (),  # words never generated
@@ -232,7 +232,6 @@ class _GenerationBody(_Options):
         None, description="token id (as a string) -> bias in [-100, 100], added to its logit")
     cache_salt: str | None = Field(None, max_length=256, description="appended to the tenant's cache salt")
     return_token_ids: bool | None = Field(False, description="vLLM extension: generated token ids in the choices")
-    echo: Off = False
     best_of: int | None = Field(None, ge=1, le=1)
     # no effect (NO_EFFECT says why)
     user: str | None = None
@@ -255,8 +254,8 @@ class _GenerationBody(_Options):
     min_tokens: int | None = Field(None, ge=0, description="vLLM: no end-of-sequence / stop token before this many")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM: token ids that end "
                                                                      "the answer (finish_reason stop)")  # fmt: skip
+    skip_special_tokens: bool | None = Field(True, description="vLLM: false keeps special tokens in the text")
     # not implemented: accepted at their neutral values only (DEFAULT_ONLY)
-    skip_special_tokens: On = None
     spaces_between_special_tokens: On = None
     include_stop_str_in_output: Off = None
     bad_words: Empty = None
@@ -288,13 +287,13 @@ class _GenerationBody(_Options):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}")
         return v
 
-    @field_validator("min_tokens", "ignore_eos", mode="before")
+    @field_validator("min_tokens", "ignore_eos", "skip_special_tokens", mode="before")
     @classmethod
     def _strict_kinds(cls, v: Any, info: ValidationInfo) -> Any:
         if info.field_name == "min_tokens" and isinstance(v, bool):
             raise ValueError(f"min_tokens must be an integer, got {json.dumps(v)}")  # noqa: TRY004 (pydantic)
-        if info.field_name == "ignore_eos" and v is not None and not isinstance(v, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {json.dumps(v)}")  # noqa: TRY004 (pydantic)
+        if info.field_name != "min_tokens" and v is not None and not isinstance(v, bool):
+            raise ValueError(f"{info.field_name} must be true or false, got {json.dumps(v)}")  # noqa: TRY004
         return v
 
     @field_validator("stop", mode="before")
@@ -349,6 +348,7 @@ class _GenerationBody(_Options):
                 repetition_penalty=float(self.repetition_penalty if self.repetition_penalty is not None else 1.0),
                 logit_bias=bias, min_tokens=int(self.min_tokens or 0), stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=bool(self.ignore_eos),
+                skip_special_tokens=self.skip_special_tokens is not False,
             )  # fmt: skip
             if vocab_size is not None:
                 params.check_vocab(vocab_size)
@@ -362,17 +362,33 @@ class _GenerationBody(_Options):
 
 
 class CompletionRequest(_GenerationBody):
-    """``POST /v1/completions``: one prompt (text, or token ids), no chat template."""
+    """``POST /v1/completions``: a prompt (text, or token ids) or a batch of them, no chat template.
+
+    A batch (a list of texts or of token-id lists; lm-evaluation-harness's ``local-completions`` sends its requests
+    so) answers prompt ``i``'s ``n`` samples as choices ``i * n`` to ``i * n + n - 1``. ``echo``: each choice's text
+    starts with its prompt; with ``logprobs`` its ``logprobs`` start with the prompt's tokens: the first one's
+    ``token_logprobs`` / ``top_logprobs`` entry is null (nothing precedes it), every other is the model's
+    teacher-forced ``log_softmax`` at that position (computed, never read from a cached prefix: see
+    ``kvboost.serving.server``). ``max_tokens: 0`` (with ``echo`` only) generates nothing: the prompt's logprobs
+    alone, as lm-evaluation-harness's loglikelihood requests ask. Streaming with ``echo`` or a batch is refused."""
 
     prompt: (
         str
         | list[int]
-        | Annotated[list[str], Field(min_length=1, max_length=1)]
-        | Annotated[list[list[int]], Field(min_length=1, max_length=1)]
-    ) = Field(description="text or token ids (one prompt; a list of one is accepted)")
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description=f"text or token ids, or a batch of up to {MAX_PROMPTS} of them")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most (0: none, with echo only); "
+                                   "prompt + max_tokens beyond the context is a 400 naming the limit")  # fmt: skip
+    echo: bool | None = Field(False, description="the prompt before the answer (and its tokens' logprobs)")
     suffix: str | None = Field(None, max_length=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="the sampled token's "
                                  "log-probability and this many likeliest alternatives per token")  # fmt: skip
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts (one for a single prompt)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]  # type: ignore[list-item]
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -384,18 +400,6 @@ class CompletionRequest(_GenerationBody):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        return v
-
-    @field_validator("prompt")
-    @classmethod
-    def _unwrap(cls, v: Any) -> Any:
-        return v[0] if isinstance(v, list) and v and isinstance(v[0], (str, list)) else v
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
@@ -547,6 +551,7 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token "
                                      "(needs logprobs: true)")  # fmt: skip
     response_format: TextFormat | None = None
+    echo: Off = Field(False, description="vLLM's chat echo (the last message's text): not implemented")
     tools: list[Any] | None = Field(None, max_length=0)
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
@@ -582,6 +587,13 @@ class ChatCompletionRequest(_GenerationBody):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _no_echo(cls, v: Any) -> Any:
+        if v is not None and v is not False:
+            raise ValueError("echo is not implemented by kvboost for chat completions (/v1/completions has it)")
+        return v
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -680,11 +692,12 @@ def chat_logprobs(token_ids: list[int], entries: list[TokenLogprob] | None, text
     return {"content": [chat_logprob(t, e, text) for t, e in zip(token_ids, entries, strict=True)], "refusal": None}
 
 
-def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob] | None, text: TokenText,
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None] | None, text: TokenText,
                         offset: int = 0) -> dict[str, Any] | None:  # fmt: skip
     """The legacy ``logprobs`` of /v1/completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per
     token: the alternatives and the sampled token, as OpenAI's) and ``text_offset`` (each token's character offset
-    in the generated text, from ``offset``). None without logprobs."""
+    in the generated text, from ``offset``). An entry None (an echoed prompt's first token) is null in both lists,
+    as OpenAI and vLLM write it. None without logprobs."""
     if entries is None:
         return None
     tokens = [text(t) for t in token_ids]
@@ -693,12 +706,13 @@ def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob] | None
         offsets.append(at)
         at += len(token)
     tops = []
-    for token_id, token, entry in zip(token_ids, tokens, entries, strict=True):
-        top = {text(t): lp for t, lp in entry.top}
-        top.setdefault(token, entry.logprob)
+    for token, entry in zip(tokens, entries, strict=True):
+        top = None if entry is None else {text(t): lp for t, lp in entry.top}
+        if entry is not None:
+            top.setdefault(token, entry.logprob)
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
 
 def completion_body(rid: str, created: int, model: str, completions: list[Completion], token_ids: bool,

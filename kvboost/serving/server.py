@@ -53,7 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost.engine.frontend import TokenizedPrompt
-from kvboost.engine.requests import Completion, LoopStopped, QueueFull, RequestHandle
+from kvboost.engine.requests import Completion, LoopStopped, QueueFull, RequestHandle, SamplingParams
 from kvboost.prompts import PromptError
 from kvboost.serving import protocol as P
 from kvboost.serving.metrics import ServerMetrics
@@ -335,9 +335,26 @@ class _Service:
             params = body.sampling_params(max_tokens, vocab_size=self.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value", param=getattr(exc, "param", None)) from None
+        return self.queued(param, lambda: self.loop.submit(prompt, params, cache_salt=tenant.cache_salt(body.cache_salt),
+                                                           chat=chat, request_id=rid))  # fmt: skip
+
+    def submit_prompt_score(self, ids: list[int], logprobs: int, tenant: Tenant, body: P._GenerationBody,
+                            rid: str) -> RequestHandle:  # fmt: skip
+        """The request that computes a prompt's logprobs (``echo`` with ``logprobs``) through the engine's one score
+        path: its first token is the prompt, the rest are ``score_ids``, whose teacher-forced rows the engine always
+        computes after the prompt (a cached prefix holds K/V, not logits, so no row of it could be read from the
+        cache; a one-token prompt has no cached prefix to reuse). ``score_logprobs`` of its completion: token
+        ``j + 1``'s log-probability and top alternatives. Its one generated token (the score path runs after a
+        first token) is discarded. Runs on a worker thread."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=logprobs)
+        return self.queued("prompt", lambda: self.loop.submit(ids[:1], params, request_id=f"{rid}-prompt",
+                                                              cache_salt=tenant.cache_salt(body.cache_salt),
+                                                              score_ids=ids[1:]))  # fmt: skip
+
+    def queued(self, param: str, submit: Any) -> RequestHandle:
+        """``submit()`` (a ``loop.submit``) with its exceptions as API errors."""
         try:
-            return self.loop.submit(prompt, params, cache_salt=tenant.cache_salt(body.cache_salt), chat=chat,
-                                    request_id=rid)  # fmt: skip
+            return submit()
         except QueueFull as exc:
             self.metrics.reject("queue_full")
             retry = str(max(1, math.ceil(exc.retry_after_s)))
@@ -493,6 +510,102 @@ class _Service:
         return build(rid, created, self.model_name, completions, bool(body.return_token_ids), self.token_text)
 
 
+    # ------------------------------------------------------------------ /v1/completions: batches and echo
+    async def completions(self, request: Request, body: P.CompletionRequest) -> Any:
+        """``/v1/completions``: one prompt without ``echo`` goes through :meth:`generate` (streaming or not); a batch
+        of prompts, or ``echo``, through :meth:`complete_echo` per prompt (not streamed), prompt ``i``'s samples
+        as choices ``i * n + j``, the usage added up over the prompts."""
+        self.check_model(body.model)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is accepted with echo: true only: the prompt's "
+                           "logprobs without an answer)", param="max_tokens", code="invalid_value")  # fmt: skip
+        prompts = body.prompts()
+        if len(prompts) == 1 and not body.echo:
+            return await self.generate(request, body, prompts[0], chat=False)
+        if body.stream:
+            raise APIError(400, "stream is not supported by kvboost with echo or a batch of prompts (send "
+                           "stream: false)", param="stream", code="unsupported_value")  # fmt: skip
+        rid, created = P.new_id("cmpl"), P.now()
+        parts = await asyncio.gather(*(self.complete_echo(request, body, p, f"{rid}-{i}")
+                                       for i, p in enumerate(prompts)))  # fmt: skip
+        if any(part is None for part in parts):
+            return Response(status_code=499)  # the client is gone
+        n = int(body.n or 1)
+        choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+        for i, (part_choices, completions) in enumerate(parts):  # type: ignore[misc]
+            for choice in part_choices:
+                choices.append({**choice, "index": i * n + choice["index"]})
+            used = P.usage(completions)
+            for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                totals[key] += used[key]
+            totals["cached_tokens"] += used["prompt_tokens_details"]["cached_tokens"]
+        cached = totals.pop("cached_tokens")
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": {**totals, "prompt_tokens_details": {"cached_tokens": cached}}}  # fmt: skip
+
+    async def complete_echo(self, request: Request, body: P.CompletionRequest, prompt: Any,
+                            rid: str) -> tuple[list[dict[str, Any]], list[Completion]] | None:  # fmt: skip
+        """One prompt of :meth:`completions`: its choices (``index`` = the sample's) and completions (for the
+        usage), or None when the client left. The answer is the ordinary generate request (none for
+        ``max_tokens: 0``); with ``echo`` and ``logprobs`` a second request computes the prompt's logprobs
+        (:meth:`submit_prompt_score`), so the prompt is computed twice: once for them, once (reusing the cache) for
+        the answer."""
+        tenant: Tenant = request.state.tenant
+        max_tokens, tokenized = await self.max_tokens(body, prompt, False, "prompt")
+        if tokenized is None:
+            tokenized = await self.tokenize(prompt, False, "prompt")
+        ids = list(tokenized.ids)
+        handles: list[RequestHandle] = []
+        if max_tokens > 0:
+            handle = await run_in_threadpool(self.submit, tokenized, body, max_tokens, tenant, False, rid, "prompt")
+            handles = list(handle.samples)
+        k = body.num_logprobs()
+        scored = body.echo and k is not None and len(ids) > 1
+        if scored:
+            handles.append(await run_in_threadpool(self.submit_prompt_score, ids, k, tenant, body, rid))
+        try:
+            completions = await self.wait(request, handles, tenant) if handles else []
+        except asyncio.CancelledError:
+            for h in handles:
+                h.cancel()
+            raise
+        if completions is None:
+            return None
+        for completion in completions:
+            error = _finish_error(completion)
+            if error is not None:
+                raise error
+        prompt_entries: list[Any] = [None]  # the first token has nothing before it
+        if scored:
+            prompt_entries += completions.pop().score_logprobs or []
+        if not completions:  # max_tokens 0: no answer, the prompt alone
+            completions = [Completion(request_id=rid, prompt_tokens=len(ids), output_ids=[], text="",
+                                      finish_reason="length", logprobs=[] if k is not None else None)]  # fmt: skip
+        echoed = ""
+        if body.echo:
+            if isinstance(prompt, str):
+                echoed = prompt
+            else:
+                engine = self.loop.engine
+                with engine.tokenizer_lock:
+                    echoed = engine.tokenizer.decode(ids, skip_special_tokens=False)
+        choices = []
+        for c in completions:
+            logprobs = None
+            if k is not None:
+                if body.echo:
+                    logprobs = P.completion_logprobs([*ids, *c.output_ids], [*prompt_entries, *(c.logprobs or [])],
+                                                     self.token_text)  # fmt: skip
+                else:
+                    logprobs = P.completion_logprobs(c.output_ids, c.logprobs, self.token_text)
+            choice: dict[str, Any] = {"index": c.index, "text": echoed + c.text, "logprobs": logprobs,
+                                      "finish_reason": c.finish_reason}  # fmt: skip
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.output_ids)
+            choices.append(choice)
+        return choices, completions
+
+
 def _finish_error(completion: Completion) -> APIError | None:
     """The API error of a request the loop ended other than by ``stop`` / ``length``."""
     reason = completion.finish_reason
@@ -628,7 +741,7 @@ def create_app(
     @app.post("/v1/completions", summary="Text completion (SSE when stream=true)")
     async def completions(body: P.CompletionRequest, request: Request) -> Any:
         ignored = service.ignored_fields(body)
-        return _with_ignored(await service.generate(request, body, body.prompt, chat=False), ignored)
+        return _with_ignored(await service.completions(request, body), ignored)
 
     @app.post("/v1/chat/completions", summary="Chat completion (SSE when stream=true)")
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Any:
