@@ -24,8 +24,14 @@ sets none of them stays on the batched-argmax fast path): OpenAI's ``frequency_p
 ``repetition_penalty`` (> 0, over prompt + answer, HF's processor), ``min_p`` ([0, 1]), ``min_tokens`` (no
 end-of-sequence / stop token before that many; at most ``max_tokens``), ``stop_token_ids`` (end the answer,
 ``finish_reason: stop``; its id ends the token ids, its text is not in the answer, as vLLM) and ``ignore_eos``.
-Extensions: ``top_k`` (0 or -1: off), ``cache_salt`` (vLLM's field: appended to the tenant's salt) and
-``return_token_ids`` (vLLM's: the generated token ids in each choice / chunk).
+Extensions: ``top_k`` (0 or -1: off), ``cache_salt`` (vLLM's field: appended to the tenant's salt),
+``return_token_ids`` (vLLM's: the generated token ids in each choice / chunk) and ``skip_special_tokens`` (vLLM's,
+default true: false keeps special tokens in the generated text).
+
+Completions as evaluation harnesses send them (lm-evaluation-harness's ``local-completions``): a batch of prompts
+(:data:`MAX_PROMPTS`), ``echo`` (the prompt before the answer; with ``logprobs``, the prompt tokens' teacher-forced
+log-probabilities, the first one null) and ``max_tokens: 0`` with ``echo`` (the prompt's logprobs, no answer): see
+:class:`CompletionRequest`. Chat's ``echo`` (vLLM's) is refused.
 """
 
 from __future__ import annotations
