@@ -257,3 +257,38 @@ def test_skip_special_tokens(served):
     with served.http(key=None) as c:
         assert_envelope(c.post("/v1/completions", json={"prompt": "x", "skip_special_tokens": "no"}), 400,
                         param="skip_special_tokens")  # fmt: skip
+
+
+def test_echo_with_samples(served):
+    """``n`` samples with ``echo`` and ``logprobs``: every choice starts with the prompt and its (one) prompt
+    logprobs; the samples' answers are their own."""
+    ids = random_ids(18, seed=41)
+    with served.http(key=None) as c:
+        r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0.9, "seed": 5, "n": 2,
+                                            "echo": True, "logprobs": 1})  # fmt: skip
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1]
+    prompt_text = served.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    for ch in choices:
+        assert ch["text"].startswith(prompt_text)
+        assert len(ch["logprobs"]["tokens"]) == len(ids) + 3
+        check_prompt_logprobs(served, ids, ch["logprobs"], top=1)
+
+
+def test_loop_score_requests_refuse_bad_input(served):
+    """``loop.submit(score_ids=...)``: one sample only, token ids of the vocabulary only."""
+    from kvboost.engine.requests import SamplingParams
+    from kvboost.prompts import PromptError
+
+    with pytest.raises(ValueError, match="n=1"):
+        served.loop.submit([5], SamplingParams(max_tokens=1, n=2), score_ids=[6, 7])
+    with pytest.raises(PromptError):
+        served.loop.submit([5], SamplingParams(max_tokens=1), score_ids=[6, 10_000])
+    with pytest.raises(PromptError, match="empty"):
+        served.loop.submit([5], SamplingParams(max_tokens=1), score_ids=[])
+    done = served.loop.submit([5], SamplingParams(max_tokens=1, logprobs=2), score_ids=[6, 7]).result(60)
+    ref = reference(served, [5, 6, 7])
+    assert [len(e.top) for e in done.score_logprobs] == [2, 2]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in done.score_logprobs]),
+                               torch.stack([ref[0, 6], ref[1, 7]]), atol=ATOL, rtol=0)  # fmt: skip
