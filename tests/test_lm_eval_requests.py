@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
-from test_server import SECRET, Served, assert_envelope, serve_app
+from test_server import SECRET, Served, assert_envelope, sample, serve_app
 
 from kvboost.engine.loop import EngineLoop
 from kvboost.serving.server import create_app
@@ -292,3 +292,18 @@ def test_loop_score_requests_refuse_bad_input(served):
     assert [len(e.top) for e in done.score_logprobs] == [2, 2]
     torch.testing.assert_close(torch.tensor([e.logprob for e in done.score_logprobs]),
                                torch.stack([ref[0, 6], ref[1, 7]]), atol=ATOL, rtol=0)  # fmt: skip
+
+
+def test_metrics_count_the_answers_not_the_score_requests(served):
+    """A batch of 3 echo + logprobs prompts with one answer each is 3 finished requests in ``/metrics``: the
+    prompt-logprob score requests behind them are not counted as client requests."""
+
+    def finished() -> float:
+        text = served.metrics()
+        return sum(sample(text, "vllm:request_success_total", finished_reason=r) or 0.0 for r in ("stop", "length"))
+
+    before = finished()
+    with served.http(key=None) as c:
+        r = c.post("/v1/completions", json=loglikelihood_body([random_ids(10, seed=s) for s in (51, 52, 53)]))
+    assert r.status_code == 200, r.text
+    assert finished() - before == 3

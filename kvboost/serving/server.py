@@ -39,7 +39,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -376,15 +376,18 @@ class _Service:
         """Count a request whose client left once the loop has ended it."""
         self.metrics.observe(await handle.aresult(), tenant.tenant_id)
 
-    def cancel_all(self, handles: list[RequestHandle], tenant: Tenant) -> None:
-        """Cancel a request's samples (their blocks go back at the loop's next step); each is counted once it ended."""
+    def cancel_all(self, handles: list[RequestHandle], tenant: Tenant, uncounted: Collection[RequestHandle] = ()) -> None:
+        """Cancel a request's samples (their blocks go back at the loop's next step); each is counted once it ended
+        (but those in ``uncounted``: a prompt-logprobs score request is part of its client request, not one)."""
         for handle in handles:
             handle.cancel()
-            self.spawn(self.observe_later(handle, tenant))
+            if handle not in uncounted:
+                self.spawn(self.observe_later(handle, tenant))
 
-    async def wait(self, request: Request, handles: list[RequestHandle], tenant: Tenant) -> list[Completion] | None:
+    async def wait(self, request: Request, handles: list[RequestHandle], tenant: Tenant,
+                   uncounted: Collection[RequestHandle] = ()) -> list[Completion] | None:  # fmt: skip
         """The completions of the request's samples, or None if the client disconnected first (they are then
-        cancelled)."""
+        cancelled). The metrics count each but those in ``uncounted``."""
 
         async def results() -> list[Completion]:
             return [await handle.aresult() for handle in handles]
@@ -397,11 +400,12 @@ class _Service:
             gone.cancel()
             if not result.done():
                 result.cancel()
-                self.cancel_all(handles, tenant)
+                self.cancel_all(handles, tenant, uncounted)
         if result in done:
             completions = result.result()
-            for completion in completions:
-                self.metrics.observe(completion, tenant.tenant_id)
+            for handle, completion in zip(handles, completions, strict=True):
+                if handle not in uncounted:
+                    self.metrics.observe(completion, tenant.tenant_id)
             return completions
         return None
 
@@ -513,8 +517,9 @@ class _Service:
     # ------------------------------------------------------------------ /v1/completions: batches and echo
     async def completions(self, request: Request, body: P.CompletionRequest) -> Any:
         """``/v1/completions``: one prompt without ``echo`` goes through :meth:`generate` (streaming or not); a batch
-        of prompts, or ``echo``, through :meth:`complete_echo` per prompt (not streamed), prompt ``i``'s samples
-        as choices ``i * n + j``, the usage added up over the prompts."""
+        of prompts, or ``echo``, is submitted prompt by prompt (:meth:`submit_prompt`), awaited together (one watch
+        for the client leaving) and answered whole, prompt ``i``'s samples as choices ``i * n + j``, the usage added
+        up over the prompts."""
         self.check_model(body.model)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 is accepted with echo: true only: the prompt's "
@@ -525,17 +530,40 @@ class _Service:
         if body.stream:
             raise APIError(400, "stream is not supported by kvboost with echo or a batch of prompts (send "
                            "stream: false)", param="stream", code="unsupported_value")  # fmt: skip
+        tenant: Tenant = request.state.tenant
         rid, created = P.new_id("cmpl"), P.now()
-        parts = await asyncio.gather(*(self.complete_echo(request, body, p, f"{rid}-{i}")
-                                       for i, p in enumerate(prompts)))  # fmt: skip
-        if any(part is None for part in parts):
+        parts: list[_Submitted] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                parts.append(await self.submit_prompt(body, prompt, tenant, f"{rid}-{i}"))
+        except BaseException:  # a later prompt refused: the earlier ones are not answered, so they stop
+            for part in parts:
+                self.cancel_all(part.handles(), tenant, [part.score] if part.score else [])
+            raise
+        handles = [h for part in parts for h in part.handles()]
+        scores = [part.score for part in parts if part.score is not None]
+        try:
+            done = await self.wait(request, handles, tenant, scores) if handles else []
+        except asyncio.CancelledError:
+            for h in handles:
+                h.cancel()
+            raise
+        if done is None:
             return Response(status_code=499)  # the client is gone
+        for completion in done:
+            error = _finish_error(completion)
+            if error is not None:
+                raise error
         n = int(body.n or 1)
         choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
-        for i, (part_choices, completions) in enumerate(parts):  # type: ignore[misc]
-            for choice in part_choices:
+        at = 0
+        for i, part in enumerate(parts):
+            mine = done[at : at + len(part.handles())]
+            at += len(part.handles())
+            samples = mine[: len(part.samples)]
+            for choice in self.echo_choices(body, part, samples, mine[len(part.samples) :]):
                 choices.append({**choice, "index": i * n + choice["index"]})
-            used = P.usage(completions)
+            used = P.usage(samples or [part.nothing()])
             for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
                 totals[key] += used[key]
             totals["cached_tokens"] += used["prompt_tokens_details"]["cached_tokens"]
@@ -543,67 +571,71 @@ class _Service:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": {**totals, "prompt_tokens_details": {"cached_tokens": cached}}}  # fmt: skip
 
-    async def complete_echo(self, request: Request, body: P.CompletionRequest, prompt: Any,
-                            rid: str) -> tuple[list[dict[str, Any]], list[Completion]] | None:  # fmt: skip
-        """One prompt of :meth:`completions`: its choices (``index`` = the sample's) and completions (for the
-        usage), or None when the client left. The answer is the ordinary generate request (none for
-        ``max_tokens: 0``); with ``echo`` and ``logprobs`` a second request computes the prompt's logprobs
-        (:meth:`submit_prompt_score`), so the prompt is computed twice: once for them, once (reusing the cache) for
-        the answer."""
-        tenant: Tenant = request.state.tenant
+    async def submit_prompt(self, body: P.CompletionRequest, prompt: Any, tenant: Tenant, rid: str) -> _Submitted:
+        """One prompt of :meth:`completions`, submitted: its generate request (none for ``max_tokens: 0``) and, for
+        ``echo`` with ``logprobs``, the request of its prompt logprobs (:meth:`submit_prompt_score`; the prompt is
+        then computed twice: once for them, once, reusing the cache, for the answer)."""
         max_tokens, tokenized = await self.max_tokens(body, prompt, False, "prompt")
         if tokenized is None:
             tokenized = await self.tokenize(prompt, False, "prompt")
-        ids = list(tokenized.ids)
-        handles: list[RequestHandle] = []
+        part = _Submitted(prompt, list(tokenized.ids), rid)
         if max_tokens > 0:
             handle = await run_in_threadpool(self.submit, tokenized, body, max_tokens, tenant, False, rid, "prompt")
-            handles = list(handle.samples)
+            part.samples = list(handle.samples)
         k = body.num_logprobs()
-        scored = body.echo and k is not None and len(ids) > 1
-        if scored:
-            handles.append(await run_in_threadpool(self.submit_prompt_score, ids, k, tenant, body, rid))
-        try:
-            completions = await self.wait(request, handles, tenant) if handles else []
-        except asyncio.CancelledError:
-            for h in handles:
-                h.cancel()
-            raise
-        if completions is None:
-            return None
-        for completion in completions:
-            error = _finish_error(completion)
-            if error is not None:
-                raise error
-        prompt_entries: list[Any] = [None]  # the first token has nothing before it
-        if scored:
-            prompt_entries += completions.pop().score_logprobs or []
-        if not completions:  # max_tokens 0: no answer, the prompt alone
-            completions = [Completion(request_id=rid, prompt_tokens=len(ids), output_ids=[], text="",
-                                      finish_reason="length", logprobs=[] if k is not None else None)]  # fmt: skip
+        if body.echo and k is not None and len(part.ids) > 1:
+            try:
+                part.score = await run_in_threadpool(self.submit_prompt_score, part.ids, k, tenant, body, rid)
+            except BaseException:
+                self.cancel_all(part.samples, tenant)
+                raise
+        return part
+
+    def echo_choices(self, body: P.CompletionRequest, part: _Submitted, samples: list[Completion],
+                     score: list[Completion]) -> list[dict[str, Any]]:  # fmt: skip
+        """The choices of one prompt (``index``: the sample's): the echoed prompt (text; with ``logprobs`` its
+        tokens, the first one null, then the score request's entries), then each sample's answer."""
+        k = body.num_logprobs()
+        prompt_entries: list[Any] = [None, *(score[0].score_logprobs or [])] if score else [None]
         echoed = ""
         if body.echo:
-            if isinstance(prompt, str):
-                echoed = prompt
+            if isinstance(part.prompt, str):
+                echoed = part.prompt
             else:
                 engine = self.loop.engine
                 with engine.tokenizer_lock:
-                    echoed = engine.tokenizer.decode(ids, skip_special_tokens=False)
+                    echoed = engine.tokenizer.decode(part.ids, skip_special_tokens=False)
         choices = []
-        for c in completions:
+        for c in samples or [part.nothing(k is not None)]:
             logprobs = None
-            if k is not None:
-                if body.echo:
-                    logprobs = P.completion_logprobs([*ids, *c.output_ids], [*prompt_entries, *(c.logprobs or [])],
-                                                     self.token_text)  # fmt: skip
-                else:
-                    logprobs = P.completion_logprobs(c.output_ids, c.logprobs, self.token_text)
+            if k is not None and body.echo:
+                logprobs = P.completion_logprobs([*part.ids, *c.output_ids], [*prompt_entries, *(c.logprobs or [])],
+                                                 self.token_text)  # fmt: skip
+            elif k is not None:
+                logprobs = P.completion_logprobs(c.output_ids, c.logprobs, self.token_text)
             choice: dict[str, Any] = {"index": c.index, "text": echoed + c.text, "logprobs": logprobs,
                                       "finish_reason": c.finish_reason}  # fmt: skip
             if body.return_token_ids:
                 choice["token_ids"] = list(c.output_ids)
             choices.append(choice)
-        return choices, completions
+        return choices
+
+
+class _Submitted:
+    """One prompt of a batch / echo request on its way: its ids, its samples' handles, its score request's."""
+
+    def __init__(self, prompt: Any, ids: list[int], rid: str) -> None:
+        self.prompt, self.ids, self.rid = prompt, ids, rid
+        self.samples: list[RequestHandle] = []
+        self.score: RequestHandle | None = None
+
+    def handles(self) -> list[RequestHandle]:
+        return [*self.samples, *([self.score] if self.score is not None else [])]
+
+    def nothing(self, logprobs: bool = False) -> Completion:
+        """The answer of ``max_tokens: 0``: none (finish_reason ``length``, as vLLM)."""
+        return Completion(request_id=self.rid, prompt_tokens=len(self.ids), output_ids=[], text="",
+                          finish_reason="length", logprobs=[] if logprobs else None)  # fmt: skip
 
 
 def _finish_error(completion: Completion) -> APIError | None:
