@@ -27,6 +27,10 @@ JSON-escaped, at most :data:`MAX_NAMED_FIELDS`). ``create_app(strict_requests=Tr
 them with a 400 (``unknown_field``) instead. Known fields kvboost does not implement are never ignored: see
 :data:`kvboost.serving.protocol.DEFAULT_ONLY`.
 
+``/v1/completions`` takes a batch of prompts and ``echo`` (with ``logprobs``: the prompt's teacher-forced logprobs,
+computed by a score request per prompt, see :meth:`_Service.submit_prompt_score`); those are answered whole (no
+stream). ``max_tokens: 0`` is accepted with ``echo`` only.
+
 A stream that already sent its headers reports a late error (timeout, shutdown, engine failure) as one
 ``data: {"error": {...}}`` event, then ``data: [DONE]``. With ``n`` > 1 the samples' chunks interleave, each with its
 choice's ``index``; with logprobs, every generated token is in one chunk with its log-probabilities. A client that disconnects (streaming or not) cancels its
