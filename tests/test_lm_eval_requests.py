@@ -12,7 +12,6 @@ of one plain forward of the tiny model (fp32)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,12 +19,9 @@ import openai
 import pytest
 import torch
 from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
-from test_server import SECRET, Served, assert_envelope, sample, serve_app
+from test_server import MODEL, Served, assert_envelope, sample, served_engine
 
-from kvboost.engine.loop import EngineLoop
-from kvboost.serving.server import create_app
 
-MODEL = "tiny"
 #: fp32 logprobs of the engine (chunked prefill, KV cache) against one plain forward
 ATOL = 1e-4
 #: a special token of SpecialTokenizer: "<s>" in the text unless skipped
@@ -49,25 +45,13 @@ class SpecialTokenizer(ToyTokenizer):
         return "".join(out)
 
 
-@contextlib.contextmanager
-def _served() -> Iterator[Served]:
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
     from kvboost import KVBoost
 
     engine = KVBoost(tiny_model("llama"), SpecialTokenizer(), model_identity="tiny-llama", decode="eager",
                      chunker={"name": "fixed", "chunk_size": 16})  # fmt: skip
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, model_name=MODEL, server_secret=SECRET)
-    try:
-        with serve_app(app) as base:
-            yield Served(base, loop, engine, app)
-    finally:
-        loop.shutdown()
-        engine.close()
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    with _served() as s:
+    with served_engine(engine) as s:
         yield s
 
 

@@ -10,7 +10,6 @@ in ``extra_body``); bad values are a 400 in OpenAI's error format naming the fie
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterator
 
@@ -20,16 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvboost_testkit.tiny import ToyTokenizer, tiny_model
-from test_server import SECRET, Served, assert_envelope, serve_app
+from test_server import MODEL, Served, assert_envelope, served_engine
 
 from kvboost.decoding import Sampling, TokenHistory, openai_penalties, pick_token
 from kvboost.engine.frontend import tokenize_prompt
-from kvboost.engine.loop import EngineLoop
 from kvboost.engine.requests import SamplingParams
-from kvboost.serving.server import create_app
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
-MODEL = "tiny"
 
 
 # ---------------------------------------------------------------------- the formulas, on logits
@@ -110,25 +106,13 @@ def test_sampling_params_refuse_bad_values(kwargs, field):
 
 
 # ---------------------------------------------------------------------- through the engine loop
-@contextlib.contextmanager
-def _loop(**app_options) -> Iterator[Served]:
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
     from kvboost import KVBoost
 
     engine = KVBoost(tiny_model("llama"), ToyTokenizer(), model_identity="tiny-llama", decode="eager",
                      chunker={"name": "fixed", "chunk_size": 16})  # fmt: skip
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, model_name=MODEL, server_secret=SECRET)
-    try:
-        with serve_app(app) as base:
-            yield Served(base, loop, engine, app)
-    finally:
-        loop.shutdown()
-        engine.close()
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    with _loop() as s:
+    with served_engine(engine) as s:
         yield s
 
 

@@ -88,6 +88,14 @@ def served(*, keys: list[str] | None = None, eos: bool = True, max_model_len: in
     engine = make_engine("llama", decode="eager")
     if not eos:
         engine.eos_ids = set()  # every request runs to max_tokens: long enough to overload, disconnect, time out
+    with served_engine(engine, keys=keys, max_model_len=max_model_len, **loop_options) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def served_engine(engine: Any, *, keys: list[str] | None = None, max_model_len: int | None = None,
+                  **loop_options: Any) -> Iterator[Served]:  # fmt: skip
+    """``engine`` behind an ``EngineLoop`` and the app on a real server; the loop stops and the engine closes after."""
     loop = EngineLoop(engine, **loop_options).start()
     app = create_app(loop, model_name=MODEL, api_keys=keys, server_secret=SECRET, max_model_len=max_model_len)
     try:
