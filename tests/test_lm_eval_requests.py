@@ -12,6 +12,9 @@ of one plain forward of the tiny model (fp32)."""
 
 from __future__ import annotations
 
+import copy
+import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +22,8 @@ import openai
 import pytest
 import torch
 from kvboost_testkit.tiny import ToyTokenizer, random_ids, tiny_model
-from test_server import MODEL, Served, assert_envelope, sample, served_engine
+from test_openai_conformance import check_body
+from test_server import MODEL, Served, assert_envelope, data_events, sample, served_engine, slowed
 
 
 #: fp32 logprobs of the engine (chunked prefill, KV cache) against one plain forward
@@ -211,13 +215,130 @@ def test_batched_prompts_without_echo(served):
         assert c.text == alone[c.index // 2]
 
 
+# ---------------------------------------------------------------------- streamed
+def without_first_null(chunk: dict[str, Any]) -> dict[str, Any]:
+    """``chunk`` without the null logprob of an echoed prompt's first token (nothing precedes it). OpenAI's API and
+    vLLM send that null, but the published schema and the client's types have only numbers in ``token_logprobs`` and
+    objects in ``top_logprobs``: the entry is dropped from the four lists before the chunk is checked against them."""
+    out = copy.deepcopy(chunk)
+    for choice in out["choices"]:
+        lp = choice["logprobs"]
+        if lp and lp["token_logprobs"] and lp["token_logprobs"][0] is None:
+            assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0, lp
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                lp[key] = lp[key][1:]
+    return out
+
+
+def streamed_choices(served: Served, body: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], dict[str, Any] | None]:
+    """A streamed /v1/completions request put together per choice index (text, logprobs lists, finish_reason), and
+    its usage chunk's usage; every chunk is checked against OpenAI's schema and the client's types."""
+    out: dict[int, dict[str, Any]] = {}
+    usage = None
+    with served.http(key=None) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]", events
+    for event in events[:-1]:
+        chunk = json.loads(event)
+        assert "error" not in chunk, chunk
+        check_body(without_first_null(chunk), "completion_chunk")
+        if not chunk["choices"]:
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            acc = out.setdefault(choice["index"], {"text": "", "finish_reason": None, "logprobs": None})
+            assert acc["finish_reason"] is None, f"choice {choice['index']}: a chunk after its finish_reason"
+            acc["text"] += choice["text"]
+            acc["finish_reason"] = choice["finish_reason"]
+            if choice["logprobs"] is not None:
+                lp = acc["logprobs"] = acc["logprobs"] or {k: [] for k in choice["logprobs"]}
+                for key, values in choice["logprobs"].items():
+                    lp[key] += values
+    return out, usage
+
+
+STREAMED = [
+    ("echo_logprobs_greedy", {"prompt": random_ids(14, seed=61), "max_tokens": 4, "temperature": 0, "echo": True,
+                              "logprobs": 2}),
+    ("echo_max_tokens_zero", loglikelihood_body([random_ids(12, seed=62), random_ids(7, seed=63)], max_tokens=0,
+                                                logprobs=1)),
+    ("lm_eval_batch", loglikelihood_body([random_ids(9, seed=64), random_ids(5, seed=65)])),
+    ("echo_text_no_logprobs", {"prompt": "the quick brown fox", "max_tokens": 3, "temperature": 0, "echo": True}),
+    ("batch_samples_seeded", {"prompt": ["alpha beta", "gamma"], "max_tokens": 3, "temperature": 0.8, "seed": 3,
+                              "n": 2}),
+    ("one_token_prompt_echo", {"prompt": [40], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", [b for _, b in STREAMED], ids=[i for i, _ in STREAMED])
+def test_streamed_echo_and_batches_equal_whole(served, body):
+    """``stream: true`` with ``echo`` or a batch of prompts (vLLM's stream: each choice's first chunk carries its
+    echoed prompt, with the prompt's logprobs): per choice, the chunks add up to the whole answer's text, logprobs
+    (text offsets included) and finish_reason; the usage chunk equals the whole answer's usage."""
+    with served.http(key=None) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    got, usage = streamed_choices(served, {**body, "stream_options": {"include_usage": True}})
+    assert sorted(got) == [ch["index"] for ch in whole["choices"]]
+    for ch in whole["choices"]:
+        mine = got[ch["index"]]
+        assert (mine["text"], mine["finish_reason"]) == (ch["text"], ch["finish_reason"]), ch["index"]
+        assert (mine["logprobs"] is None) == (ch["logprobs"] is None)
+        if ch["logprobs"] is not None:  # the same tokens; logprobs equal up to fp32 batching noise
+            lp, want = mine["logprobs"], ch["logprobs"]
+            assert (lp["tokens"], lp["text_offset"]) == (want["tokens"], want["text_offset"])
+            assert lp["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=ATOL)
+            for top, want_top in zip(lp["top_logprobs"], want["top_logprobs"], strict=True):
+                assert top == (None if want_top is None else pytest.approx(want_top, abs=ATOL))
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: the whole request cached some
+    assert {k: usage[k] for k in counts} == {k: whole["usage"][k] for k in counts}
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+
+
+def test_a_streamed_batch_whose_client_leaves_frees_its_blocks(served):
+    """A streamed batch with echo and logprobs whose client reads two chunks and hangs up: its answers and its
+    prompts' score requests are cancelled (not run to their 300 tokens), and the referenced blocks come back to where
+    they were (the loop slowed, so nothing can end while the test looks)."""
+    served.wait_idle()
+    pool = served.engine.pool
+    before = pool.num_referenced
+    cancelled = sample(served.metrics(), "vllm:request_success_total", finished_reason="cancelled") or 0.0
+    body = {**loglikelihood_body([random_ids(20, seed=71), random_ids(30, seed=72)], max_tokens=300),
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with slowed(served.loop):
+        with served.http(key=None) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = data_events(r)  # held: the connection stays open until the with block leaves
+            first = [json.loads(next(events)) for _ in range(2)]
+            assert all(chunk["choices"][0]["finish_reason"] is None for chunk in first)
+            assert pool.num_referenced > before
+    served.wait_idle()
+    deadline = time.monotonic() + 10
+    while pool.num_referenced != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.num_referenced == before
+    pool.verify()
+    time.sleep(0.1)  # the server counts a cancelled request when the loop hands back its completion
+    # the two answers, cancelled (the score requests behind them are not client requests: not counted)
+    assert sample(served.metrics(), "vllm:request_success_total", finished_reason="cancelled") == cancelled + 2
+
+
+def test_streamed_echo_through_the_openai_client(served):
+    prompt = "jumps over the lazy dog"
+    client = served.client(key=None)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))  # fmt: skip
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
 # ---------------------------------------------------------------------- refusals
 def test_max_tokens_zero_needs_echo(served):
     with served.http(key=None) as c:
         assert_envelope(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400,
                         code="invalid_value", param="max_tokens")  # fmt: skip
-        assert_envelope(c.post("/v1/completions", json={"prompt": "x", "echo": True, "stream": True}), 400,
-                        code="unsupported_value", param="stream")  # fmt: skip
         assert_envelope(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                              "max_tokens": 0}), 400, param="max_tokens")  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

@@ -376,7 +376,8 @@ class CompletionRequest(_GenerationBody):
     ``token_logprobs`` / ``top_logprobs`` entry is null (nothing precedes it), every other is the model's
     teacher-forced ``log_softmax`` at that position (computed, never read from a cached prefix: see
     ``kvboost.serving.server``). ``max_tokens: 0`` (with ``echo`` only) generates nothing: the prompt's logprobs
-    alone, as lm-evaluation-harness's loglikelihood requests ask. Streaming with ``echo`` or a batch is refused."""
+    alone, as lm-evaluation-harness's loglikelihood requests ask. Streamed (vLLM's stream), a choice's first chunk
+    is its echoed prompt with the prompt's logprobs, and a batch's choices interleave."""
 
     prompt: (
         str
@@ -772,9 +773,10 @@ def stream_chunk(rid: str, created: int, model: str, *, chat: bool, text: str | 
     return body
 
 
-def usage_chunk(rid: str, created: int, model: str, *, chat: bool, completions: list[Completion]) -> dict[str, Any]:
+def usage_chunk(rid: str, created: int, model: str, *, chat: bool, usage: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the request's ``usage``."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(completions)}  # fmt: skip
+            "model": model, "choices": [], "usage": usage}  # fmt: skip
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:

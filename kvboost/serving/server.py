@@ -28,8 +28,9 @@ them with a 400 (``unknown_field``) instead. Known fields kvboost does not imple
 :data:`kvboost.serving.protocol.DEFAULT_ONLY`.
 
 ``/v1/completions`` takes a batch of prompts and ``echo`` (with ``logprobs``: the prompt's teacher-forced logprobs,
-computed by a score request per prompt, see :meth:`_Service.submit_prompt_score`); those are answered whole (no
-stream). ``max_tokens: 0`` is accepted with ``echo`` only.
+computed by a score request per prompt, see :meth:`_Service.submit_prompt_score`), whole or streamed (each choice's
+first chunk is its echoed prompt, with its logprobs: :meth:`_Service.stream_prompts`). ``max_tokens: 0`` is accepted
+with ``echo`` only.
 
 A stream that already sent its headers reports a late error (timeout, shutdown, engine failure) as one
 ``data: {"error": {...}}`` event, then ``data: [DONE]``. With ``n`` > 1 the samples' chunks interleave, each with its
@@ -43,7 +44,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -413,15 +414,24 @@ class _Service:
             return completions
         return None
 
-    async def stream(self, handles: list[RequestHandle], tenant: Tenant, *, rid: str, created: int, chat: bool,
-                     body: P._GenerationBody) -> AsyncIterator[str]:  # fmt: skip
+    async def stream(self, handles: Sequence[RequestHandle | None], tenant: Tenant, *, rid: str, created: int,
+                     chat: bool, body: P._GenerationBody, echoes: Sequence[Callable[[], Awaitable[Any]]] | None = None,
+                     indices: Sequence[int] | None = None, scores: Sequence[RequestHandle] = (),
+                     batch_usage: Callable[[list[Completion | None]], dict[str, Any]] | None = None,
+                     ) -> AsyncIterator[str]:  # fmt: skip
         """SSE data lines of one request's samples (interleaved as they come, each chunk with its choice's
-        ``index``); the ``finally`` cancels them if the client went away first."""
+        ``index``); the ``finally`` cancels them if the client went away first.
+
+        /v1/completions' batches and ``echo`` (:meth:`stream_prompts`): ``indices[i]`` is sample ``i``'s choice index;
+        ``echoes[i]()`` awaits its first chunk's text and logprobs (the echoed prompt), or None when the prompt's
+        score request failed (its error ends the stream); a None handle is a choice with no answer (``max_tokens:
+        0``): its echo, then ``finish_reason: length``. ``scores``: the requests computing prompt logprobs (not client
+        requests: not counted; their failures reported). ``batch_usage(results)``: the usage chunk's usage."""
         ids = bool(body.return_token_ids)
         usage = body.include_usage
         with_logprobs = body.num_logprobs() is not None
-        observed = [False] * len(handles)
-        results: list[Completion] = [None] * len(handles)  # type: ignore[list-item]
+        observed = [h is None for h in handles]
+        results: list[Completion | None] = [None] * len(handles)
         queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
         def chunk(index: int, text: str | None, finish: str | None = None, token_ids: list[int] | None = None,
@@ -437,12 +447,23 @@ class _Service:
                 return P.chat_logprobs([token_id], [entry], self.token_text)
             return P.completion_logprobs([token_id], [entry], self.token_text, offset)
 
-        async def one(index: int, handle: RequestHandle) -> None:
+        async def one(pos: int, handle: RequestHandle | None) -> None:
             """The chunks of one sample, into the queue (None: it ended; its completion is then in)."""
+            index = indices[pos] if indices is not None else pos
             try:
                 if chat:
                     await queue.put((index, chunk(index, "", role=True, token_ids=[] if ids else None)))
                 sent, offset = "", 0
+                if echoes is not None:
+                    echo = await echoes[pos]()
+                    if echo is None:
+                        return
+                    text, logprobs = echo
+                    offset = sum(map(len, logprobs["tokens"])) if logprobs is not None else 0
+                    await queue.put((index, chunk(index, text, token_ids=[] if ids else None, logprobs=logprobs)))
+                if handle is None:  # max_tokens 0: the echo is the whole answer
+                    await queue.put((index, chunk(index, "", finish="length", token_ids=[] if ids else None)))
+                    return
                 async for event in handle.stream():
                     if event.text or ids or with_logprobs:
                         sent += event.text
@@ -451,9 +472,9 @@ class _Service:
                             offset += len(logprobs["tokens"][0])
                         await queue.put((index, chunk(index, event.text, token_ids=[event.token_id],
                                                       logprobs=logprobs)))  # fmt: skip
-                completion = results[index] = await handle.aresult()
+                completion = results[pos] = await handle.aresult()
                 self.metrics.observe(completion, tenant.tenant_id)
-                observed[index] = True
+                observed[pos] = True
                 if _finish_error(completion) is None:
                     # deltas add up to the final text; should the loop have trimmed less than it held back, send
                     # the rest
@@ -475,18 +496,21 @@ class _Service:
                     yield line
             for task in tasks:
                 task.result()  # an exception of a sample's task is this stream's
-            completions = results
-            error = next((e for e in map(_finish_error, completions) if e is not None), None)
+            ended = [c for c in results if c is not None] + [s.completion for s in scores if s.done]
+            error = next((e for e in map(_finish_error, ended) if e is not None), None)
             if error is not None:
                 yield error.event()
             elif usage:
-                yield json.dumps(P.usage_chunk(rid, created, self.model_name, chat=chat, completions=completions))
+                totals = P.usage(results) if batch_usage is None else batch_usage(results)  # type: ignore[arg-type]
+                yield json.dumps(P.usage_chunk(rid, created, self.model_name, chat=chat, usage=totals))
             yield "[DONE]"
         finally:
             for task in tasks:
                 task.cancel()
-            for index, handle in enumerate(handles):
-                if not observed[index]:
+            for score in scores:
+                score.cancel()  # a no-op once it ended
+            for pos, handle in enumerate(handles):
+                if handle is not None and not observed[pos]:
                     handle.cancel()
                     self.spawn(self.observe_later(handle, tenant))
 
@@ -521,9 +545,9 @@ class _Service:
     # ------------------------------------------------------------------ /v1/completions: batches and echo
     async def completions(self, request: Request, body: P.CompletionRequest) -> Any:
         """``/v1/completions``: one prompt without ``echo`` goes through :meth:`generate` (streaming or not); a batch
-        of prompts, or ``echo``, is submitted prompt by prompt (:meth:`submit_prompt`), awaited together (one watch
-        for the client leaving) and answered whole, prompt ``i``'s samples as choices ``i * n + j``, the usage added
-        up over the prompts."""
+        of prompts, or ``echo``, is submitted prompt by prompt (:meth:`submit_prompt`), then streamed
+        (:meth:`stream_prompts`) or awaited together (one watch for the client leaving) and answered whole, prompt
+        ``i``'s samples as choices ``i * n + j``, the usage added up over the prompts."""
         self.check_model(body.model)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 is accepted with echo: true only: the prompt's "
@@ -531,9 +555,6 @@ class _Service:
         prompts = body.prompts()
         if len(prompts) == 1 and not body.echo:
             return await self.generate(request, body, prompts[0], chat=False)
-        if body.stream:
-            raise APIError(400, "stream is not supported by kvboost with echo or a batch of prompts (send "
-                           "stream: false)", param="stream", code="unsupported_value")  # fmt: skip
         tenant: Tenant = request.state.tenant
         rid, created = P.new_id("cmpl"), P.now()
         parts: list[_Submitted] = []
@@ -544,6 +565,8 @@ class _Service:
             for part in parts:
                 self.cancel_all(part.handles(), tenant, [part.score] if part.score else [])
             raise
+        if body.stream:
+            return EventSourceResponse(self.stream_prompts(parts, body, tenant, rid, created), sep="\n")
         handles = [h for part in parts for h in part.handles()]
         scores = [part.score for part in parts if part.score is not None]
         try:
@@ -559,7 +582,7 @@ class _Service:
             if error is not None:
                 raise error
         n = int(body.n or 1)
-        choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+        choices, answers = [], []
         at = 0
         for i, part in enumerate(parts):
             mine = done[at : at + len(part.handles())]
@@ -567,13 +590,59 @@ class _Service:
             samples = mine[: len(part.samples)]
             for choice in self.echo_choices(body, part, samples, mine[len(part.samples) :]):
                 choices.append({**choice, "index": i * n + choice["index"]})
-            used = P.usage(samples or [part.nothing()])
-            for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-                totals[key] += used[key]
-            totals["cached_tokens"] += used["prompt_tokens_details"]["cached_tokens"]
-        cached = totals.pop("cached_tokens")
+            answers.append(samples)
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": {**totals, "prompt_tokens_details": {"cached_tokens": cached}}}  # fmt: skip
+                "choices": choices, "usage": _prompts_usage(parts, answers)}  # fmt: skip
+
+    def stream_prompts(self, parts: list[_Submitted], body: P.CompletionRequest, tenant: Tenant, rid: str,
+                       created: int) -> AsyncIterator[str]:  # fmt: skip
+        """The stream of a batch of prompts or of ``echo`` (vLLM's): prompt ``i``'s samples as choices ``i * n + j``,
+        interleaved as they come; with ``echo`` each choice's first chunk is its prompt's text (and, with
+        ``logprobs``, its prompt's logprobs, once its score request ended), then the answer's chunks (text offsets
+        counted after the prompt); ``max_tokens: 0``: the echo, then ``finish_reason: length``. The chunks of a
+        choice add up to its whole answer's choice."""
+        n = int(body.n or 1)
+        handles: list[RequestHandle | None] = []
+        indices: list[int] = []
+        echoes: list[Callable[[], Awaitable[Any]]] = []
+        for i, part in enumerate(parts):
+            for j, handle in enumerate(part.samples or [None]):
+                handles.append(handle)
+                indices.append(i * n + j)
+                echoes.append(lambda part=part: self.stream_echo(body, part))
+        scores = [part.score for part in parts if part.score is not None]
+
+        def usage(results: list[Completion | None]) -> dict[str, Any]:
+            answers, at = [], 0
+            for part in parts:
+                answers.append([c for c in results[at : at + max(1, len(part.samples))] if c is not None])
+                at += max(1, len(part.samples))
+            return _prompts_usage(parts, answers)
+
+        return self.stream(handles, tenant, rid=rid, created=created, chat=False, body=body, indices=indices,
+                           echoes=echoes if body.echo else None, scores=scores, batch_usage=usage)  # fmt: skip
+
+    async def stream_echo(self, body: P.CompletionRequest, part: _Submitted) -> tuple[str, Any] | None:
+        """A streamed choice's echo: the prompt's text and (with ``logprobs``) its logprobs, the first one null, as
+        the whole answer has them; None if the prompt's score request failed (the stream then reports it)."""
+        entries: list[Any] = [None]
+        if part.score is not None:
+            score = await part.score.aresult()
+            if _finish_error(score) is not None:
+                return None
+            entries += score.score_logprobs or []
+        logprobs = None
+        if body.num_logprobs() is not None:
+            logprobs = P.completion_logprobs(part.ids, entries, self.token_text)
+        return self.echo_text(part), logprobs
+
+    def echo_text(self, part: _Submitted) -> str:
+        """A prompt as ``echo`` shows it: the text as sent, or token ids decoded (special tokens kept)."""
+        if isinstance(part.prompt, str):
+            return part.prompt
+        engine = self.loop.engine
+        with engine.tokenizer_lock:
+            return engine.tokenizer.decode(part.ids, skip_special_tokens=False)
 
     async def submit_prompt(self, body: P.CompletionRequest, prompt: Any, tenant: Tenant, rid: str) -> _Submitted:
         """One prompt of :meth:`completions`, submitted: its generate request (none for ``max_tokens: 0``) and, for
@@ -601,14 +670,7 @@ class _Service:
         tokens, the first one null, then the score request's entries), then each sample's answer."""
         k = body.num_logprobs()
         prompt_entries: list[Any] = [None, *(score[0].score_logprobs or [])] if score else [None]
-        echoed = ""
-        if body.echo:
-            if isinstance(part.prompt, str):
-                echoed = part.prompt
-            else:
-                engine = self.loop.engine
-                with engine.tokenizer_lock:
-                    echoed = engine.tokenizer.decode(part.ids, skip_special_tokens=False)
+        echoed = self.echo_text(part) if body.echo else ""
         choices = []
         for c in samples or [part.nothing(k is not None)]:
             logprobs = None
@@ -640,6 +702,18 @@ class _Submitted:
         """The answer of ``max_tokens: 0``: none (finish_reason ``length``, as vLLM)."""
         return Completion(request_id=self.rid, prompt_tokens=len(self.ids), output_ids=[], text="",
                           finish_reason="length", logprobs=[] if logprobs else None)  # fmt: skip
+
+
+def _prompts_usage(parts: list[_Submitted], answers: list[list[Completion]]) -> dict[str, Any]:
+    """The usage of a batch of prompts: each prompt's (its samples' ``answers``; none: ``max_tokens: 0``) added up."""
+    totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
+    for part, samples in zip(parts, answers, strict=True):
+        used = P.usage(samples or [part.nothing()])
+        for key in totals:
+            totals[key] += used[key]
+        cached += used["prompt_tokens_details"]["cached_tokens"]
+    return {**totals, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_error(completion: Completion) -> APIError | None:
