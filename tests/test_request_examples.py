@@ -34,7 +34,7 @@ import jsonschema
 import pytest
 from kvboost_testkit.tiny import tiny_model
 from test_openai_conformance import check_body
-from test_request_conformance import ToolTokenizer
+from test_request_conformance import REFUSED_MESSAGES, SHAPES, ToolTokenizer
 from test_server import MODEL, SECRET, Served, serve_app, served_engine
 
 from kvboost.serving.server import create_app
@@ -226,6 +226,18 @@ def test_openai_examples_summary(server, capsys):
             print(f"  refused {o.status} param={o.param}: {name}: {o.message}")
     assert all(o.status == 400 for _, o in refused)
     assert len(refused) == len(REFUSED) + len(FIELD_REFUSED)
+
+
+def test_hand_written_message_shapes_are_openai_requests():
+    """The message shapes ``test_request_conformance`` sends are requests of OpenAI's published schema: those it
+    answers, and those it refuses for what kvboost cannot serve (images, audio, files, a previous audio answer, a
+    custom tool call), so each of those 400s refuses a valid OpenAI request; its one malformed message (a user
+    message without content) is invalid there too."""
+    for name, messages in SHAPES:
+        assert_openai_request("/chat/completions", {"model": "m", "messages": messages})
+    for name, messages, _ in REFUSED_MESSAGES:
+        errors = list(VALIDATORS["/chat/completions"].iter_errors({"model": "m", "messages": messages}))
+        assert bool(errors) == (name == "user_without_content"), (name, errors[:1])
 
 
 # ---------------------------------------------------------------------- LangChain / LlamaIndex, as recorded
