@@ -14,11 +14,11 @@ random fp32 model:
   (the implemented ones, penalties, ``min_p``, ``logit_bias``...: ``tests/test_sampling_fields.py``);
 - served model aliases (vLLM's ``--served-model-name A B``) and the default name (the full model id).
 
-The trimmed copy of OpenAI's spec in ``tests/data/`` holds response schemas only (its extractor also drops every
-``example``), so it has no request bodies to replay: the bodies below are written by hand with the field names of
+The published spec's request examples are few (``tests/test_request_examples.py`` replays every one, with the
+request bodies LangChain and LlamaIndex send), so the bodies below are written by hand with the field names of
 OpenAI's request schema (``ChatCompletionRequestAssistantMessage`` and its siblings, as the official client's types
-``openai.types.chat.*MessageParam`` spell them, generated from that spec), and each message is checked against those
-types first.
+``openai.types.chat.*MessageParam`` spell them, generated from that spec); each message is checked against those
+types first, and ``test_request_examples`` checks them against the spec's request schema too.
 """
 
 from __future__ import annotations
