@@ -1,6 +1,8 @@
 """Scale-out on Ray Serve (kvboost/serving/ray.py). Most of it is tested without Ray: the in-process ASGI bridge (also
 over the real server app and engine loop), the routing keys of a request, the routers' state, the replicas' command
-line and the shared-tier refresher. One test deploys two replicas on a real (local) Ray; it skips without Ray."""
+line and the shared-tier refresher, the app builder's arguments and the bundled Serve config, check_health on a real
+engine loop. Two tests deploy two replicas on a real (local) Ray (a conversation kept on one replica; a replica whose
+engine loop is killed, replaced while traffic goes on); they skip without Ray."""
 
 from __future__ import annotations
 

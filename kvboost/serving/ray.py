@@ -44,7 +44,7 @@
 
 Run (one machine: a local Ray; a cluster: ``--address auto`` on its head node, see the README)::
 
-    kvboost-ray-serve --replicas 2 --router prefix --redis-url redis://127.0.0.1:6379/0   # = python -m kvboost.serving.ray
+    kvboost-ray-serve --replicas 2 --router prefix --redis-url redis://127.0.0.1:6379/0  # python -m kvboost.serving.ray
     kvboost-ray-serve --replicas 2 --router round_robin --no-redis model=tiny_random threads=1
     kvboost-ray-serve --replicas 2 --router events --redis-url redis://127.0.0.1:6379/0
 
@@ -787,7 +787,8 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
               num_gpus: float = 0.0, max_ongoing: int = 64, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
               chunk_chars: int = DEFAULT_CHUNK_CHARS, refresh_s: float = DEFAULT_REFRESH_S,
               health_check_period_s: float = DEFAULT_HEALTH_PERIOD_S,
-              health_check_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S, max_attempts: int = MAX_ATTEMPTS) -> Any:  # fmt: skip
+              health_check_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+              max_attempts: int = MAX_ATTEMPTS) -> Any:  # fmt: skip
     """The Serve application: the ingress over ``replicas`` engine replicas routed by ``router``; Serve calls each
     replica's ``check_health`` every ``health_check_period_s`` seconds (a failure, or no answer within
     ``health_check_timeout_s``, and Serve replaces the replica); the ingress tries up to ``max_attempts`` replicas
@@ -833,8 +834,8 @@ APP_ARGS: dict[str, tuple[Any, Any]] = {
     "no_redis": (bool, False), "refresh_s": (float, DEFAULT_REFRESH_S), "num_cpus": (float, 1.0),
     "num_gpus": (float, 0.0), "max_ongoing": (int, 64), "max_imbalance": (int, DEFAULT_MAX_IMBALANCE),
     "chunk_chars": (int, DEFAULT_CHUNK_CHARS), "server_args": (list, ()),
-    "health_check_period_s": (float, DEFAULT_HEALTH_PERIOD_S), "health_check_timeout_s": (float, DEFAULT_HEALTH_TIMEOUT_S),
-    "max_attempts": (int, MAX_ATTEMPTS),
+    "health_check_period_s": (float, DEFAULT_HEALTH_PERIOD_S),
+    "health_check_timeout_s": (float, DEFAULT_HEALTH_TIMEOUT_S), "max_attempts": (int, MAX_ATTEMPTS),
 }  # fmt: skip
 
 
