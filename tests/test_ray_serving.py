@@ -523,3 +523,71 @@ def test_ray_serve_replaces_a_replica_whose_engine_loop_died_and_traffic_recover
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# ============================================================== the router's replica book under Ray's announcements
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+_REPLICAS = ("r1", "r2", "r3", "r4")
+
+
+class ReplicaBookMachine(RuleBasedStateMachine):
+    """A router's :class:`RouteBook` and the process's :class:`RouterHub` as Ray drives them: requests sent and
+    completed (in any order, completions of unknown replicas too), routing decisions, and announcements of the
+    running set (``update_replicas``: retain + sync) or a dead actor (forget + gone). The model: per replica the
+    requests in flight, and the running set. Checked: counts never negative and equal to the model's, a replica
+    gone from the running set has no state left anywhere (its prefix index, its count, the hub), the ranking
+    lists exactly the candidates offered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvboost.serving.ray_metrics import RouterHub
+
+        self.book = kray.RouteBook("prefix", max_imbalance=2)
+        self.hub = RouterHub()
+        self.running: set[str] = set()
+        self.in_flight: dict[str, int] = {}
+
+    @rule(replicas=st.sets(st.sampled_from(_REPLICAS)))
+    def announce(self, replicas):
+        self.book.retain(replicas)
+        self.hub.sync(sorted(replicas))
+        self.in_flight = {r: n for r, n in self.in_flight.items() if r in replicas}
+        self.running = set(replicas)
+
+    @rule(replica=st.sampled_from(_REPLICAS))
+    def actor_died(self, replica):
+        self.book.forget(replica)
+        self.hub.gone(replica)
+        self.in_flight.pop(replica, None)
+        self.running.discard(replica)
+
+    @rule(prompt=st.integers(0, 3))
+    def route_and_send(self, prompt):
+        if not self.running:
+            assert self.book.rank(["k"], []) == []
+            return
+        ranking = self.book.rank(text_chunk_keys(f"prompt {prompt} " * 40), sorted(self.running))
+        assert sorted(ranking) == sorted(self.running)
+        self.book.sent(ranking[0])
+        self.in_flight[ranking[0]] = self.in_flight.get(ranking[0], 0) + 1
+
+    @rule(replica=st.sampled_from(_REPLICAS))
+    def completed(self, replica):
+        self.book.completed(replica)  # also for a replica forgotten meanwhile: nothing to take back
+        if self.in_flight.get(replica, 0) > 0:
+            self.in_flight[replica] -= 1
+
+    @invariant()
+    def counts_and_membership_agree(self):
+        for replica in _REPLICAS:
+            assert self.book.in_flight[replica] == self.in_flight.get(replica, 0) >= 0
+        known = {*self.book.prefix.indexes, *(r for r, n in self.book.in_flight.items() if n)}
+        assert known <= self.running, (known, self.running)
+        assert set(self.hub.replicas()) <= self.running
+
+
+TestReplicaBook = ReplicaBookMachine.TestCase
+TestReplicaBook.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
