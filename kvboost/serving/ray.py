@@ -30,31 +30,36 @@
   for every replica; the same ``max_imbalance`` guard). For that the ingress passes the request's token ids, chunk
   spans and tenant salt (:func:`request_route_tokens`: the served model's tokenizer and chat template and the
   engine's chunker, loaded once in the ingress; :class:`~kvboost.serving.event_routing.RequestTokenizer`).
-- ``GET /kvboost/routing`` on the ingress: the router name and how many generation requests each replica answered.
-- ``GET /metrics`` on the ingress: every replica's ``/metrics``, each series with a ``replica`` label added
-  (:func:`merge_metrics`; sum with ``sum without (replica) (...)`` in PromQL), fetched by requests the router sends to
-  one given replica each (``route_to``).
+- ``GET /kvboost/routing`` on the ingress: the router name, how many generation requests each replica answered,
+  how many requests were re-sent to another replica (below) and the replicas routed to now.
+- ``GET /metrics`` on the ingress: every replica's ``/metrics``, each series with a ``replica`` label added, plus the
+  ingress's own series (:mod:`kvboost.serving.ray_metrics`; sum with ``sum without (replica) (...)`` in PromQL),
+  fetched by requests the router sends to one given replica each (``route_to``).
+- Healing: every replica's ``check_health`` (:func:`replica_health`) raises when its engine loop failed, stopped or
+  does not answer a probe, so Serve stops routing to the replica and starts another; the router forgets a replica
+  when Ray's controller drops it from the running set. Until then a request the broken replica refuses unstarted
+  (the server's ``503 loop_stopped``) is re-sent by the ingress to another replica (``route_avoid``, at most
+  :data:`MAX_ATTEMPTS` tries), so clients see no error. ``KVBoostReplica.inject_loop_fault`` kills a replica's
+  loop on purpose (fault drills, ``experiments/checks/ray_replica_recovery.py``).
 
 Run (one machine: a local Ray; a cluster: ``--address auto`` on its head node, see the README)::
 
-    python -m kvboost.serving.ray --replicas 2 --router prefix --redis-url redis://127.0.0.1:6379/0
-    python -m kvboost.serving.ray --replicas 2 --router round_robin model=tiny_random threads=1
-    python -m kvboost.serving.ray --replicas 2 --router events --redis-url redis://127.0.0.1:6379/0
+    kvboost-ray-serve --replicas 2 --router prefix --redis-url redis://127.0.0.1:6379/0  # python -m kvboost.serving.ray
+    kvboost-ray-serve --replicas 2 --router round_robin --no-redis model=tiny_random threads=1
+    kvboost-ray-serve --replicas 2 --router events --redis-url redis://127.0.0.1:6379/0
 
 Everything not an option of this entry (``--dtype``, ``--max-running``, ``recompute=...``) goes to every replica's
 ``kvboost-server`` command line. The entry prints that command line with its secrets as ``***`` and filters them out
 of its log lines (:mod:`kvboost.serving.redact`).
 
-As a Serve application (``serve run``, ``serve deploy``, KubeRay's RayService): :func:`app_builder`, Ray's
-application-builder pattern (a function of the ``args`` that returns the bound ingress)::
+As a Serve application (``serve run``, ``serve deploy``, KubeRay's RayService): :data:`app` (= :func:`app_builder`,
+Ray's application-builder pattern: a function of the ``args`` that returns the bound ingress)::
 
-    serve run kvboost.serving.ray:app_builder replicas=2 router=events no_redis=true \
-        "server_args=model=tiny_random threads=1"
-    # or a Serve config file: import_path: kvboost.serving.ray:app_builder, args: {replicas: 2, router: prefix, ...}
+    serve run kvboost.serving.ray:app replicas=2 router=events no_redis=true "server_args=model=tiny_random threads=1"
+    kvboost-ray-serve --print-serve-config > serve.yaml && serve run serve.yaml   # two models, replicas, routers
 
-Every replica has a ``check_health`` (:func:`replica_health`): it raises when the replica's engine loop failed,
-stopped or does not answer a probe, so Serve stops routing to the replica and starts another. Ray is an optional dependency (extra ``cluster``); this module imports without it,
-and :func:`main` / the deployments say how to install it.
+Ray is an optional dependency (extra ``cluster``); this module imports without it, and :func:`main` / the
+deployments say how to install it.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the ingress route's real `Request` annotation (Ray Serve
@@ -71,10 +76,12 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Collection, Hashable, Sequence
 from typing import Any
 
 from kvboost.serving.event_routing import EventRouter, RequestTokenizer
+from kvboost.serving.ray_metrics import HUB, RouterHub, ingress_families, merge_metrics  # noqa: F401 - re-exported
+from kvboost.serving.ray_metrics import hub as _hub
 from kvboost.serving.routing import (
     DEFAULT_CHUNK_CHARS,
     DEFAULT_INDEX_CAPACITY,
@@ -96,8 +103,14 @@ RAY_HINT = ("Ray Serve is not installed: pip install -e '.[cluster]' (ray[serve]
             "is alpha and was tested with ray 2.60)")
 ROUTE_KEYS = "route_keys"
 ROUTE_TO = "route_to"  # a request for one given replica (the ingress's /metrics fan-out)
+ROUTE_AVOID = "route_avoid"  # a retry: the replicas that refused the request before
+#: how many replicas the ingress tries for one request whose replica refused it unstarted (its engine loop stopped)
+MAX_ATTEMPTS = 3
 DEFAULT_REFRESH_S = 0.5
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: Serve's health-check defaults (seconds); the replica's own probe (:func:`replica_health`) waits 20 s, within them
+DEFAULT_HEALTH_PERIOD_S = 10.0
+DEFAULT_HEALTH_TIMEOUT_S = 30.0
 ROUTERS = ("prefix", "round_robin", "events")
 #: the replicas' KV-event sockets for the events router: an ephemeral port each (reported to the router)
 EVENTS_ARGV = ("engine.kv_events.enabled=true", "engine.kv_events.endpoint=tcp://*:*",
@@ -166,6 +179,19 @@ async def call_asgi(app: Any, method: str, path: str, *, query: bytes = b"", hea
             # let the app see the disconnect and clean up (cancel the engine request); do not wait on it forever
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
+
+
+def refusal_reason(status: int, body: bytes) -> str | None:
+    """The error code of a replica's answer that says the request never started, so another replica may serve it
+    (``loop_stopped``: the server's 503 when its engine loop is not running); None for any other answer (an error
+    the request itself caused, or one after it ran, is the client's to see)."""
+    if status != 503:
+        return None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if code == "loop_stopped" else None
 
 
 # ================================================================================= keys and ranking (no Ray)
@@ -368,73 +394,23 @@ class RouteBook:
         self.prefix.forget(replica)
         self._unsubscribe(replica)
 
+    def retain(self, replicas: Collection[Hashable]) -> list[Hashable]:
+        """Forget every replica not in ``replicas`` (the running set: a replaced replica's cache died with it, and
+        its replacement starts empty under a new id); returns those forgotten."""
+        gone = [r for r in {*self.in_flight, *self.prefix.indexes, *self.subscribers} if r not in replicas]
+        for replica in gone:
+            self.forget(replica)
+        return gone
+
     def close(self) -> None:
         for replica in list(self.subscribers):
             self._unsubscribe(replica)
 
 
-def merge_metrics(texts: dict[str, str]) -> str:
-    """One Prometheus text exposition of several replicas' ``/metrics``: every sample gets a ``replica`` label
-    (its key in ``texts``), families of one name are merged (one ``# HELP`` / ``# TYPE`` each). Parsed with
-    prometheus_client's text parser; a replica whose text does not parse is left out (and logged)."""
-    from prometheus_client.parser import text_string_to_metric_families
-    from prometheus_client.samples import Sample
-
-    families: dict[str, Any] = {}
-    for replica, text in sorted(texts.items()):
-        try:
-            parsed = list(text_string_to_metric_families(text))
-        except Exception as exc:  # noqa: BLE001 - one bad replica must not hide the others
-            log.warning("replica %s: unreadable /metrics: %r", replica, exc)
-            continue
-        for family in parsed:
-            samples = [Sample(sample.name, {**sample.labels, "replica": str(replica)}, sample.value, sample.timestamp,
-                              sample.exemplar) for sample in family.samples]  # fmt: skip
-            merged = families.setdefault(family.name, family)
-            merged.samples = (merged.samples if merged is not family else []) + samples
-    from prometheus_client import generate_latest
-
-    class _Merged:  # generate_latest takes any object with collect(): the text is prometheus_client's own
-        def collect(self) -> Any:
-            return list(families.values())
-
-    return generate_latest(_Merged()).decode()  # type: ignore[arg-type]
-
-
-class RouterHub:
-    """The routers living in this process (Ray creates the handle's router in the process that holds the handle,
-    the ingress's): the ingress asks it which replicas there are, for its ``/metrics`` fan-out."""
-
-    def __init__(self) -> None:
-        self._replicas: dict[str, float] = {}
-
-    def seen(self, replica_ids: Sequence[str]) -> None:
-        now = time.monotonic()
-        for rid in replica_ids:
-            self._replicas[rid] = now
-
-    def gone(self, replica_id: str) -> None:
-        self._replicas.pop(replica_id, None)
-
-    def replicas(self) -> list[str]:
-        return sorted(self._replicas)
-
-
-HUB = RouterHub()
-
-
-def _hub() -> RouterHub:
-    """This process's hub, looked up in the imported module: Ray Serve may ship the deployment classes by value
-    (cloudpickle copies the globals they use), and a copied hub would never see the router's replicas."""
-    import importlib
-
-    return importlib.import_module("kvboost.serving.ray").HUB
-
-
 # ============================================================================================ entry arguments
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kvboost.serving.ray",
+        prog="kvboost-ray-serve",
         description="kvboost replicas on Ray Serve behind one OpenAI-compatible ingress with a prefix-aware router "
                     "(by where requests were sent, or by the replicas' KV events). "
                     "Other arguments (flags and KEY=VALUE overrides) go to every replica's kvboost-server command line.",
@@ -458,6 +434,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix / events routers: skip a replica whose queue exceeds the shortest by more (default 4)")
     p.add_argument("--chunk-chars", type=int, default=DEFAULT_CHUNK_CHARS, help="characters per routing chunk")
     p.add_argument("--app-name", default="kvboost")
+    p.add_argument("--health-check-period-s", type=float, default=DEFAULT_HEALTH_PERIOD_S,
+                   help="seconds between Serve's check_health calls on each replica (default 10)")
+    p.add_argument("--health-check-timeout-s", type=float, default=DEFAULT_HEALTH_TIMEOUT_S,
+                   help="a check_health taking longer fails (default 30)")
+    p.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS,
+                   help="replicas the ingress tries for a request refused unstarted (a dead engine loop; default 3, "
+                        "1: never re-send)")  # fmt: skip
+    p.add_argument("--print-serve-config", action="store_true",
+                   help="print the example Ray Serve config file (serve run / serve deploy / KubeRay) and exit")
     return p
 
 
@@ -481,6 +466,27 @@ def replica_argv(server_argv: Sequence[str], *, redis_url: str | None, namespace
     return argv
 
 
+def _override_keys(server_argv: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0].lstrip("+~") for a in server_argv if "=" in a and not a.startswith("-")}
+
+
+def replica_events_argv(server_argv: Sequence[str], node_ip: str) -> list[str]:
+    """A Ray replica's command line when it publishes KV events (``engine.kv_events.enabled=true``): its sockets
+    bind this node's address (``node_ip``; loopback, the default, is unreachable from a router on another node;
+    not every interface) unless the host is given, and -- unless the endpoint is given -- an ephemeral port of its
+    own (``tcp://*:*``): replicas share a node and one command line, so the configured default port (5557) would
+    be bound by the first replica only. The replica reports the bound addresses in its metadata (and log)."""
+    argv = list(server_argv)
+    if not any(a.lower().lstrip("+~") == "engine.kv_events.enabled=true" for a in argv):
+        return argv
+    named = _override_keys(argv)
+    if "engine.kv_events.host" not in named and "--kv-events-host" not in argv:
+        argv.append(f"engine.kv_events.host={node_ip}")
+    if "engine.kv_events.endpoint" not in named:
+        argv.append("engine.kv_events.endpoint=tcp://*:*")
+    return argv
+
+
 def _has_api_keys(server_argv: Sequence[str]) -> bool:
     return "--api-key" in server_argv or bool(os.environ.get("KVBOOST_API_KEYS"))
 
@@ -488,7 +494,7 @@ def _has_api_keys(server_argv: Sequence[str]) -> bool:
 # =========================================================================================== Ray deployments
 if ray is not None:
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     # on_request_completed is a later addition to the (alpha) RequestRouter API than the class itself
     _HAS_COMPLETION_HOOK = hasattr(RequestRouter, "on_request_completed")
@@ -513,7 +519,11 @@ if ray is not None:
             kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
             keys = kwargs.get(ROUTE_KEYS)
             by_id = {r.replica_id: r for r in candidate_replicas}
-            _hub().seen([rid.unique_id for rid in by_id])
+            if not _hub().replicas():  # before Ray's first announcement (update_replicas), which is the authority
+                _hub().seen([rid.unique_id for rid in by_id])
+            avoid = set(kwargs.get(ROUTE_AVOID) or ())
+            if avoid:  # a retry: any replica but those that refused it (all of them refused: try them again)
+                by_id = {rid: r for rid, r in by_id.items() if rid.unique_id not in avoid} or by_id
             target = kwargs.get(ROUTE_TO)
             if target is not None:  # the ingress asks one given replica (its /metrics fan-out)
                 chosen = [r for rid, r in by_id.items() if rid.unique_id == target]
@@ -544,6 +554,14 @@ if ray is not None:
             super().on_replica_actor_died(replica_id)
             self._book().forget(replica_id)
             _hub().gone(replica_id.unique_id)
+
+        def update_replicas(self, replicas: list) -> None:
+            """Ray's controller announces the running set (a replica that failed its health check is left out of
+            it, and its replacement added once started): the book and the hub forget the ones gone."""
+            super().update_replicas(replicas)
+            current = {r.replica_id for r in replicas}
+            self._book().retain(current)
+            _hub().sync([rid.unique_id for rid in current])
 
     def _events_info(replica: Any) -> dict[str, Any] | None:
         """The KV-event addresses a replica reported (its metadata on Ray >= 2.5x, else its routing stats)."""
@@ -580,11 +598,7 @@ if ray is not None:
             from kvboost.serving.cli import build_parser as server_parser
             from kvboost.serving.cli import build_served, compose_config, tenant_keys
 
-            if any(a.lower().lstrip("+~") == "engine.kv_events.enabled=true" for a in server_argv) and not any(
-                    a.split("=", 1)[0] == "engine.kv_events.host" for a in server_argv):
-                # the events socket binds loopback by default; the router may be on another node: this node's
-                # address (not every interface)
-                server_argv = [*server_argv, f"engine.kv_events.host={ray.util.get_node_ip_address()}"]
+            server_argv = replica_events_argv(server_argv, ray.util.get_node_ip_address())
             context = serve.get_replica_context()
             self.replica = context.replica_id.unique_id if context is not None else "local"
             if "--kv-events-pod" not in server_argv:  # the topic kv@<pod>@<model> names this replica
@@ -599,11 +613,21 @@ if ray is not None:
                 self.kv_events = {"endpoint": reachable(publisher.endpoint, host), "topic": getattr(publisher, "topic", ""),
                                   "replay_endpoint": reachable(publisher.replay_endpoint, host)
                                   if publisher.replay_endpoint else None}  # fmt: skip
+                log.info("replica %s publishes KV events on %s (replay %s, topic %s)", self.replica,
+                         self.kv_events["endpoint"], self.kv_events["replay_endpoint"], self.kv_events["topic"])
 
         async def check_health(self) -> None:
             """Ray Serve calls it every ``health_check_period_s``: raising (the engine loop died, stopped or hangs,
             :func:`replica_health`) makes Serve replace this replica and stop routing to it."""
             await replica_health(self.loop)
+
+        def inject_loop_fault(self, reason: str = "injected fault", route_to: str | None = None) -> str:
+            """Chaos hook (operators' and tests' fault drills; reachable through a deployment handle only, never
+            over HTTP; ``route_to``: the replica's id, for the router): the engine loop's next step raises
+            ``RuntimeError(reason)``, so the loop dies as it would of a crashed kernel; ``check_health`` then fails
+            and Serve replaces this replica. Returns this replica's id."""
+            _fail_next_step(self.loop, reason)
+            return self.replica
 
         def record_replica_metadata(self) -> dict[str, Any]:
             """Static metadata the request router reads (Ray >= 2.5x): where this replica's KV events are."""
@@ -613,10 +637,10 @@ if ray is not None:
             """The same, through routing stats (Rays without replica metadata)."""
             return self.record_replica_metadata()
 
-        async def handle(self, request: dict[str, Any], route_keys: Any = None,
-                         route_to: str | None = None) -> AsyncIterator[Any]:  # fmt: skip
-            """Stream one HTTP request through the server's app (``route_keys`` / ``route_to`` are for the router
-            only)."""
+        async def handle(self, request: dict[str, Any], route_keys: Any = None, route_to: str | None = None,
+                         route_avoid: Sequence[str] | None = None) -> AsyncIterator[Any]:  # fmt: skip
+            """Stream one HTTP request through the server's app (``route_keys`` / ``route_to`` / ``route_avoid``
+            are for the router only)."""
             first = True
             async for part in call_asgi(self.app, request["method"], request["path"], query=request["query"],
                                         headers=request["headers"], body=request["body"]):  # fmt: skip
@@ -643,11 +667,13 @@ if ray is not None:
         """Forwards every HTTP request to a replica; generation requests carry their prompt's chunk keys."""
 
         def __init__(self, replicas: Any, router: str = "prefix", chunk_chars: int = DEFAULT_CHUNK_CHARS,
-                     server_argv: list[str] | None = None) -> None:  # fmt: skip
+                     server_argv: list[str] | None = None, max_attempts: int = MAX_ATTEMPTS) -> None:  # fmt: skip
             self.replicas = replicas.options(stream=True)
+            self.max_attempts = max(1, int(max_attempts))
             self.router = router
             self.chunk_chars = chunk_chars
             self.served: Counter[str] = Counter()
+            self.retried: Counter[str] = Counter()  # requests re-sent to another replica, by the refusal's code
             self.tokenize: RequestTokenizer | None = None
             self.tenancy = None
             self.salt_key: str | None = None
@@ -665,7 +691,8 @@ if ray is not None:
 
         @ingress_app.get("/kvboost/routing")
         def routing(self) -> dict[str, Any]:
-            return {"router": self.router, "served": dict(self.served), "replicas": _hub().replicas()}
+            return {"router": self.router, "served": dict(self.served), "retried": dict(self.retried),
+                    "replicas": _hub().replicas()}
 
         @ingress_app.get("/metrics")
         async def metrics(self, request: Request) -> Any:
@@ -686,7 +713,8 @@ if ray is not None:
                 else:
                     failed.append(f"# kvboost: replica {rid} did not answer /metrics ({status}: {body[:200]!r})\n")
                     log.warning("replica %s did not answer /metrics (%s)", rid, status)
-            return PlainTextResponse("".join(failed) + merge_metrics(texts),
+            merged = merge_metrics(texts, ingress_families(len(texts), len(failed), self.retried))
+            return PlainTextResponse("".join(failed) + merged,
                                      media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
 
         async def _fetch(self, request: Request, path: str, replica: str | None) -> tuple[int, bytes]:
@@ -712,15 +740,38 @@ if ray is not None:
                 keys = request_route_keys(path, body, request.headers.get("authorization"), self.chunk_chars)
             message = {"method": request.method, "path": path, "query": request.url.query.encode("latin-1"),
                        "headers": list(request.headers.items()), "body": body}  # fmt: skip
-            stream = self.replicas.handle.remote(message, **{ROUTE_KEYS: keys})
-            try:
-                start = await stream.__anext__()
-            except Exception as exc:  # noqa: BLE001 - a replica that died or failed to start: OpenAI's envelope
-                return JSONResponse({"error": {"message": f"no replica answered: {exc}", "type": "server_error",
-                                               "param": None, "code": "replica_unavailable"}}, status_code=503)
-            if path in GENERATION_PATHS:  # count the work, not /v1/models or /health
+            avoid: list[str] = []
+            for attempt in range(1, self.max_attempts + 1):
+                stream = self.replicas.handle.remote(message, **{ROUTE_KEYS: keys},
+                                                     **({ROUTE_AVOID: list(avoid)} if avoid else {}))  # fmt: skip
+                buffered: bytes | None = None
+                try:
+                    start = await stream.__anext__()
+                except Exception as exc:  # noqa: BLE001 - a replica that died or failed to start
+                    start, reason = None, "replica_unavailable"
+                    error = f"no replica answered: {exc}"
+                else:
+                    reason = None
+                    if start["status"] == 503:  # a short error body: read it to see whether the request ran
+                        buffered = b"".join([part async for part in stream])
+                        reason = refusal_reason(start["status"], buffered)
+                if reason is None or attempt == self.max_attempts:
+                    break
+                # refused before it started (the replica's engine loop stopped, or the replica is gone): nothing
+                # ran, so another replica may serve it; Serve replaces the broken one once check_health fails
+                self.retried[reason] += 1
+                if start is not None and start.get("replica"):
+                    avoid.append(start["replica"])
+                log.warning("ingress: a replica refused a request unstarted (%s); trying another (attempt %d)",
+                            reason, attempt + 1)  # fmt: skip
+            if start is None:
+                return JSONResponse({"error": {"message": error, "type": "server_error", "param": None,
+                                               "code": "replica_unavailable"}}, status_code=503)  # fmt: skip
+            if path in GENERATION_PATHS and reason is None:  # count the work, not /v1/models, /health, refusals
                 self.served[start.get("replica", "?")] += 1
             headers = {k: v for k, v in start["headers"] if k.lower() not in _DROP_HEADERS}
+            if buffered is not None:
+                return Response(buffered, status_code=start["status"], headers=headers)
 
             async def rest() -> AsyncIterator[bytes]:
                 try:
@@ -734,8 +785,14 @@ if ray is not None:
 
 def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "prefix", num_cpus: float = 1.0,
               num_gpus: float = 0.0, max_ongoing: int = 64, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-              chunk_chars: int = DEFAULT_CHUNK_CHARS, refresh_s: float = DEFAULT_REFRESH_S) -> Any:  # fmt: skip
-    """The Serve application: the ingress over ``replicas`` engine replicas routed by ``router``."""
+              chunk_chars: int = DEFAULT_CHUNK_CHARS, refresh_s: float = DEFAULT_REFRESH_S,
+              health_check_period_s: float = DEFAULT_HEALTH_PERIOD_S,
+              health_check_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+              max_attempts: int = MAX_ATTEMPTS) -> Any:  # fmt: skip
+    """The Serve application: the ingress over ``replicas`` engine replicas routed by ``router``; Serve calls each
+    replica's ``check_health`` every ``health_check_period_s`` seconds (a failure, or no answer within
+    ``health_check_timeout_s``, and Serve replaces the replica); the ingress tries up to ``max_attempts`` replicas
+    for a request refused unstarted (1: never re-sends)."""
     require_ray()
     from ray.serve.config import RequestRouterConfig
 
@@ -751,8 +808,10 @@ def build_app(server_argv: Sequence[str], *, replicas: int = 2, router: str = "p
                                         request_routing_stats_period_s=1.0)  # fmt: skip
     engines = KVBoostReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing,
                                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                                     health_check_period_s=health_check_period_s,
+                                     health_check_timeout_s=health_check_timeout_s,
                                      request_router_config=router_config).bind(list(server_argv), refresh_s)  # fmt: skip
-    return OpenAIIngress.bind(engines, router, chunk_chars, list(server_argv))
+    return OpenAIIngress.bind(engines, router, chunk_chars, list(server_argv), max_attempts)
 
 
 def deployment_argv(server_argv: Sequence[str], *, redis_url: str | None, namespace: str = "kvboost",
@@ -775,6 +834,8 @@ APP_ARGS: dict[str, tuple[Any, Any]] = {
     "no_redis": (bool, False), "refresh_s": (float, DEFAULT_REFRESH_S), "num_cpus": (float, 1.0),
     "num_gpus": (float, 0.0), "max_ongoing": (int, 64), "max_imbalance": (int, DEFAULT_MAX_IMBALANCE),
     "chunk_chars": (int, DEFAULT_CHUNK_CHARS), "server_args": (list, ()),
+    "health_check_period_s": (float, DEFAULT_HEALTH_PERIOD_S),
+    "health_check_timeout_s": (float, DEFAULT_HEALTH_TIMEOUT_S), "max_attempts": (int, MAX_ATTEMPTS),
 }  # fmt: skip
 
 
@@ -815,6 +876,9 @@ def app_options(args: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"app argument router: choose one of {list(ROUTERS)}, got {opts['router']!r}")
     if opts["replicas"] < 1:
         raise ValueError(f"app argument replicas must be >= 1, got {opts['replicas']}")
+    for name in ("health_check_period_s", "health_check_timeout_s", "max_attempts"):
+        if opts[name] <= 0:
+            raise ValueError(f"app argument {name} must be > 0, got {opts[name]}")
     redis_url = None if opts["no_redis"] else (opts["redis_url"] or os.environ.get("KVBOOST_REDIS_URL")
                                                 or "redis://127.0.0.1:6379/0")  # fmt: skip
     server_argv = deployment_argv(opts["server_args"], redis_url=redis_url, namespace=opts["redis_namespace"])
@@ -828,7 +892,8 @@ def app_options(args: dict[str, Any] | None) -> dict[str, Any]:
     return {"server_argv": server_argv, "replicas": opts["replicas"], "router": opts["router"],
             "num_cpus": opts["num_cpus"], "num_gpus": opts["num_gpus"], "max_ongoing": opts["max_ongoing"],
             "max_imbalance": opts["max_imbalance"], "chunk_chars": opts["chunk_chars"],
-            "refresh_s": opts["refresh_s"]}  # fmt: skip
+            "refresh_s": opts["refresh_s"], "health_check_period_s": opts["health_check_period_s"],
+            "health_check_timeout_s": opts["health_check_timeout_s"], "max_attempts": opts["max_attempts"]}  # fmt: skip
 
 
 def app_builder(args: dict[str, Any] | None = None) -> Any:
@@ -842,6 +907,36 @@ def app_builder(args: dict[str, Any] | None = None) -> Any:
     require_ray()
     opts = app_options(args)
     return build_app(opts.pop("server_argv"), **opts)
+
+
+#: ``serve run kvboost.serving.ray:app [key=value ...]`` / ``import_path: kvboost.serving.ray:app``: the builder
+#: (Ray calls a builder function with the arguments; a bound application would take none)
+app = app_builder
+
+#: an example Serve config file (two models, their replicas and routers), in the wheel beside this module:
+#: ``kvboost-ray-serve --print-serve-config > serve.yaml``, then ``serve run serve.yaml``
+SERVE_CONFIG = "ray_serve.yaml"
+
+
+def serve_config_text() -> str:
+    """The bundled example Serve config file (:data:`SERVE_CONFIG` in ``kvboost/serving``)."""
+    from importlib.resources import files
+
+    return files("kvboost.serving").joinpath(SERVE_CONFIG).read_text()
+
+
+def _fail_next_step(loop: Any, reason: str) -> None:
+    """Make ``loop``'s engine loop fail at its next step (:meth:`KVBoostReplica.inject_loop_fault`). The core is
+    patched on the loop thread itself (a call runs between steps), so no step is in flight while it changes."""
+
+    def crash() -> None:
+        raise RuntimeError(reason)
+
+    def patch(_engine: Any) -> None:
+        loop.core.has_work = lambda: True
+        loop.core.step = crash
+
+    loop.call(patch).result(timeout=60)
 
 
 async def replica_health(loop: Any, probe_s: float = 20.0) -> None:
@@ -863,6 +958,9 @@ async def replica_health(loop: Any, probe_s: float = 20.0) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, server_argv = build_parser().parse_known_args(argv)
+    if args.print_serve_config:
+        sys.stdout.write(serve_config_text())
+        return 0
     if ray is None:
         print(f"kvboost.serving.ray: {RAY_HINT}", file=sys.stderr)
         return 2
@@ -884,7 +982,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(server_argv, replicas=args.replicas, router=args.router, num_cpus=args.num_cpus,
                     num_gpus=args.num_gpus, max_ongoing=args.max_ongoing, max_imbalance=args.max_imbalance,
-                    chunk_chars=args.chunk_chars, refresh_s=args.refresh_s)  # fmt: skip
+                    chunk_chars=args.chunk_chars, refresh_s=args.refresh_s,
+                    health_check_period_s=args.health_check_period_s,
+                    health_check_timeout_s=args.health_check_timeout_s, max_attempts=args.max_attempts)  # fmt: skip
     serve.run(app, name=args.app_name, route_prefix="/")
     print(f"kvboost on Ray Serve ready: http://{args.host}:{args.port}/v1 ({args.replicas} replicas, router "
           f"{args.router}; replica command line: {' '.join(redact_argv(server_argv))})", flush=True)
