@@ -1,6 +1,6 @@
 """A wrapper composing two strategies: the first's choice, then the second's top within the budget.
 
-The shape of kvpress's composed presses: a strategy is a scoring function (``ScoredStrategy``), so two of them
+The shape of kvpress's composed presses: a strategy is a scoring function (``RecomputeStrategy.score``), so two of them
 compose without either knowing the other. The canonical pair (the default) is EPIC's first tokens of each reused
 chunk (``epic``: the chunks' sinks, position-based) plus the question's most-read tokens (``query_aware``): the
 first repairs what every chunk gets wrong when placed after other text, the second what this question needs.
