@@ -8,6 +8,8 @@ equivalence (selecting S equals the fixed schedule of S) for the new selectors i
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_recompute_narrowing import content_plan, diff, prefill, recording, warmed
@@ -378,3 +380,61 @@ def test_cacheblend_ranks_by_the_deviation_part_it_names(deviation):
     assert torch.allclose(strategy.score(view), by_hand[deviation])
     expected = sorted(content[torch.topk(by_hand[deviation], 2).indices].tolist())
     assert strategy.select(view).tolist() == expected
+
+
+# ----------------------------------------------------------------------------------------------- one module + one yaml
+
+
+def test_a_module_in_the_package_registers_with_no_other_edit(tmp_path, monkeypatch):
+    """The registry imports every module of a ``package.*`` entry (kvboost's recompute family is one): a new module
+    registers itself, named nowhere else."""
+    from kvboost.registry import Registry
+
+    package = tmp_path / "scan_me"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "alpha.py").write_text("from tests_registry_target import REG\n@REG.register('alpha')\nclass A: pass\n")
+    (package / "beta.py").write_text("from tests_registry_target import REG\n@REG.register('beta')\nclass B: pass\n")
+    registry = Registry("scan", ("scan_me.*",))
+    target = type(sys)("tests_registry_target")
+    target.REG = registry
+    monkeypatch.setitem(sys.modules, "tests_registry_target", target)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert {"alpha", "beta"} <= set(registry.names())
+
+
+def test_the_original_enum_accepts_any_registered_name():
+    from kvboost.engine import RecomputeStrategy as Enum
+    from kvboost.original_api import recompute_plugin
+
+    for name in RECOMPUTE.names():
+        assert Enum(name).plugin == name and recompute_plugin(name) == name
+    assert Enum("key_norm") is Enum("key_norm")
+    with pytest.raises(ValueError):
+        Enum("not_a_strategy")
+
+
+def test_key_norm_written_from_scratch_is_selected_by_name_and_keeps_the_lowest_key_norms():
+    """The contract's example: ``recompute=key_norm`` by name; at check layer 1 its candidates' fresh keys are the
+    cold prefill's (every non-exact row was computed through layer 0), so the selection is the content rows of lowest
+    mean key norm there, by an independent computation. Written from scratch: ``kvboost/recompute/key_norm.py`` and
+    ``kvboost/configs/recompute/key_norm.yaml``, nothing else."""
+    from test_recompute_narrowing import references
+
+    engine = warmed("llama")
+    strategy = RECOMPUTE.build({"name": "key_norm", "ratio": 0.1})
+    assert type(strategy).__name__ == "KeyNorm" and strategy.check_layers == (1,)
+    log = recording(strategy)
+    _, _, _, plan, counts = prefill(engine, strategy)
+    content = plan.positions("content")
+    cold_keys = references("llama")[0]  # [layers, kv_heads, n, head_dim]
+    norms = cold_keys[1][:, content].norm(dim=-1).mean(dim=0)
+    k = round(0.1 * content.numel())
+    selected = torch.isin(content, log["selected"][1])
+    assert int(selected.sum()) == k == log["selected"][1].numel()
+    # every kept row's norm is at most every other's, up to rounding (ties may break either way on another CPU)
+    assert float(norms[selected].max()) <= float(norms[~selected].min()) + 1e-4
+    view = log["views"][1]
+    assert view.queries is not None and view.hidden_states is not None  # the layer's queries and output reach it
+    assert view.queries.shape[1] == view.hidden_states.shape[0] == content.numel()
+    assert counts.extra["content_recompute_fraction"] == pytest.approx(k / content.numel())
