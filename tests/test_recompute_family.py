@@ -438,3 +438,46 @@ def test_key_norm_written_from_scratch_is_selected_by_name_and_keeps_the_lowest_
     assert view.queries is not None and view.hidden_states is not None  # the layer's queries and output reach it
     assert view.queries.shape[1] == view.hidden_states.shape[0] == content.numel()
     assert counts.extra["content_recompute_fraction"] == pytest.approx(k / content.numel())
+
+
+@pytest.mark.parametrize("layout", ["independent", "shared_prefix"])
+def test_epic_skip_first_chunk_on_a_real_chat_template_prompt(layout, smollm_tokenizer):
+    """SmolLM2's chat template, MuSiQue's prompt shape (system prompt, "Passages:", passages, question) and its two
+    layouts' warm texts: in ``independent`` (each passage cached after BOS only) passage 1 is the first reused chunk
+    and only the lead-in precedes it, so ``skip_first_chunk`` leaves it and repairs passage 2; in ``shared_prefix``
+    passage 1 is an exact hit and nothing is skipped. Before issue 59 the rule never fired on such prompts."""
+    from kvboost_testkit.tiny import tiny_model
+
+    from kvboost import KVBoost
+    from kvboost.lookup import lookup
+
+    sep = "\n\n"
+    passages = ["Rivers flow to the sea and carry sand.", "Mountains rise high and hold snow all year.",
+                "Deserts are dry and hot in the day."]  # fmt: skip
+    user = sep.join(["Passages:", *passages, "Question: which one is wet?"])
+    prompt = smollm_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You answer from the passages."}, {"role": "user", "content": user}],
+        tokenize=False, add_generation_prompt=True)  # fmt: skip
+    model = tiny_model("llama", vocab_size=len(smollm_tokenizer), max_position_embeddings=1024, num_hidden_layers=4)
+    engine = KVBoost(model, smollm_tokenizer, chunker={"name": "separator", "separator": sep, "chunk_size": 64})
+    head = prompt.split(sep)[0]
+    for p in passages:
+        engine.warm((smollm_tokenizer.bos_token + sep + p) if layout == "independent" else head + sep + p)
+    ids, spans = engine.tokenize_with_spans(prompt)
+    keys = engine.hasher.chunk_keys(ids, spans, engine.fingerprint)
+    plan = lookup(ids, spans, keys, engine.store, engine.quantizer, max_reuse=len(ids) - 1, content=True,
+                  approx_tag=engine.approx_tag)  # fmt: skip
+    try:
+        content = plan.positions("content")
+        assert content.numel() and int(content[0]) > 0  # nothing reused starts the prompt: the template comes first
+        skipped = first_chunk(plan)
+        with_skip = set(content_of(EpicRecompute(k=2, skip_first_chunk=True).schedule(plan, 4), plan))
+        every = set(content_of(EpicRecompute(k=2).schedule(plan, 4), plan))
+        if layout == "independent":
+            first_ids = smollm_tokenizer(passages[0], add_special_tokens=False)["input_ids"]
+            assert [ids[i] for i in skipped.nonzero().flatten().tolist()] == first_ids  # exactly passage 1
+            assert with_skip == every - set(skipped.nonzero().flatten().tolist()) and with_skip
+        else:
+            assert not skipped.any() and with_skip == every
+    finally:
+        plan.release()

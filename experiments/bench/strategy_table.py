@@ -34,8 +34,8 @@ no flag) and each ``key`` any field of it (dotted for nested ones), values in Hy
 ``cacheblend:ratio=0.15,check_layers=[1]``, ``compose:first.k=8,ratio=0.2``, ``epic:k=32``. The old
 ``name:0.3`` means ``name:ratio=0.3``. A strategy whose config has a ``ratio`` field and whose spec does not set
 it runs once per ``--ratios`` value (default 0.05 0.1 0.15 0.3); the others (``none``, ``selective``, ``epic``,
-``key_temperature``, ``full``) run once. ``--oracle-agreement`` sets ``oracle_agreement=true`` on every strategy whose config
-has that field (a full prefill per request after the strategy's, kept out of TTFT): the table then reports how
+``key_temperature``, ``full``) run once. ``--oracle-agreement`` sets ``oracle_agreement=true`` on every strategy
+whose config has that field (a full prefill per request after the strategy's, kept out of TTFT): the table then reports how
 well each selector agrees with the true-deviation reference's selection (``oracle_recall`` at the budget,
 ``oracle_rank_corr``: the field names predate the rename; the tables say "deviation recall").
 A strategy is *query-aware* when it reads the question (it needs the reader-attention probe or a full

@@ -16,8 +16,8 @@ differs in exactly that: it counts from the start of each run of consecutive con
 sinks). "First" is read on the prompt's segments, so that it holds on chat-template prompts, where the template's
 head (and a system prompt) comes before the first document and no document ever starts at position 0: the first
 reused chunk is left as cached when it starts the prompt, or when only the lead-in precedes it: the prompt's first
-segment (chat-template head, system prompt, "Passages:") and separators (segments with the ids of the one right
-before the chunk). In the independent layout (every passage cached alone after BOS) that is passage 1; in the
+segment (chat-template head, system prompt, "Passages:") and separators (segments whose ids recur between the
+documents; cached with each passage, a separator may itself be a content hit). In the independent layout (every passage cached alone after BOS) that is passage 1; in the
 shared-prefix layout passage 1 is an exact hit between the lead-in and the first reused passage, so every reused
 passage keeps its repair. Off by default.
 
@@ -27,6 +27,8 @@ with a ratio-budgeted strategy through ``compose``). The paper's numbers are not
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -56,30 +58,37 @@ def chunk_offsets(plan: ReusePlan) -> torch.Tensor:
 
 
 def first_chunk(plan: ReusePlan) -> torch.Tensor:
-    """``[n]`` bool: the positions of the reused chunk EPIC's ``skip_first_chunk`` leaves alone (the first reused
-    chunk when it starts the prompt or only the lead-in precedes it; see the module docstring); else all False."""
+    """``[n]`` bool: the positions of the chunk EPIC's ``skip_first_chunk`` leaves alone (see the module docstring):
+    the reused chunk at position 0, or the first segment after the lead-in (segment 0) and the separators before it
+    when that segment is a reused chunk; else all False. Separators are segments whose ids recur between the
+    documents (a delimiter appears at least twice after the lead-in); they may be content hits themselves."""
     n = len(plan)
     out = torch.zeros(n, dtype=torch.bool)
-    content = plan.positions("content")
-    if not content.numel():
+    if not plan.content_tokens:
         return out
-    start = int(content[0])
+    bounds: dict[int, int] = {}  # segment start -> end
+    for span in plan.spans:
+        if span.start < n:
+            bounds[span.segment_start] = max(bounds.get(span.segment_start, 0), min(span.end, n))
+    segments = sorted(bounds.items())
+    if int(plan.kinds[0]) == KIND_CODES["content"]:
+        start = 0
+    elif len(segments) > 1 and segments[0][0] == 0:
+        ids = [tuple(plan.prompt_ids[a:b]) for a, b in segments]
+        recurring = Counter(ids[1:])
+        i = 1
+        while i < len(segments) and recurring[ids[i]] > 1:
+            i += 1
+        if i == len(segments) or int(plan.kinds[segments[i][0]]) != KIND_CODES["content"]:
+            return out
+        start = segments[i][0]
+    else:
+        return out
     offsets = chunk_offsets(plan)
     end = start + 1
     while end < n and int(plan.kinds[end]) == KIND_CODES["content"] and int(offsets[end]) == end - start:
         end += 1
-    before: dict[int, int] = {}  # segment start -> end, for the segments before the chunk
-    for span in plan.spans:
-        if span.start < start:
-            before[span.segment_start] = max(before.get(span.segment_start, 0), min(span.end, start))
-    segments = sorted(before.items())
-    if start == 0:
-        out[:end] = True
-    elif segments and segments[0][0] == 0:
-        ids = plan.prompt_ids
-        separator = ids[segments[-1][0] : segments[-1][1]]
-        if all(ids[a:b] == separator for a, b in segments[1:]):
-            out[start:end] = True
+    out[start:end] = True
     return out
 
 
