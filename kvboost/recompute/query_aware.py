@@ -70,7 +70,7 @@ class QueryAware(RecomputeStrategy):
         attention = view.reader_attention
         if attention is None or attention.dim() != 3 or attention.shape[2] != view.candidates.numel():
             raise ValueError(
-                f"recompute strategy {self.registry_name!r} needs the reader attention [layers, heads, candidates] "
+                f"recompute strategy {self.registry_name!r} needs view.reader_attention [layers, heads, candidates] "
                 "(the engine's probe pass provides it)"
             )
         per_head = attention.float()

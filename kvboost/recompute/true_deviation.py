@@ -1,7 +1,9 @@
 """The true-deviation selector (research only): recompute the tokens whose cached K/V truly deviate most from a
-full prefill's. Named ``oracle`` before issue 59: it is not an upper bound on quality (measured on SmolLM2, EPIC's
-2.8% of first tokens cut first-token KL 26-fold while every selector's rank correlation with this one was
-0.01-0.08), so it is a reference for the *deviation* proxies (CacheBlend's check-layer deviation), not for answers.
+full prefill's. Named ``oracle`` before issue 59: it is not an upper bound on quality (issue 59, from the first
+leaderboard's records on SmolLM2: EPIC's 2.8% of first tokens cut first-token KL 26-fold while every selector's rank
+correlation with this one was 0.01-0.08), so it is a reference for the *deviation* proxies (CacheBlend's check-layer
+deviation), not for answers. An upper bound in fact (selection by each token's measured effect on the answer's KL)
+is not built.
 
 The engine runs a full prefill first, measures each content token's K/V deviation from it (squared error summed
 over all layers, ``view.reference_deviation``), and the top ``ratio`` are recomputed at every layer. It costs more
