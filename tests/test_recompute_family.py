@@ -481,3 +481,20 @@ def test_epic_skip_first_chunk_on_a_real_chat_template_prompt(layout, smollm_tok
             assert not skipped.any() and with_skip == every
     finally:
         plan.release()
+
+
+def test_a_view_before_the_forward_holds_the_stored_rows_and_the_plan_signals():
+    plan = hand_plan([("exact", 2), ("content", 4), ("new", 1), ("content", 3), ("new", 2)])
+    plan.reader_attention = torch.rand(2, 3, plan.content_tokens)
+    plan.reference_deviation = torch.rand(plan.content_tokens)
+    candidates = torch.tensor([3, 8, 9])  # content indices 1, 5, 6 (content at 2..5 and 7..9)
+    view = LayerView.before_forward(plan, 2, candidates)
+    assert view.layer is None and view.keys is None and view.queries is None
+    assert torch.equal(view.reader_attention, plan.reader_attention[:, :, [1, 5, 6]])
+    assert torch.equal(view.reference_deviation, plan.reference_deviation[[1, 5, 6]])
+    keys, values = view.stored(1)
+    first, second = plan.placements[1], plan.placements[3]
+    assert torch.equal(keys, torch.cat([first.keys[1][:, [1]], second.keys[1][:, [1, 2]]], dim=1))
+    assert torch.equal(values, torch.cat([first.values[1][:, [1]], second.values[1][:, [1, 2]]], dim=1))
+    with pytest.raises(ValueError, match="check layer"):
+        view.deviation()

@@ -31,7 +31,6 @@ Wrappers (:class:`kvboost.recompute.compose.Compose`) compose two strategies thr
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,19 +86,6 @@ class LayerView:
         return cls(plan, candidates, num_layers,
                    reader_attention=None if attention is None else attention[:, :, index],
                    reference_deviation=None if reference is None else reference[index])  # fmt: skip
-
-    def subset(self, mask: torch.Tensor) -> LayerView:
-        """The same view over ``candidates[mask]``."""
-        mask = mask.cpu()
-
-        def cut(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-            return None if x is None else x.index_select(dim, torch.nonzero(mask).flatten().to(x.device))
-
-        return dataclasses.replace(
-            self, candidates=self.candidates[mask], queries=cut(self.queries, 1), keys=cut(self.keys, 1),
-            values=cut(self.values, 1), cached_keys=cut(self.cached_keys, 1), cached_values=cut(self.cached_values, 1),
-            hidden_states=cut(self.hidden_states, 0), reader_attention=cut(self.reader_attention, 2),
-            reference_deviation=cut(self.reference_deviation, 0))  # fmt: skip
 
     def deviation(self, part: str = "kv") -> torch.Tensor:
         """``[C]`` mean squared change of the candidates' keys (``key``), values (``value``) or the sum of both
