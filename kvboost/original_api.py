@@ -18,7 +18,7 @@ model load, and an unknown keyword is answered with the accepted ones (and the n
 original keyword            here
 ==========================  ==========================================================================================
 ``recompute_strategy``      ``recompute=`` (:class:`RecomputeStrategy` or its value; a registered plugin name too)
-``recompute_ratio``         the strategy's ``ratio`` (``cacheblend``, ``oracle``, ``query_aware``, ``relevance``, ``compose``)
+``recompute_ratio``         the strategy's ``ratio`` (``cacheblend``, ``true_deviation``, ``query_aware``, ``compose``, ...)
 ``recompute_overlap``       ``selective``'s ``r`` (tokens recomputed where a run of reused tokens starts)
 ``chunk_size``              the chunker's ``chunk_size`` (``fixed`` unless ``chunker=`` names another)
 ``chunk_boundary_window``   ``chunker={"name": "boundary_window", "window": ...}`` (0: ``fixed``)
@@ -74,19 +74,28 @@ _ENGINE_MODES = {GenerationMode.BASELINE: "cold", GenerationMode.PREFIX_CACHE: "
 class RecomputeStrategy(str, enum.Enum):
     """``recompute_strategy=`` of the original API; :attr:`plugin` is the recompute plugin it selects
     (``kvboost/configs/recompute/<plugin>.yaml``). Not to be confused with :class:`kvboost.recompute.base.RecomputeStrategy`,
-    the plugins' interface."""
+    the plugins' interface.
+
+    The members are the original's values; any registered recompute plugin's name is accepted too
+    (``RecomputeStrategy("epic")``, a member made on demand), so a new strategy needs no entry here."""
 
     SELECTIVE = "selective"  # the original's default: recompute where a run of reused tokens starts
     CACHEBLEND = "cacheblend"  # top ratio of reused tokens by K/V deviation at the check layer(s)
     CACHEBLEND_SPARSE = "cacheblend_sparse"  # the original's layer-by-layer CacheBlend: kvboost's cacheblend is that
     NONE = "none"  # no repair
     FULL = "full"  # recompute every reused token (the quality reference)
-    ORACLE = "oracle"  # research only: top ratio by true deviation (costs a full prefill)
-    QUERY_AWARE = "query_aware"  # top ratio by the attention the closing question pays them
-    EPIC = "epic"  # the first k tokens of every reused chunk (EPIC's LegoLink)
-    RELEVANCE = "relevance"  # top ratio by layer-normalised question attention (ProphetKV / CacheClip-style)
-    COMPOSE = "compose"  # two strategies composed (default: epic's first tokens, then query_aware's top)
-    APE = "ape"  # no recompute; an attention temperature on the reused chunks (APE)
+
+    @classmethod
+    def _missing_(cls, value: object) -> RecomputeStrategy | None:
+        """A registered recompute plugin's name (any case the original's values accept: lower) as a member."""
+        from kvboost.registry import RECOMPUTE
+
+        if not isinstance(value, str) or value not in RECOMPUTE:
+            return None
+        member = str.__new__(cls, value)
+        member._name_ = value.upper()
+        member._value_ = value
+        return cls._value2member_map_.setdefault(value, member)
 
     @property
     def plugin(self) -> str:

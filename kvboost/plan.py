@@ -59,7 +59,7 @@ class ReusePlan:
         spans, keys: the chunker's spans and the hasher's keys (the engine stores new chunks under them).
         placements: contiguous, sorted, covering ``[0, len(prompt_ids))``.
         kinds: int8 tensor ``[n]``: 0 exact, 1 content, 2 new (``KIND_CODES``).
-        reference_deviation: set by the engine for strategies with ``needs_reference`` (the ``oracle``): per
+        reference_deviation: set by the engine for strategies with ``needs_reference`` (``true_deviation``): per
             content position (in ``positions("content")`` order), how far the cached K/V is from a full
             prefill's, summed over layers.
         held, pool: references to pool blocks of the exact hits, taken by the lookup, and their pool
@@ -158,7 +158,7 @@ class ComputeSchedule:
     computed at layer l - 1 (its input is that layer's output), so the set only shrinks. New positions
     (nothing cached) are computed at every layer; exact hits never.
 
-    ``full_prefill_cost`` marks strategies that ran a full prefill to decide (the oracle): their recompute
+    ``full_prefill_cost`` marks strategies that ran a full prefill to decide (``true_deviation``): their recompute
     ratio is reported as a full prefill's.
     """
 

@@ -6,7 +6,7 @@ A plugin is registered by name with a decorator::
 
     @RECOMPUTE.register("my_strategy")
     class MyStrategy(RecomputeStrategy):
-        ...
+        def score(self, view): ...
 
 and built from a config (Hydra yaml or plain dict) whose ``name`` is the registry key and whose other
 fields are the constructor's keyword arguments::
@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -60,7 +61,8 @@ class Registry(Generic[T]):
     Args:
         family: human-readable family name used in error messages (e.g. ``"recompute"``).
         builtin_modules: modules imported lazily before the first lookup so that the family's
-            built-in members are registered without import cycles.
+            built-in members are registered without import cycles; ``"package.*"`` imports every module of
+            ``package`` (an in-tree plugin is then one module, named nowhere else).
         build_to_validate: the family's plugins are cheap to construct and touch nothing outside themselves
             (no files, sockets, devices), so :meth:`validate` constructs them to run their value checks.
     """
@@ -107,7 +109,8 @@ class Registry(Generic[T]):
             return
         self._loaded = True
         for module in self._builtin_modules:
-            importlib.import_module(module)
+            for name in _expand(module):
+                importlib.import_module(name)
         load_entry_point_plugins()
 
     def names(self) -> list[str]:
@@ -226,6 +229,16 @@ class Registry(Generic[T]):
         return f"Registry({self.family!r}, {self.names()})"
 
 
+def _expand(module: str) -> list[str]:
+    """``module``, or for ``"package.*"`` every module of ``package`` (sorted, private ones too: a helper module
+    registers nothing)."""
+    if not module.endswith(".*"):
+        return [module]
+    package = importlib.import_module(module[:-2])
+    return [f"{package.__name__}.{info.name}" for info in sorted(pkgutil.iter_modules(package.__path__),
+                                                                   key=lambda info: info.name)]  # fmt: skip
+
+
 def _is_omegaconf(obj: Any) -> bool:
     return type(obj).__module__.startswith("omegaconf")
 
@@ -266,7 +279,7 @@ CHUNKERS: Registry[Any] = Registry("chunker", ("kvboost.chunking",), build_to_va
 HASHERS: Registry[Any] = Registry("hasher", ("kvboost.hashing",), build_to_validate=True)
 CACHE_TIERS: Registry[Any] = Registry("cache tier", ("kvboost.cache",))
 EVICTION: Registry[Any] = Registry("eviction", ("kvboost.cache",), build_to_validate=True)
-RECOMPUTE: Registry[Any] = Registry("recompute", ("kvboost.recompute",), build_to_validate=True)
+RECOMPUTE: Registry[Any] = Registry("recompute", ("kvboost.recompute.*",), build_to_validate=True)
 KV_QUANT: Registry[Any] = Registry("kv quant", ("kvboost.quant",), build_to_validate=True)
 ATTENTION: Registry[Any] = Registry("attention", ("kvboost.attention",))
 DRAFT: Registry[Any] = Registry("draft", ("kvboost.speculative",))

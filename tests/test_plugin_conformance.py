@@ -191,11 +191,18 @@ def test_recompute_schedule_contract_on_content_hits(name, arch):
     r = engine.generate(TEXT, max_new_tokens=3)
     assert r.content_hit_tokens == plan.content_tokens
     assert 0.0 <= r.recompute_ratio <= 1.0
+    # the budget is the base's: a ratio keeps round(ratio * content) (measured from the layers that ran), a
+    # threshold reports the fraction it used
+    fraction = r.extra["content_recompute_fraction"]
+    assert 0.0 <= fraction <= 1.0
+    strategy = engine.recompute
+    if strategy.ratio is not None and not strategy.full_prefill_cost and 0 < strategy.ratio < 1:
+        assert fraction == pytest.approx(round(strategy.ratio * plan.content_tokens) / plan.content_tokens)
     assert torch.isfinite(r.first_token_logits).all()
     assert r.prompt_ids == cold.prompt_ids
 
 
 def test_conformance_sees_every_family():
     assert all(reg.names() for reg in (CHUNKERS, HASHERS, CACHE_TIERS, EVICTION, KV_QUANT, RECOMPUTE))
-    assert {"none", "selective", "cacheblend", "query_aware", "full", "oracle"} <= set(RECOMPUTE.names())
+    assert {"none", "selective", "cacheblend", "query_aware", "full", "true_deviation", "key_norm"} <= set(RECOMPUTE.names())
     assert {"fixed", "separator", "boundary_window"} <= set(CHUNKERS.names())

@@ -25,22 +25,22 @@ STRATEGY = '''\
 
 import torch
 
-from kvboost.plan import ComputeSchedule
 from kvboost.recompute.base import RecomputeStrategy
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("last_n")
 class LastN(RecomputeStrategy):
+    ratio = None  # a threshold budget: the base keeps every token scoring at least it
+
     def __init__(self, n: int = 16):
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        self.n = n
+        self.n, self.threshold = n, 1 - n
 
-    def schedule(self, plan, num_layers):
-        content = plan.positions("content")
-        last = content[max(0, len(content) - self.n):]
-        return ComputeSchedule(torch.cat([last, plan.positions("new")]).sort().values)
+    def score(self, view):
+        content = view.plan.positions("content")
+        return (torch.searchsorted(content, view.candidates) - (content.numel() - 1)).float()
 '''
 
 YAML = """\

@@ -17,7 +17,7 @@ move, RoPE re-rotation matters):
 
 At ratios 0.05 / 0.15 / 0.5, with CacheBlend's own selection (check layer 0: its deviation is rounding noise, a
 scattered set), with a test strategy that narrows at layer 0 to a forced contiguous or scattered set, and with the
-strategies whose schedule fixes S up front (``oracle``, ``query_aware``, ``selective``); on the Llama-family
+strategies whose schedule fixes S up front (``true_deviation``, ``query_aware``, ``selective``); on the Llama-family
 runner (llama, qwen2) and the HF-generic one (phi3).
 """
 
@@ -32,9 +32,13 @@ from test_content_reuse import DOCS, blend_engine, rag_prompt
 from kvboost.generation import PhaseClock
 from kvboost.kv.block_table import BlockTable
 from kvboost.lookup import lookup
-from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute import CacheBlend, NoRecompute, OracleRecompute, QueryAware, SelectiveRecompute
-from kvboost.recompute.base import RecomputeStrategy
+from kvboost.plan import KIND_CODES, ReusePlan
+from kvboost.recompute.base import LayerView, RecomputeStrategy
+from kvboost.recompute.cacheblend import CacheBlend
+from kvboost.recompute.none import NoRecompute
+from kvboost.recompute.query_aware import QueryAware
+from kvboost.recompute.selective import SelectiveRecompute
+from kvboost.recompute.true_deviation import TrueDeviation
 from kvboost.reuse.prefill import ReuseContext, run_prefill
 
 TOL = 1e-5
@@ -44,33 +48,24 @@ PROMPT = rag_prompt([2, 0, 1])
 
 
 class FixedSet(RecomputeStrategy):
-    """The fixed schedule: the given content positions plus every new token, at every layer; no selector."""
+    """The fixed schedule: the given content positions plus every new token, at every layer (scored 1 in the set,
+    0 outside, the budget the threshold 1)."""
 
     registry_name = "test_fixed_set"
+    ratio, threshold = None, 1.0
 
     def __init__(self, chosen: torch.Tensor) -> None:
         self.chosen = chosen
 
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        keep = plan.kinds == KIND_CODES["new"]
-        keep[self.chosen] = True
-        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten())
+    def score(self, view: LayerView) -> torch.Tensor:
+        return torch.isin(view.candidates.cpu(), self.chosen.cpu()).float()
 
 
-class ForcedNarrowing(RecomputeStrategy):
-    """Every non-exact token at layer 0, then narrowed at check layer 0 to a given set (through ``select``)."""
+class ForcedNarrowing(FixedSet):
+    """Every non-exact token at layer 0, then narrowed at check layer 0 to a given set."""
 
     registry_name = "test_forced_narrowing"
-
-    def __init__(self, chosen: torch.Tensor) -> None:
-        self.chosen = chosen
-
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        return ComputeSchedule(torch.nonzero(plan.kinds != KIND_CODES["exact"], as_tuple=False).flatten(),
-                               check_layers=(0,))  # fmt: skip
-
-    def select(self, plan, layer, candidates, deviation):
-        return self.chosen[torch.isin(self.chosen, candidates)]
+    check_layers = (0,)
 
 
 @functools.cache
@@ -118,7 +113,7 @@ def references(arch: str, attn: str = "sdpa") -> tuple[torch.Tensor, ...]:
 
 def recording(strategy: RecomputeStrategy) -> dict:
     """Wrap ``strategy``'s schedule and select (on the instance) to record what it chose."""
-    log: dict = {"initial": None, "selected": {}}
+    log: dict = {"initial": None, "selected": {}, "views": {}}
     schedule, select = strategy.schedule, strategy.select
 
     def rec_schedule(plan, num_layers):
@@ -127,9 +122,10 @@ def recording(strategy: RecomputeStrategy) -> dict:
         log["check_layers"] = tuple(out.check_layers)
         return out
 
-    def rec_select(plan, layer, candidates, deviation):
-        out = select(plan, layer, candidates, deviation)
-        log["selected"][layer] = torch.as_tensor(out).cpu()
+    def rec_select(view):
+        out = select(view)
+        log["selected"][view.layer] = torch.as_tensor(out).cpu()
+        log["views"][view.layer] = view
         return out
 
     strategy.schedule, strategy.select = rec_schedule, rec_select  # type: ignore[method-assign]
@@ -163,8 +159,8 @@ def strategy_for(name: str, ratio: float, plan: ReusePlan) -> RecomputeStrategy:
         return CacheBlend(ratio=ratio, check_layers=[0])
     if name in ("forced_contiguous", "forced_scattered"):
         return ForcedNarrowing(forced_set(content, ratio, name.split("_")[1]))
-    if name == "oracle":
-        return OracleRecompute(ratio=ratio)
+    if name == "true_deviation":
+        return TrueDeviation(ratio=ratio)
     if name == "query_aware":
         return QueryAware(ratio=ratio)
     if name == "selective":  # r tokens at the start of each document: about ``ratio`` of the content
@@ -173,7 +169,7 @@ def strategy_for(name: str, ratio: float, plan: ReusePlan) -> RecomputeStrategy:
     raise ValueError(name)
 
 
-STRATEGIES = ("cacheblend", "forced_contiguous", "forced_scattered", "oracle", "query_aware", "selective")
+STRATEGIES = ("cacheblend", "forced_contiguous", "forced_scattered", "true_deviation", "query_aware", "selective")
 OBSERVED: dict[tuple, dict[str, float]] = {}
 
 
@@ -248,13 +244,11 @@ def check_equivalence(arch: str, name: str, ratio: float, attn: str = "sdpa") ->
     logits, keys, values, plan, counts = prefill(engine, strategy, plan)
     chosen = chosen_set(log, plan)
     assert torch.isin(chosen, content).all()
-    if name in ("cacheblend", "oracle", "query_aware") or name.startswith("forced"):
+    if name in ("cacheblend", "true_deviation", "query_aware", "key_norm") or name.startswith("forced"):
         assert chosen.numel() == max(1 if name.startswith("forced") else 0, round(ratio * content.numel()))
     assert 0 < chosen.numel() < content.numel()
-    if name == "cacheblend" or name.startswith("forced"):
+    if name in ("cacheblend", "key_norm") or name.startswith("forced"):
         assert log["check_layers"] == (0,) and counts.extra["layerwise"]
-        # after the check layer only the selection was computed (the narrowing took effect)
-        assert counts.extra["content_recompute_fraction"] == pytest.approx(chosen.numel() / content.numel())
 
     f_logits, f_keys, f_values, _, f_counts = prefill(engine, FixedSet(chosen))
     assert f_counts.extra["layerwise"] and f_counts.extra["content_recompute_fraction"] == pytest.approx(
@@ -278,6 +272,9 @@ def check_equivalence(arch: str, name: str, ratio: float, attn: str = "sdpa") ->
     OBSERVED[(arch, name, ratio, attn)] = d
     bad = {key: value for key, value in d.items() if not value <= TOL}
     assert not bad, f"{arch} {attn} {name} ratio {ratio}: |S|={chosen.numel()}/{content.numel()}: over {TOL}: {bad}"
+    if name in ("cacheblend", "key_norm") or name.startswith("forced"):
+        # after the check layer only the selection was computed (the narrowing took effect)
+        assert counts.extra["content_recompute_fraction"] == pytest.approx(chosen.numel() / content.numel())
     # the comparison can tell: layer 2 of the recomputed rows is not the cold prefill's (they read stale rows)
     assert diff(f_keys[2][:, computed & ~leading_new], c_keys[2][:, computed & ~leading_new]) > 1e-4
 
@@ -393,11 +390,11 @@ def test_the_agreement_reference_runs_once_per_prompt_and_cached_rows(monkeypatc
     assert len({key, ReferenceMemo.key(plan)}) == 2
 
 
-def test_the_oracle_agrees_with_itself_and_full_recalls_everything():
-    oracle = _agreement_engine({"name": "oracle", "ratio": 0.15}).generate(PROMPT, max_new_tokens=2)
+def test_the_reference_agrees_with_itself_and_full_recalls_everything():
+    oracle = _agreement_engine({"name": "true_deviation", "ratio": 0.15}).generate(PROMPT, max_new_tokens=2)
     assert oracle.extra["oracle_recall"] == 1.0 and oracle.extra["oracle_rank_corr"] == pytest.approx(1.0)
     full = FixedSet(torch.tensor([], dtype=torch.long))
-    full.oracle_agreement = True  # a plugin sets the attribute; no scores: recall only
+    full.oracle_agreement = True  # a plugin sets the attribute; constant scores: recall only
     counts = prefill(warmed("llama"), full)[-1]
     assert counts.extra["oracle_recall"] is None and counts.extra["oracle_rank_corr"] is None  # selected nothing
 
@@ -444,22 +441,23 @@ def test_agreement_reaches_the_runners_records(tmp_path, smollm_tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The family of issue 45 on the scores contract (``epic``, ``relevance``, the ``compose`` wrapper): the same
-# equivalence. ``ape`` selects nothing (tests/test_recompute_family.py checks its tempered keys).
+# The rest of the family on the scores contract (``epic``, ``key_norm``, the ``compose`` wrapper): the same
+# equivalence. ``key_temperature`` selects nothing (tests/test_recompute_family.py checks its tempered keys).
 
-FAMILY = ("epic", "relevance", "compose_query_aware", "compose_cacheblend")
+FAMILY = ("epic", "key_norm", "compose_query_aware", "compose_cacheblend")
 
 
 def family_strategy_for(name: str, ratio: float, plan: ReusePlan) -> RecomputeStrategy:
-    from kvboost.recompute import Compose, EpicRecompute, RelevanceRecompute
-    from kvboost.recompute.epic import chunk_offsets
+    from kvboost.recompute.compose import Compose
+    from kvboost.recompute.epic import EpicRecompute, chunk_offsets
+    from kvboost.recompute.key_norm import KeyNorm
 
     content = plan.positions("content")
     if name == "epic":  # k tokens at the start of each reused chunk: about ``ratio`` of the content
         chunks = int((chunk_offsets(plan)[content] == 0).sum())
         return EpicRecompute(k=max(1, round(ratio * content.numel() / chunks)))
-    if name == "relevance":
-        return RelevanceRecompute(ratio=ratio, skip_first=1, window=1)
+    if name == "key_norm":  # narrows at check layer 0 by its own scores
+        return KeyNorm(ratio=ratio, layer=0)
     if name == "compose_query_aware":
         return Compose(first={"name": "epic", "k": 1}, second={"name": "query_aware"}, ratio=ratio)
     if name == "compose_cacheblend":  # narrows at check layer 0, the first's choice kept
@@ -478,7 +476,7 @@ def test_family_selecting_a_set_equals_the_fixed_schedule_of_that_set(arch, name
     monkeypatch.setattr(module, "strategy_for",
                         lambda n, r, p: family_strategy_for(n, r, p) if n in FAMILY else original(n, r, p))  # fmt: skip
     check_equivalence(arch, name, ratio)
-    if name.startswith("compose") or name == "relevance":  # a ratio budget: exactly round(ratio * content)
+    if name.startswith("compose") or name == "key_norm":  # a ratio budget: exactly round(ratio * content)
         engine = warmed(arch)
         plan = content_plan(engine)
         strategy = family_strategy_for(name, ratio, plan)

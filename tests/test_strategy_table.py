@@ -133,8 +133,8 @@ def test_strategy_overrides_old_and_new_forms():
     assert st.strategy_overrides("cacheblend:check_layers=[1,2],ratios=[0.3, 0.15],ratio=0.1") == [
         "recompute=cacheblend", "recompute.check_layers=[1,2]", "recompute.ratios=[0.3, 0.15]",
         "recompute.ratio=0.1"]  # fmt: skip
-    assert st.strategy_overrides("compose:first.k=8,second={name:relevance,ratio:0.1},ratio=null") == [
-        "recompute=compose", "recompute.first.k=8", "recompute.second={name:relevance,ratio:0.1}",
+    assert st.strategy_overrides("compose:first.k=8,second={name:query_aware,ratio:0.1},ratio=null") == [
+        "recompute=compose", "recompute.first.k=8", "recompute.second={name:query_aware,ratio:0.1}",
         "recompute.ratio=null"]  # fmt: skip
     spec = st.parse_spec("epic:k=32")
     assert spec.label == "epic:k=32" and spec.get("k") == "32" and spec.get("ratio") is None
@@ -232,9 +232,9 @@ def test_query_aware_follows_the_strategy_not_its_name():
     from kvboost.registry import RECOMPUTE
 
     aware = {n: st.is_query_aware(RECOMPUTE.build(n)) for n in
-             ("none", "selective", "cacheblend", "epic", "ape", "query_aware", "relevance", "oracle", "full")}  # fmt: skip
-    assert aware == {"none": False, "selective": False, "cacheblend": False, "epic": False, "ape": False,
-                     "query_aware": True, "relevance": True, "oracle": True, "full": False}  # fmt: skip
+             ("none", "selective", "cacheblend", "epic", "key_temperature", "query_aware", "true_deviation", "full")}
+    assert aware == {"none": False, "selective": False, "cacheblend": False, "epic": False, "key_temperature": False,
+                     "query_aware": True, "true_deviation": True, "full": False}  # fmt: skip
     assert st.is_query_aware(RECOMPUTE.build({"name": "compose", "first": "epic", "second": "query_aware"}))
     assert not st.is_query_aware(RECOMPUTE.build({"name": "compose", "first": "epic", "second": "cacheblend"}))
 

@@ -5,7 +5,7 @@ Usage (from the repository root)::
     python -m experiments.bench.strategy_table --out experiments/results/strategy_table/my_run \\
         --models smollm2 qwen_coder_0_5b --workloads musique rag_reorder needle \\
         --ratios 0.05 0.1 0.15 0.3 --queries 20 --draws 0 1 2 \\
-        --strategies none selective cacheblend query_aware relevance epic ape compose oracle full
+        --strategies none selective cacheblend query_aware epic key_temperature compose true_deviation full
     python -m experiments.bench.strategy_table --out ... --summarize-only        # rebuild tables / plots
     python -m experiments.bench.strategy_table --out ... --summarize-only --logger wandb   # and log them
 
@@ -34,11 +34,12 @@ no flag) and each ``key`` any field of it (dotted for nested ones), values in Hy
 ``cacheblend:ratio=0.15,check_layers=[1]``, ``compose:first.k=8,ratio=0.2``, ``epic:k=32``. The old
 ``name:0.3`` means ``name:ratio=0.3``. A strategy whose config has a ``ratio`` field and whose spec does not set
 it runs once per ``--ratios`` value (default 0.05 0.1 0.15 0.3); the others (``none``, ``selective``, ``epic``,
-``ape``, ``full``) run once. ``--oracle-agreement`` sets ``oracle_agreement=true`` on every strategy whose config
-has that field (a full prefill per request after the strategy's, kept out of TTFT): the table then reports how
-well each selector agrees with the oracle's selection (``oracle_recall`` at the budget, ``oracle_rank_corr``).
-A strategy is *query-aware* when it reads the question (it needs the reader-attention probe or the oracle's full
-prefill: ``query_aware``, ``relevance``, ``oracle``, ``compose`` when a part does); else query-agnostic.
+``key_temperature``, ``full``) run once. ``--oracle-agreement`` sets ``oracle_agreement=true`` on every strategy
+whose config has that field (a full prefill per request after the strategy's, kept out of TTFT): the table then reports how
+well each selector agrees with the true-deviation reference's selection (``oracle_recall`` at the budget,
+``oracle_rank_corr``: the field names predate the rename; the tables say "deviation recall").
+A strategy is *query-aware* when it reads the question (it needs the reader-attention probe or a full
+prefill: ``query_aware``, ``true_deviation``, ``compose`` when a part does); else query-agnostic.
 
 Outputs in ``--out``:
 
@@ -82,8 +83,8 @@ FULL = "full"
 DEFAULT_MODELS = ("smollm2",)
 DEFAULT_WORKLOADS = ("musique", "rag_reorder", "needle")
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)
-DEFAULT_STRATEGIES = ("none", "selective", "cacheblend", "query_aware", "relevance", "epic", "ape", "compose",
-                      "oracle", "full")  # fmt: skip
+DEFAULT_STRATEGIES = ("none", "selective", "cacheblend", "query_aware", "epic", "key_temperature", "compose",
+                      "true_deviation", "full")  # fmt: skip
 #: the score each workload is ranked by; another workload: ``f1`` where its ``score()`` gives one, else exact match
 PRIMARY_SCORE = {"musique": "f1", "needle": "correct", "rag_reorder": "correct"}
 #: ``NAME:VALUE`` (no ``=``) sets this field: the old ``cacheblend:0.3`` form, and ``rag_reorder:question_after``
@@ -492,7 +493,7 @@ def format_table(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     ]
     head = ["strategy", "kind", "TTFT p50 ms", "speedup vs baseline [95%]", f"{score_label} [95%]",
             "vs baseline [95%]"] + (["exact match"] if graded else []) + [
-            "recompute ratio", "content recomputed", "oracle recall", "oracle rank corr", "greedy match",
+            "recompute ratio", "content recomputed", "deviation recall", "deviation rank corr", "greedy match",
             "first-token KL"] + [f"draw {d}: speedup / score" for d in draws]  # fmt: skip
     lines += ["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"]
     for arm, rows in summary["arms"].items():

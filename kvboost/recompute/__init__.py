@@ -1,19 +1,28 @@
-"""Recompute strategies (``RECOMPUTE`` registry): none, selective, cacheblend, query_aware, full, oracle, and the
-family of issue 45: epic, ape, relevance, and the ``compose`` wrapper. Every one but ``ape`` is a
-:class:`~kvboost.recompute.base.ScoredStrategy` (it scores tokens; the base keeps the top of the budget)."""
+"""Recompute strategies (``RECOMPUTE`` registry). Every module of this package is a strategy (or a helper) and is
+imported on the registry's first lookup (``kvboost.registry``: ``kvboost.recompute.*``), so an in-tree strategy is
+one module plus one yaml (``kvboost/configs/recompute/<name>.yaml``) and nothing here names it.
 
-from kvboost.recompute.ape import AdaptiveParallelEncoding
-from kvboost.recompute.base import RecomputeStrategy, ScoredStrategy
-from kvboost.recompute.cacheblend import CacheBlend
-from kvboost.recompute.compose import Compose
-from kvboost.recompute.epic import EpicRecompute
-from kvboost.recompute.full import FullRecompute
-from kvboost.recompute.none import NoRecompute
-from kvboost.recompute.oracle import OracleRecompute
-from kvboost.recompute.query_aware import QueryAware
-from kvboost.recompute.relevance import RelevanceRecompute
-from kvboost.recompute.selective import SelectiveRecompute
+The contract is :mod:`kvboost.recompute.base` (``RecomputeStrategy.score`` over a ``LayerView``). A strategy class
+is importable from here by its class name (``from kvboost.recompute import CacheBlend``), found among the
+registered ones.
+"""
 
-__all__ = ["AdaptiveParallelEncoding", "CacheBlend", "Compose", "EpicRecompute", "FullRecompute", "NoRecompute",
-           "OracleRecompute", "QueryAware", "RecomputeStrategy", "RelevanceRecompute", "ScoredStrategy",
-           "SelectiveRecompute"]  # fmt: skip
+from __future__ import annotations
+
+from typing import Any
+
+from kvboost.recompute.base import LayerView, RecomputeStrategy
+
+
+def __getattr__(name: str) -> Any:
+    """A registered strategy class by its class name (the registry imports every module of this package)."""
+    from kvboost.registry import RECOMPUTE
+
+    for registered in RECOMPUTE.names():
+        factory = RECOMPUTE.get(registered)
+        if getattr(factory, "__name__", None) == name:
+            return factory
+    raise AttributeError(f"module 'kvboost.recompute' has no attribute {name!r}")
+
+
+__all__ = ["LayerView", "RecomputeStrategy"]

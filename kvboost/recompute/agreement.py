@@ -1,7 +1,10 @@
-"""How well a recompute strategy's selection agrees with the oracle's (DESIGN.md "Strategies as scores").
+"""How well a recompute strategy's selection agrees with the true-deviation reference's (DESIGN.md "Strategies as
+scores").
 
-The oracle ranks content-hit tokens by their true K/V deviation from a full prefill (summed over layers,
-``plan.reference_deviation``). A selector is judged against it at its own budget:
+The reference (the ``true_deviation`` strategy's ranking; called "the oracle" in the field names, which predate
+issue 59: it is a reference for deviation proxies, not an upper bound on answer quality) ranks content-hit tokens by
+their true K/V deviation from a full prefill (summed over layers, ``plan.reference_deviation``). A selector is
+judged against it at its own budget:
 
 - ``oracle_recall``: ``|S & S_oracle| / |S_oracle|``, where ``S`` is what the strategy recomputed in the last layer
   and ``S_oracle`` the oracle's top ``|S|`` (so recall equals precision; 1.0 when the strategy recomputes every
@@ -10,7 +13,7 @@ The oracle ranks content-hit tokens by their true K/V deviation from a full pref
   oracle's deviations over every content token (None for a strategy without scores, e.g. ``none`` / ``full``).
 
 The engine records both per request (``GenerationResult.extra``, hence ``records.jsonl``) when the oracle's scores
-exist anyway (``recompute=oracle``) or when the strategy's ``oracle_agreement`` is set (the engine then runs a
+exist anyway (``recompute=true_deviation``) or when the strategy's ``oracle_agreement`` is set (the engine then runs a
 full prefill in scratch blocks after the strategy's prefill; its time, ``oracle_agreement_ms``, is kept out of
 TTFT).
 """

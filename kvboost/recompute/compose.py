@@ -1,6 +1,6 @@
-"""A wrapper composing two scored strategies: the first's choice, then the second's top within the budget.
+"""A wrapper composing two strategies: the first's choice, then the second's top within the budget.
 
-The shape of kvpress's composed presses: a strategy is a scoring function (``ScoredStrategy``), so two of them
+The shape of kvpress's composed presses: a strategy is a scoring function (``RecomputeStrategy.score``), so two of them
 compose without either knowing the other. The canonical pair (the default) is EPIC's first tokens of each reused
 chunk (``epic``: the chunks' sinks, position-based) plus the question's most-read tokens (``query_aware``): the
 first repairs what every chunk gets wrong when placed after other text, the second what this question needs.
@@ -20,35 +20,39 @@ per-layer budget). Each side's reader-attention layers are probed (their union) 
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
 from typing import Any
 
 import torch
 
-from kvboost.plan import KIND_CODES, ComputeSchedule, ReusePlan
-from kvboost.recompute.base import ScoredStrategy, check_flag, check_fraction
+from kvboost.recompute.agreement import ranks
+from kvboost.recompute.base import LayerView, RecomputeStrategy, check_flag, check_fraction
 from kvboost.registry import RECOMPUTE
 
 
-def _build(side: str, spec: Any) -> ScoredStrategy:
+def _build(side: str, spec: Any) -> RecomputeStrategy:
     strategy = RECOMPUTE.build(spec)
-    if not isinstance(strategy, ScoredStrategy):
+    if not isinstance(strategy, RecomputeStrategy):
         raise ValueError(  # noqa: TRY004  (a bad config, as every other recompute setting)
-            f"recompute strategy 'compose': {side} must be a scored strategy (ScoredStrategy), got "
+            f"recompute strategy 'compose': {side} must be a recompute strategy (RecomputeStrategy), got "
             f"{type(strategy).__name__} ({getattr(strategy, 'registry_name', '?')!r})"
         )
     return strategy
 
 
 @RECOMPUTE.register("compose")
-class Compose(ScoredStrategy):
-    """The union of two scored strategies' selections, within a budget.
+class Compose(RecomputeStrategy):
+    """The union of two strategies' selections, within a budget.
+
+    Scored in tiers, so the base's budget does the rest: the first's selection (over every content token, at its own
+    budget) above everything, ordered by the first's scores; with ``ratio: null`` the second's own selection next
+    (the budget is then the threshold "in either selection"); the rest by the second's scores.
 
     Args:
         first: the strategy whose selection is taken first (a name or a config with ``name``; no check layers).
         second: the strategy that fills the rest of the budget by its scores.
         ratio: the total budget as a fraction of content-hit tokens; null: the union at each side's own budget.
-        oracle_agreement: also judge each selection against the oracle's (costs a full prefill, out of TTFT).
+        oracle_agreement: also judge each selection against the reference's (costs a full prefill, out of TTFT).
     """
 
     def __init__(self, first: Any = "epic", second: Any = "query_aware", ratio: float | None = None,
@@ -61,17 +65,17 @@ class Compose(ScoredStrategy):
                 f"recompute strategy 'compose': first ({self.first.registry_name!r}) narrows at check layers; put it "
                 "second (the first's choice must be fixed before any layer runs)"
             )
+        changes_kv = [side.registry_name for side in (self.first, self.second)
+                      if type(side).content_kv is not RecomputeStrategy.content_kv]  # fmt: skip
+        if changes_kv:
+            raise ValueError(f"recompute strategy 'compose': {changes_kv} change the assembled K/V (content_kv); only "
+                             "strategies that select tokens compose")  # fmt: skip
         self.check_layers = tuple(self.second.check_layers)
+        self.ratio, self.threshold = (None, 1.0) if self.total is None else (self.total, None)
         # instance attributes: what the engine runs for this pair (the probe, the reference prefill)
         self.needs_reader_attention = self.first.needs_reader_attention or self.second.needs_reader_attention
         self.needs_reference = self.first.needs_reference or self.second.needs_reference
         self.full_prefill_cost = self.first.full_prefill_cost or self.second.full_prefill_cost
-        self._num_layers = 0
-        self._first_choice: weakref.WeakKeyDictionary[ReusePlan, torch.Tensor] = weakref.WeakKeyDictionary()
-
-    @property
-    def ratio(self) -> float:  # type: ignore[override]
-        return self.total if self.total is not None else self.second.ratio
 
     def check_model(self, num_layers: int) -> None:
         self.first.check_model(num_layers)
@@ -80,83 +84,30 @@ class Compose(ScoredStrategy):
     def reader_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(sorted(set(self.first.reader_layers(num_layers)) | set(self.second.reader_layers(num_layers))))
 
-    def _as(self, side: ScoredStrategy, plan: ReusePlan, call: Any) -> Any:
-        """``call()`` with ``plan.reader_attention`` narrowed to the layers ``side`` probes."""
-        attention = plan.reader_attention
-        if attention is None or not side.needs_reader_attention or not self._num_layers:
-            return call()
-        layers = self.reader_layers(self._num_layers)
-        rows = [layers.index(layer) for layer in side.reader_layers(self._num_layers)]
-        plan.reader_attention = attention[rows]
-        try:
-            return call()
-        finally:
-            plan.reader_attention = attention
+    def side_view(self, side: RecomputeStrategy, view: LayerView) -> LayerView:
+        """``view`` with its reader attention narrowed to the layers ``side`` probes."""
+        attention = view.reader_attention
+        if attention is None or not side.needs_reader_attention:
+            return view
+        layers = self.reader_layers(view.num_layers)
+        rows = [layers.index(layer) for layer in side.reader_layers(view.num_layers)]
+        return dataclasses.replace(view, reader_attention=attention[rows])
 
-    def _first(self, plan: ReusePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first's choice and its scores over every content position."""
-        content = plan.positions("content")
-        scores = self._as(self.first, plan, lambda: self.first.score(plan, content))
-        return self.first.choose(plan, content, scores), scores
-
-    def _fill(self, plan: ReusePlan, candidates: torch.Tensor, second_scores: torch.Tensor,
-              layer: int | None) -> torch.Tensor:  # fmt: skip
-        content = plan.positions("content")
-        forced = self._first_choice.get(plan)
-        if forced is None:
-            forced, _ = self._first(plan)
-        forced = forced[torch.isin(forced, candidates)]
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Tier (2: the first's selection, 1: the second's own with ``ratio: null``, 0: the rest) plus the rank of
+        the tier's own score (the first's in tier 2, the second's below) scaled into [0, 1)."""
+        candidates = view.candidates.cpu()
+        everything = LayerView.before_forward(view.plan, view.num_layers)
+        forced = torch.isin(candidates, self.first.keep(self.side_view(self.first, everything)).cpu())
+        first_scores = torch.as_tensor(self.first.score(self.side_view(self.first, view))).float().cpu()
+        second_view = self.side_view(self.second, view)
+        second_scores = torch.as_tensor(self.second.score(second_view)).float().cpu()
+        tier = 2.0 * forced.float()
         if self.total is None:
-            own = self.second.choose(plan, candidates, second_scores, layer)
-            return torch.unique(torch.cat([forced, own.to(forced.dtype)]))
-        budget = round(self.total * content.numel())
-        if forced.numel() >= budget:
-            first_scores = self._as(self.first, plan, lambda: self.first.score(plan, forced))
-            return torch.sort(forced[torch.topk(first_scores.float(), budget).indices]).values if budget else forced[:0]
-        rest = ~torch.isin(candidates, forced)
-        need = budget - forced.numel()
-        pool, pool_scores = candidates[rest], second_scores[rest.to(second_scores.device)]
-        if need < pool.numel():
-            pool = pool[torch.topk(pool_scores.float(), need).indices.to(pool.device)]
-        return torch.sort(torch.cat([forced, pool])).values
-
-    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
-              ) -> torch.Tensor:  # fmt: skip
-        """The second's scores (the order the rest of the budget is filled in)."""
-        return self._as(self.second, plan, lambda: self.second.score(plan, candidates, deviation))
-
-    def choose(self, plan: ReusePlan, candidates: torch.Tensor, scores: torch.Tensor, layer: int | None = None
-               ) -> torch.Tensor:  # fmt: skip
-        return self._fill(plan, candidates, scores, layer)
-
-    def schedule(self, plan: ReusePlan, num_layers: int) -> ComputeSchedule:
-        self._num_layers = num_layers
-        if plan.content_tokens:
-            self._first_choice[plan] = self._first(plan)[0]
-        if self.check_layers:
-            return super().schedule(plan, num_layers)
-        keep = plan.kinds == KIND_CODES["new"]
-        keep[self.chosen_content(plan)] = True
-        return ComputeSchedule(torch.nonzero(keep, as_tuple=False).flatten(), full_prefill_cost=self.full_prefill_cost)
-
-    def token_scores(self, plan: ReusePlan, check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
-                     ) -> torch.Tensor | None:  # fmt: skip
-        """The order of the composed choice: the first's selection above everything (by its scores), then the rest
-        by the second's scores (ranks only matter, ``oracle_rank_corr``)."""
-        second = self._as(self.second, plan, lambda: self.second.token_scores(plan, check))
-        if second is None:
-            return None
-        content = plan.positions("content")
-        forced = self._first_choice.get(plan)
-        if forced is None:
-            forced, _ = self._first(plan)
-        first_scores = self._as(self.first, plan, lambda: self.first.score(plan, content)).float()
-        in_first = torch.isin(content, forced)
-        second = second.float()
-        finite = second[torch.isfinite(second)]
-        top = float(finite.max()) if finite.numel() else 0.0
-        lifted = top + 1.0 + (first_scores - first_scores.min())  # every first pick above every other token
-        return torch.where(in_first, lifted, second)
+            own = torch.isin(candidates, self.second.keep(second_view).cpu())
+            tier = torch.maximum(tier, own.float())
+        within = ranks(torch.where(forced, first_scores, second_scores)).float() / (candidates.numel() + 1)
+        return tier + within  # ratio null: the threshold 1.0 keeps tiers 1 and 2
 
     def fingerprint(self) -> str:
         return f"compose:{self.first.fingerprint()}+{self.second.fingerprint()}:{self.total}"

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import ReusePlan
-from kvboost.recompute.base import ScoredStrategy
+from kvboost.recompute.base import LayerView, RecomputeStrategy
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("full")
-class FullRecompute(ScoredStrategy):
+class FullRecompute(RecomputeStrategy):
     """Everything that is not an exact hit is computed at every layer (a budget of 1).
 
     Exact hits are kept (they are what a cold prefill computes), so the result equals a cold prefill up to
@@ -19,9 +18,8 @@ class FullRecompute(ScoredStrategy):
 
     ratio = 1.0
 
-    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
-              ) -> torch.Tensor:  # fmt: skip
-        return torch.zeros(candidates.numel())
+    def score(self, view: LayerView) -> torch.Tensor:
+        return torch.zeros(view.candidates.numel())
 
-    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor | None:
+    def token_scores(self, plan, num_layers, check=None):  # type: ignore[no-untyped-def]
         return None  # no ranking

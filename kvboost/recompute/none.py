@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import ReusePlan
-from kvboost.recompute.base import ScoredStrategy
+from kvboost.recompute.base import LayerView, RecomputeStrategy
 from kvboost.registry import RECOMPUTE
 
 
 @RECOMPUTE.register("none")
-class NoRecompute(ScoredStrategy):
+class NoRecompute(RecomputeStrategy):
     """Only new tokens are computed; exact and content hits are reused as served (a budget of 0)."""
 
     ratio = 0.0
 
-    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
-              ) -> torch.Tensor:  # fmt: skip
-        return torch.zeros(candidates.numel())
+    def score(self, view: LayerView) -> torch.Tensor:
+        return torch.zeros(view.candidates.numel())
 
-    def token_scores(self, plan: ReusePlan, check: object = None) -> torch.Tensor | None:
+    def token_scores(self, plan, num_layers, check=None):  # type: ignore[no-untyped-def]
         return None  # no ranking

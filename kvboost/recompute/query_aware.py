@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from kvboost.plan import ReusePlan
-from kvboost.recompute.base import ScoredStrategy, check_flag, check_fraction
+from kvboost.recompute.base import LayerView, RecomputeStrategy, check_flag, check_fraction
 from kvboost.registry import RECOMPUTE
 
 HEAD_REDUCTIONS = ("mean", "max")
 
 
 @RECOMPUTE.register("query_aware")
-class QueryAware(ScoredStrategy):
+class QueryAware(RecomputeStrategy):
     """Recompute the top ``ratio`` of content-hit tokens by the attention the prompt's reader queries pay them.
 
     Args:
@@ -48,7 +47,7 @@ class QueryAware(ScoredStrategy):
 
     def __init__(self, ratio: float = 0.2, from_layer: float = 0.5, heads: str = "max",
                  to_layer: float = 1.0, oracle_agreement: bool = False) -> None:  # fmt: skip
-        name = self.registry_name  # a subclass (relevance) reports its own name
+        name = self.registry_name
         self.oracle_agreement = check_flag(name, "oracle_agreement", oracle_agreement)
         self.ratio = check_fraction(name, "ratio", ratio)
         self.from_layer = check_fraction(name, "from_layer", from_layer)
@@ -66,21 +65,16 @@ class QueryAware(ScoredStrategy):
         end = max(first + 1, min(num_layers, int(round(self.to_layer * num_layers))))
         return tuple(range(first, end))
 
-    def score(self, plan: ReusePlan, candidates: torch.Tensor, deviation: dict[str, torch.Tensor] | None = None
-              ) -> torch.Tensor:  # fmt: skip
-        """The reader attention per content position: summed over the probed layers, heads reduced by ``heads``."""
-        return self.layer_attention(plan).sum(dim=0)
-
-    def layer_attention(self, plan: ReusePlan) -> torch.Tensor:
-        """``[probed layers, content]``: the reader attention of each probed layer, heads reduced by ``heads``."""
-        attention = plan.reader_attention
-        if attention is None or attention.dim() != 3 or attention.shape[2] != plan.content_tokens:
+    def score(self, view: LayerView) -> torch.Tensor:
+        """The reader attention per candidate: summed over the probed layers, heads reduced by ``heads``."""
+        attention = view.reader_attention
+        if attention is None or attention.dim() != 3 or attention.shape[2] != view.candidates.numel():
             raise ValueError(
-                f"recompute strategy {self.registry_name!r} needs plan.reader_attention [layers, heads, content] for "
-                "every content position (the engine's probe pass provides it)"
+                f"recompute strategy {self.registry_name!r} needs view.reader_attention [layers, heads, candidates] "
+                "(the engine's probe pass provides it)"
             )
         per_head = attention.float()
-        return per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)
+        return (per_head.mean(dim=1) if self.heads == "mean" else per_head.amax(dim=1)).sum(dim=0)
 
     def fingerprint(self) -> str:
         return f"query_aware:{self.ratio}:{self.from_layer}:{self.to_layer}:{self.heads}"

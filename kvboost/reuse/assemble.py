@@ -98,10 +98,11 @@ def _write_payload(table: BlockTable, p: Placement, a: int, b: int, quantizer: A
     pool.write(table.slots(a, b), keys, values)
 
 
-def assemble_content(plan: ReusePlan, table: BlockTable, rotator: Any) -> int:
+def assemble_content(plan: ReusePlan, table: BlockTable, rotator: Any, strategy: Any = None) -> int:
     """Write every content hit into fresh blocks of ``table`` (rows after the exact prefix), keys re-rotated to
     their new positions; the table then spans the whole prompt (``length = len(plan)``: rows of new tokens are
-    written by the forward before any query reads them). Returns the rows written."""
+    written by the forward before any query reads them). ``strategy``: the recompute strategy, whose
+    ``content_kv`` gives the K/V each content placement is assembled from. Returns the rows written."""
     pool = table.pool
     n = len(plan)
     table.prepare_write(plan.exact_prefix, n)
@@ -109,9 +110,10 @@ def assemble_content(plan: ReusePlan, table: BlockTable, rotator: Any) -> int:
     for p in plan.placements:
         if p.kind != "content":
             continue
-        keys = p.keys.to(device=pool.device, dtype=pool.dtype)
+        keys, values = (p.keys, p.values) if strategy is None else strategy.content_kv(plan, p)
+        keys = keys.to(device=pool.device, dtype=pool.dtype)
         keys = rotator.rotate(keys, p.shift) if p.shift else keys
-        pool.write(table.slots(p.start, p.end), keys, p.values)
+        pool.write(table.slots(p.start, p.end), keys, values)
         written += p.end - p.start
     table.length = n
     return written

@@ -6,8 +6,9 @@ schedule through the runner, return the last logits and what was reused and reco
   strategies that need it; a schedule that recomputes every row after the exact prefix is a plain suffix
   prefill; any other runs layer by layer with :class:`~kvboost.reuse.repair.CheckLayerHook`;
 - recompute ratios are measured from what the layers ran (DESIGN.md invariant 6);
-- with the oracle's scores at hand (``needs_reference``) or asked for (the strategy's ``oracle_agreement``), the
-  selection is judged against the oracle's (``oracle_recall``, ``oracle_rank_corr``: :mod:`kvboost.recompute.agreement`).
+- with the reference deviation at hand (``needs_reference``) or asked for (the strategy's ``oracle_agreement``), the
+  selection is judged against the reference's (``oracle_recall``, ``oracle_rank_corr``:
+  :mod:`kvboost.recompute.agreement`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvboost.generation import PhaseClock, ReuseCounts
 from kvboost.kv.block_table import BlockTable
 from kvboost.plan import ReusePlan, validate_schedule, validate_selection
 from kvboost.recompute.agreement import selector_agreement
+from kvboost.recompute.base import LayerView
 from kvboost.reuse.assemble import assemble_content, assemble_exact
 from kvboost.reuse.repair import CheckLayerHook, ReaderProbeHook
 from kvboost.runtime.batch import ForwardBatch, SeqInput
@@ -67,7 +69,7 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
     if plan.content_tokens:
         plan.reference_deviation = reference_deviation(ctx, plan) if recompute.needs_reference else None
         if check_schedule and recompute.needs_reader_attention:
-            assemble_content(plan, table, ctx.rotator)
+            assemble_content(plan, table, ctx.rotator, recompute)
             clock.mark("assembled")
             plan.reader_attention = reader_attention(ctx, plan, table, ids)
             clock.mark("probed")
@@ -82,7 +84,8 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
             table.truncate(frontier)
         logits = ctx.runner.run(ForwardBatch.build([SeqInput(table, ids[frontier:])]))[0]
         counts.recomputed_pairs = plan.content_tokens * num_layers
-        counts.extra.update(prefill_tokens=n - frontier, layerwise=False)
+        counts.extra.update(prefill_tokens=n - frontier, layerwise=False,
+                            content_recompute_fraction=1.0 if plan.content_tokens else 0.0)  # fmt: skip
         if schedule is not None and schedule.full_prefill_cost and plan.content_tokens:
             counts.recomputed_pairs = plan.reused_tokens * num_layers  # it ran a full prefill to decide
         if schedule is not None:
@@ -90,7 +93,7 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
         return PrefillOutcome(logits, counts, approx_from=None)
 
     if not probed:
-        assemble_content(plan, table, ctx.rotator)
+        assemble_content(plan, table, ctx.rotator, recompute)
         clock.mark("assembled")
     elif max(recompute.reader_layers(num_layers)) == num_layers - 1:
         # The probe computed every new token before the first content hit, at every layer, over exact rows
@@ -100,11 +103,15 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
         positions = positions[positions >= first_content]
     content_mask = plan.kinds == 1
     strategy = recompute
-    last_check: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    last_check: list[LayerView] = []
 
-    def on_check(layer: int, candidates: torch.Tensor, deviation: dict[str, torch.Tensor]) -> torch.Tensor:
-        last_check[:] = [(candidates, deviation)]
-        chosen = strategy.select(plan, layer, candidates, deviation)
+    def on_check(layer: int, candidates: torch.Tensor, seen: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        view = LayerView.before_forward(plan, num_layers, candidates)
+        view.layer = layer
+        for name, value in seen.items():
+            setattr(view, name, value)
+        last_check[:] = [view]
+        chosen = strategy.select(view)
         return validate_selection(chosen, candidates, strategy.registry_name, layer)
 
     hook = CheckLayerHook(content_mask, tuple(schedule.check_layers), on_check)
@@ -133,11 +140,10 @@ def run_prefill(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, clock: Ph
     return PrefillOutcome(logits, counts, approx_from=int(hits[0]) if hits.numel() else None)
 
 
-def record_agreement(ctx: ReuseContext, plan: ReusePlan, selected: torch.Tensor,
-                     check: tuple[torch.Tensor, dict[str, torch.Tensor]] | None, clock: PhaseClock,
-                     counts: ReuseCounts) -> None:  # fmt: skip
+def record_agreement(ctx: ReuseContext, plan: ReusePlan, selected: torch.Tensor, check: LayerView | None,
+                     clock: PhaseClock, counts: ReuseCounts) -> None:  # fmt: skip
     """``oracle_recall`` / ``oracle_rank_corr`` of the content positions the strategy computed in the last layer
-    (``selected``) into ``counts.extra``, when the oracle's scores exist (``needs_reference``) or the strategy's
+    (``selected``) into ``counts.extra``, when the reference deviation exists (``needs_reference``) or the strategy's
     ``oracle_agreement`` asks for them. Asked for, the reference prefill runs here, after the strategy's, and its
     time (``oracle_agreement_ms``) is taken out of the request's clock: TTFT stays the strategy's."""
     recompute = ctx.recompute
@@ -153,7 +159,7 @@ def record_agreement(ctx: ReuseContext, plan: ReusePlan, selected: torch.Tensor,
             memo.put(key, plan.reference_deviation)
     content = plan.positions("content")
     counts.extra.update(selector_agreement(content, selected.cpu(), plan.reference_deviation,
-                                           recompute.token_scores(plan, check)))  # fmt: skip
+                                           recompute.token_scores(plan, ctx.num_layers, check)))  # fmt: skip
     elapsed = clock.mark("agreement_end") - began
     for name in ("agreement", "agreement_end"):
         del clock.marks[name]
@@ -186,10 +192,10 @@ def reader_attention(ctx: ReuseContext, plan: ReusePlan, table: BlockTable, ids:
 
 class ReferenceMemo:
     """The last few ``reference_deviation`` results, for ``oracle_agreement`` only: a leaderboard runs one prompt
-    under many strategies over the same cached rows, and the oracle's deviations depend only on the prompt and on
+    under many strategies over the same cached rows, and the reference deviations depend only on the prompt and on
     those rows, so its full prefill runs once per prompt instead of once per strategy. The key is the prompt's ids
     and, per content placement, its span, the position its rows were stored at and a digest of their bytes (a
-    re-stored chunk with different rows misses). The ``oracle`` strategy's own reference (timed: it is part of
+    re-stored chunk with different rows misses). The ``true_deviation`` strategy's own reference (timed: it is part of
     its TTFT) never reads it."""
 
     def __init__(self, capacity: int = 4) -> None:
@@ -228,7 +234,7 @@ class ReferenceMemo:
 
 def reference_deviation(ctx: ReuseContext, plan: ReusePlan) -> torch.Tensor:
     """Per content position, the squared K/V error of the re-rotated cached rows against a full prefill,
-    summed over layers (for research strategies such as ``oracle``). The full prefill runs in scratch blocks."""
+    summed over layers (for research strategies such as ``true_deviation``). The full prefill runs in scratch blocks."""
     pool = ctx.runner.pool
     scratch = BlockTable(pool)
     try:

@@ -5,9 +5,10 @@ possibly a different subset per layer. The runner runs the subset as a :class:`~
 of rows at their positions (each attends keys ``j <= `` its own position over the whole prompt: cached rows for the
 others, fresh rows for itself); these hooks decide, between layers, what the next layers compute:
 
-- :class:`CheckLayerHook`: at each check layer, the content rows just computed are compared with the rows they
-  replaced (mean squared change of K and V over heads and channels) and the strategy keeps those it selects
-  (CacheBlend: the top ``ratio`` by deviation); the others keep their cached rows in every later layer.
+- :class:`CheckLayerHook`: at each check layer, what the layer computed for the content rows (queries, fresh keys
+  and values, the cached rows they replaced, the layer's output hidden states) goes to the strategy, which keeps
+  those it selects (CacheBlend: the top ``ratio`` by K/V deviation); the others keep their cached rows in every
+  later layer.
 - :class:`ReaderProbeHook`: records, at the layers a strategy asks for, the softmax attention of the prompt's
   reader queries (the rows after the last content hit) over every position, from the layer's own queries and
   keys after RoPE, and stops the forward after the last of those layers.
@@ -22,8 +23,10 @@ import torch
 
 from kvboost.runtime.batch import ForwardBatch
 
-#: on_check(layer, candidate positions, {"key": deviation, "value": deviation}) -> the candidates to keep.
-CheckCallback = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+#: on_check(layer, candidate positions, what the layer has for them) -> the candidates to keep. The mapping holds
+#: ``queries`` [heads, C, D], ``keys`` / ``values`` / ``cached_keys`` / ``cached_values`` [kv_heads, C, D] and
+#: ``hidden_states`` [C, hidden] (the layer's output; None from a runner that does not report it).
+CheckCallback = Callable[[int, torch.Tensor, dict[str, torch.Tensor | None]], torch.Tensor]
 
 
 @dataclass
@@ -44,6 +47,8 @@ class CheckLayerHook:
     content_per_layer: list[int] = field(default_factory=list)
     final_positions: torch.Tensor | None = None
     _old: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _queries: torch.Tensor | None = None
+    _hidden: torch.Tensor | None = None
 
     def _content_rows(self, batch: ForwardBatch) -> torch.Tensor:
         return self.content_mask.to(batch.positions.device)[batch.positions]
@@ -57,7 +62,12 @@ class CheckLayerHook:
         self._old = (rows, slots, pool.keys[layer][:, slots].clone(), pool.values[layer][:, slots].clone())
 
     def on_query(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> None:
-        return None
+        if layer in self.check_layers and self._old is not None:
+            self._queries = q[self._old[0].to(q.device)].transpose(0, 1).detach()
+
+    def on_hidden(self, layer: int, hidden: torch.Tensor, batch: ForwardBatch) -> None:
+        if layer in self.check_layers and self._old is not None:
+            self._hidden = hidden[self._old[0].to(hidden.device)].detach()
 
     def after_layer(self, layer: int, batch: ForwardBatch) -> torch.Tensor | None:
         is_content = self._content_rows(batch)
@@ -67,16 +77,15 @@ class CheckLayerHook:
         if layer not in self.check_layers or self._old is None:
             return None
         rows, slots, old_k, old_v = self._old
-        self._old = None
+        queries, hidden = self._queries, self._hidden
+        self._old = self._queries = self._hidden = None
         if rows.numel() == 0:
             return None
         pool = batch.pool
-        deviation = {
-            "key": (pool.keys[layer][:, slots].float() - old_k.float()).pow(2).mean(dim=(0, 2)).cpu(),
-            "value": (pool.values[layer][:, slots].float() - old_v.float()).pow(2).mean(dim=(0, 2)).cpu(),
-        }
+        seen = {"queries": queries, "keys": pool.keys[layer][:, slots], "values": pool.values[layer][:, slots],
+                "cached_keys": old_k, "cached_values": old_v, "hidden_states": hidden}  # fmt: skip
         candidates = batch.positions[rows].cpu()
-        keep_content = self.on_check(layer, candidates, deviation)  # type: ignore[misc]
+        keep_content = self.on_check(layer, candidates, seen)  # type: ignore[misc]
         keep = ~is_content | torch.isin(batch.positions, keep_content.to(batch.positions.device))
         kept = torch.nonzero(keep, as_tuple=False).flatten()
         self.final_positions = batch.positions[kept].cpu()

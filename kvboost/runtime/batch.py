@@ -27,7 +27,8 @@ class LayerHook(Protocol):
 
     ``before_layer(layer, batch)``: before the layer computes (e.g. keep the cached rows a check layer compares);
     ``on_query(layer, q, batch)``: the layer's queries ``[T, Hq, D]`` after RoPE, before attention (observers such
-    as the reader-attention probe); ``after_layer(layer, batch)``: after it, returning the row indices of ``batch``
+    as the reader-attention probe); ``on_hidden(layer, hidden, batch)`` (optional): the layer's output ``[T, hidden]``
+    (what a check layer's strategy may score from); ``after_layer(layer, batch)``: after it, returning the row indices of ``batch``
     to keep computing in the next layers (``None``: all); a hook whose ``stop_after`` is set ends the forward after
     that layer (no logits).
     """
@@ -281,12 +282,16 @@ class ForwardBatch:
         )
 
 
-def hook_after_layer(hook: LayerHook, layer: int, batch: ForwardBatch) -> tuple[bool, torch.Tensor | None,
-                                                                                 ForwardBatch]:  # fmt: skip
+def hook_after_layer(hook: LayerHook, layer: int, batch: ForwardBatch, hidden: torch.Tensor | None = None
+                     ) -> tuple[bool, torch.Tensor | None, ForwardBatch]:  # fmt: skip
     """What a runner does after each layer of a hooked forward: ``(stop, kept rows or None, the batch of the next
-    layers)``. The forward stops after the hook's ``stop_after`` layer; else the hook may narrow the rows."""
+    layers)``. The forward stops after the hook's ``stop_after`` layer; else the hook sees the layer's output
+    ``hidden`` ``[T, hidden]`` (``on_hidden``, when it has one) and may narrow the rows."""
     if hook.stop_after is not None and layer >= hook.stop_after:
         return True, None, batch
+    on_hidden = getattr(hook, "on_hidden", None)
+    if on_hidden is not None and hidden is not None:
+        on_hidden(layer, hidden, batch)
     keep = hook.after_layer(layer, batch)
     if keep is None or keep.numel() == batch.num_tokens:
         return False, None, batch

@@ -208,7 +208,7 @@ class HFGenericRunner:
                     self.attention.query_observer = None
             hidden = out[0] if isinstance(out, tuple) else out
             if hook is not None:
-                stop, keep, current = hook_after_layer(hook, layer_idx, current)
+                stop, keep, current = hook_after_layer(hook, layer_idx, current, hidden[0])
                 if stop:
                     return None
                 if keep is not None:

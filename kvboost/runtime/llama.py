@@ -399,7 +399,7 @@ class LlamaRunner:
             x = decoder_layer(x, cos, sin, self._layer_projections(i, batch), self._attend_fn(i, batch), rms_norm,
                               self.eps, self.heads, self.kv_heads, self.head_dim)  # fmt: skip
             if hook is not None:
-                stop, keep, batch = hook_after_layer(hook, i, batch)
+                stop, keep, batch = hook_after_layer(hook, i, batch, x)
                 if stop:
                     return None
                 if keep is not None:

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument("--dtype", help="model dtype: auto | float32 | bfloat16 | float16 (= model.dtype)")
     p.add_argument("--recompute-strategy", help="content-reuse repair: none | selective | cacheblend | query_aware | "
-                   "full | oracle (= recompute=NAME)")  # fmt: skip
+                   "full | epic | compose | any registered name (= recompute=NAME)")  # fmt: skip
     p.add_argument("--kv-cache-bits", type=int, choices=sorted(KV_BITS), help="stored KV precision: 16 (quant=none), "
                    "8 (quant=kivi8), 4 (quant=kivi4), 2 (quant=kivi2)")  # fmt: skip
     p.add_argument("--chunk-size", type=_positive_int, help="tokens per cache chunk (= chunker.chunk_size=N)")
