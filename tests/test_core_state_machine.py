@@ -67,7 +67,9 @@ MAX_WAIT = 80  # steps an admissible request may wait (aging is 8 steps; at most
 DRAFT_SEQUENCES = 2
 STEPS = int(os.environ.get("KVBOOST_STATEFUL_STEPS", "10000"))
 STEPS_PER_EXAMPLE = 100
-#: mean rule steps of an example (measured on the derandomized run): sizes ``max_examples`` for ``STEPS``
+#: sizes ``max_examples`` (ceil(STEPS * 1.15 / this)) for ``STEPS``: the derandomized CI run (144 examples then) gave
+#: 10,859 counted steps in 202 machines (hypothesis also runs machines it then discards; their steps count too).
+#: Draws are deterministic for one tree; the assert below catches a change that shortens the examples.
 MEAN_STEPS_PER_EXAMPLE = 80
 EXPLORE = os.environ.get("KVBOOST_STATEFUL_EXPLORE", "") not in ("", "0")
 
@@ -468,6 +470,7 @@ def redis_url():
     server.close()
 
 
+@pytest.mark.slow  # ~60 s of CPU (10,000 steps); the README's test command runs it
 @pytest.mark.timeout(3600)
 def test_pool_cache_and_core_keep_their_invariants(redis_url):
     """At least ``STEPS`` rule steps (see the module docstring), counted, and every path reached."""
@@ -482,7 +485,7 @@ def test_pool_cache_and_core_keep_their_invariants(redis_url):
     torch.set_num_threads(1)  # tiny tensors: a second thread only spins on barriers
     try:
         run_state_machine_as_test(CoreMachine, settings=settings(
-            max_examples=max(1, math.ceil(STEPS * 1.15 / MEAN_STEPS_PER_EXAMPLE)),
+            max_examples=math.ceil(STEPS * 1.15 / MEAN_STEPS_PER_EXAMPLE) + 2,
             stateful_step_count=STEPS_PER_EXAMPLE, deadline=None, database=None, print_blob=True,
             derandomize=not EXPLORE, suppress_health_check=list(HealthCheck),
         ))  # fmt: skip

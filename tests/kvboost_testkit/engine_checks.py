@@ -141,7 +141,8 @@ def check_holders(engine: Any, requests: Iterable[Any]) -> None:
         for block in blocks:
             expected[block] += 1
     got = [pool.refcount(b) for b in range(pool.num_blocks)]
-    assert got == expected, f"references != holders: {[(b, g, e) for b, (g, e) in enumerate(zip(got, expected)) if g != e]}"
+    wrong = [(b, g, e) for b, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
+    assert not wrong, f"references != holders (block, count, holders): {wrong}"
 
 
 def store_diff(store: Any) -> str:
