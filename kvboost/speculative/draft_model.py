@@ -35,17 +35,20 @@ class DraftModel(DraftStrategy):
         num_draft, max_draft, adaptive: see :class:`~kvboost.speculative.base.DraftStrategy`.
         sequences: contexts the draft's own KV pool holds (requests drafting at once; more decode undrafted while it
             is full). Default 8.
+        decode: the draft runner's decode path (``kvboost.runtime.config.choose_runner``); ``auto`` as the engine's
+            default, ``eager`` where compiling the draft's step costs more than it saves (tests, one-off runs).
     """
 
     def __init__(
         self, model: Any = None, dtype: str = "float32", num_draft: int = 4, max_draft: int = 8, adaptive: bool = True,
-        sequences: int = 8,
+        sequences: int = 8, decode: str = "auto",
     ) -> None:  # fmt: skip
         super().__init__(num_draft=num_draft, max_draft=max_draft, adaptive=adaptive)
         from kvboost.speculative.base import check_positive_int
 
         check_positive_int("draft_model", "sequences", sequences)
         self.sequences = sequences
+        self.decode = decode
         if model is not None and not isinstance(model, (str, torch.nn.Module)):
             raise ValueError(
                 f"speculative 'draft_model': model must be a path, a hub id, null or a loaded model, got {model!r}"
@@ -75,7 +78,7 @@ class DraftModel(DraftStrategy):
             )
         self.draft = draft.eval()
         # The draft has a pool and a runner of its own (the target's arithmetic, on the draft's weights).
-        self._runtime = StandaloneRunner(self.draft, sequences=self.sequences)
+        self._runtime = StandaloneRunner(self.draft, sequences=self.sequences, decode=self.decode)
 
     def begin(self, request: DraftRequest) -> None:
         if self._runtime is None:
