@@ -20,7 +20,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvboost.cache.block_run import BlockRun
 from kvboost.cache.disk import DiskTier, _DiskWriter

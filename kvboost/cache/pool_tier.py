@@ -205,8 +205,8 @@ class PoolTier(DictTier):
 
     # ------------------------------------------------------------------ the evictable queue
     def evictable(self, key: str) -> bool:
-        """Whether ``key``'s entry may be evicted now: held, unpinned, some block idle and (leaves first) no child
-        cached in this tier."""
+        """Whether ``key``'s entry may be evicted now: in this tier, unpinned, some block idle and (leaves first)
+        no child cached in this tier."""
         entry = self._entries.get(key)
         if entry is None or key in self._pins or self._referenced[key] >= len(entry.payload.blocks):
             return False
