@@ -226,11 +226,19 @@ class PoolTier(DictTier):
             self._update(key)
 
     def _count_referenced(self, ids: list[int], step: int) -> None:
-        entries_of, referenced = self._entries_of, self._referenced
+        # On every hit and every release, per cached block: only a count crossing "every block referenced" can
+        # change an entry's evictability, so the rest costs a dict update.
+        entries_of, referenced, entries = self._entries_of, self._referenced, self._entries
         for b in ids:
-            for key in entries_of.get(b, ()):
-                referenced[key] += step
-                self._update(key)
+            keys = entries_of.get(b)
+            if keys is None:
+                continue
+            for key in keys:
+                count = referenced[key] + step
+                referenced[key] = count
+                full = len(entries[key].payload.blocks)
+                if count == full or count == full - 1 and step < 0:
+                    self._update(key)
 
     def _track(self, entry: KVEntry) -> None:
         """Index a new entry's blocks and tell the policy whether it is evictable (``on_insert`` made it so)."""
