@@ -268,15 +268,18 @@ class FreeQueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.store: KVStore | None = None
 
-    @initialize(policy=st.sampled_from(["lru", "lfu", "s3fifo"]), leaves_first=st.booleans())
-    def start(self, policy, leaves_first):
+    @initialize(policy=st.sampled_from(["lru", "lfu", "s3fifo"]), leaves_first=st.booleans(),
+                capacity=st.sampled_from([None, 8]))  # fmt: skip
+    def start(self, policy, leaves_first, capacity):
+        """``capacity``: cached blocks the pool tier keeps at most (8 of 12: puts evict to make room)."""
         import tempfile
 
         self.tmp = tempfile.TemporaryDirectory()
         self.policy = policy
         self.pool = make_pool(self.BLOCKS)
         self.disk = DiskTier(self.tmp.name, fsync=False, background_bytes=0)
-        self.tier = PoolTier(self.pool, {"name": policy, "leaves_first": leaves_first})
+        self.tier = PoolTier(self.pool, {"name": policy, "leaves_first": leaves_first},
+                             capacity=None if capacity is None else capacity * self.pool.block_bytes)
         self.store = KVStore([self.tier, self.disk])
         self.model = _OrderModel(policy)
         self.serial = 0
@@ -305,10 +308,11 @@ class FreeQueueMachine(RuleBasedStateMachine):
             self.serial += 1
             key = f"e{self.serial}"
             write_marker(self.pool, b, self.serial)
+            self.marker[key] = self.serial
             if self.store.put(entry(self.pool, key, b, parent=parent)) and self.store.in_first_tier(key):
-                self.marker[key] = self.serial
                 self.model.insert(key)
                 parent = key
+            self._settle()  # the put may have evicted others to make room
         self.chains.append(parent)
         if pin and parent != "root" and self.store.in_first_tier(parent):
             assert self.store.set_pinned(parent, True)
