@@ -36,6 +36,7 @@ from kvboost.cache.eviction_base import EvictionPolicy
 from kvboost.cache.pool_tier import PoolTier
 from kvboost.cache.store import KVStore
 from kvboost.kv import KVPool, PoolExhausted
+from kvboost.registry import EVICTION
 
 BS = 4  # tokens per block
 
@@ -156,6 +157,35 @@ def test_a_policy_that_does_not_track_evictable_keys_still_works():
     pool.alloc(2)
     assert [k for k in (f"k{i}" for i in range(8)) if k not in store] == ["k3", "k4"]
     store.tiers[0].verify()
+
+
+@pytest.mark.parametrize("name", EVICTION.names())
+def test_every_tracking_policy_never_names_a_held_key_and_names_it_again_once_released(name):
+    """``set_evictable`` conformance for each registered policy that declares ``tracks_evictable``: evicting all
+    keys one by one never names a held key; released, it is named (and the policy ends empty)."""
+    policy = EVICTION.build(name)
+    if not getattr(policy, "tracks_evictable", False):
+        pytest.skip(f"{name} does not track evictable keys")
+    keys = [f"k{i}" for i in range(8)]
+    for key in keys:
+        policy.on_insert(key)
+    policy.on_access("k3")
+    held = {"k0", "k3", "k5"}
+    for key in held:
+        policy.set_evictable(key, False)
+    named = []
+    while (key := policy.victim()) is not None:
+        assert key not in held
+        named.append(key)
+        policy.on_remove(key)
+    assert sorted(named) == sorted(set(keys) - held)
+    for key in held:
+        policy.set_evictable(key, True)
+    while (key := policy.victim()) is not None:
+        named.append(key)
+        policy.on_remove(key)
+    assert sorted(named) == keys
+    policy.set_evictable("gone", True)  # unknown keys are ignored
 
 
 # ---------------------------------------------------------------------------------------------- spills
