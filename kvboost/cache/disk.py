@@ -11,7 +11,8 @@ old record, the new one or none, never a torn one. A ``get`` of an entry still q
 Removals (eviction, promotion to a faster tier) go through the same queue, in order. ``flush()`` waits for the
 queue; ``close()`` flushes and stops the thread; both also run at interpreter exit (``weakref.finalize``), and
 the engine calls ``close`` from ``engine.close()`` / its context manager. ``max_pending_bytes`` bounds the queue:
-a ``put`` that would exceed it waits for the writer (counted in ``write_stalls``).
+a ``put`` that would exceed it waits for the writer (counted in ``write_stalls`` and ``write_stall_ms``): an
+entry is never dropped for a full queue (see ``record_tier._Writer.submit_write``).
 
 Start-up: the tier rebuilds its index from the record headers found under ``path`` (the header checksum is
 checked; tensors are not read), oldest file first into the eviction policy, so a new process reuses the cache

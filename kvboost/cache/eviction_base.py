@@ -27,6 +27,12 @@ class EvictionPolicy(ABC):
     registry_name: str = "?"
     #: Class default, for subclasses that do not call ``super().__init__``.
     leaves_first: bool = True
+    #: True when the policy implements ``set_evictable`` (every built-in policy does): a tier that knows which of
+    #: its keys cannot be evicted now (the pool tier: entries whose blocks requests hold, pinned ones, parents
+    #: of cached children) tells the policy as that changes, so ``victim`` never walks over them. A policy that
+    #: leaves it False still works: such a tier then passes those keys in ``protected``, and ``victim`` skips
+    #: them one by one, as before.
+    tracks_evictable: bool = False
 
     def __init__(self, leaves_first: bool = True) -> None:
         self.leaves_first = bool(leaves_first)
@@ -45,4 +51,11 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def victim(self, protected: Container[str] = ()) -> str | None:
-        """The key to evict next (tracked, not in ``protected``), or None when there is none."""
+        """The key to evict next (tracked, not in ``protected``, not held by ``set_evictable``), or None when there
+        is none."""
+
+    def set_evictable(self, key: str, evictable: bool) -> None:
+        """Whether ``victim`` may name ``key`` (tracked keys start evictable; ``on_insert`` makes a key evictable
+        again). A held key keeps its place in the policy's order (its recency, its count) and returns to it when
+        released. Unknown keys are ignored. Only for policies with ``tracks_evictable``."""
+        raise NotImplementedError(f"eviction policy {self.registry_name!r} does not track evictable keys")

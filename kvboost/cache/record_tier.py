@@ -82,7 +82,8 @@ class RecordStats:
     writes: int = 0
     write_bytes: int = 0
     write_errors: int = 0
-    write_stalls: int = 0
+    write_stalls: int = 0  # puts that found the queue full and waited for the writer (backpressure)
+    write_stall_ms: float = 0.0  # time those puts waited
     deletes: int = 0
     reads: int = 0
     read_bytes: int = 0
@@ -186,12 +187,17 @@ class _Writer:
         with self._cv:
             self._cancel_locked(job.key)
             if self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
+                # Backpressure: wait for the writer rather than drop the entry. A put here is an entry some tier
+                # above gave up (an eviction, a refused put, a spill at close): dropping it would lose a pinned
+                # entry or a spill that should persist, and the wait is bounded by max_pending_bytes of writes.
                 self.stats.write_stalls += 1
+                t0 = time.perf_counter()
                 self._ensure_thread_locked()
                 while self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
                     if not self._thread_alive():
                         break
                     self._cv.wait(0.1)
+                self.stats.write_stall_ms += (time.perf_counter() - t0) * 1e3
             self._pending[job.key] = job
             self._pending_bytes += job.nbytes
             self._queue.append(job)

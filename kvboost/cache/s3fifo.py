@@ -46,6 +46,10 @@ class S3FIFOEviction(EvictionPolicy):
       ``O(1)`` instead of rescanning the same protected chain prefixes at every eviction. A chain's internal
       nodes are touched with its leaves whenever the chain is hit (``KVStore.touch_chain``), so a hit chain
       still gets promoted as a whole and a never-hit chain still leaves from ``S``, tail first.
+    - Keys the tier cannot evict now (``set_evictable(key, False)``: the pool tier's busy, pinned and parent
+      entries) leave their queue, keeping their counter, and return to its tail when released -- where a search
+      passing over them as protected would have moved them -- so a search never walks over them. They still
+      count in the sizes (``S``'s share, the ghost's length): they are resident.
     - If the preferred queue has nothing evictable the other one is searched, so ``victim`` returns None only
       when every tracked key is protected (the ``EvictionPolicy`` contract).
     - A new key always enters ``S`` (the paper's original version; libCacheSim's later variant puts keys in
@@ -88,10 +92,14 @@ class S3FIFOEviction(EvictionPolicy):
         self._ghost: OrderedDict[str, None] = OrderedDict()
         self._freq: dict[str, int] = {}  # resident keys only
         self._named_small: set[str] = set()  # keys victim() named from S and that have not moved since
+        self._held: dict[str, bool] = {}  # keys out of their queue (set_evictable): key -> it belongs to S
+        self._held_small = 0  # how many of them belong to S
 
     # ------------------------------------------------------------------ introspection (tests, reports)
     def queue_of(self, key: str) -> str | None:
-        """``"small"``, ``"main"``, ``"ghost"`` or None."""
+        """``"small"``, ``"main"``, ``"ghost"`` or None (a held key: the queue it returns to)."""
+        if key in self._held:
+            return "small" if self._held[key] else "main"
         if key in self._small:
             return "small"
         if key in self._main:
@@ -102,7 +110,7 @@ class S3FIFOEviction(EvictionPolicy):
 
     def tracked(self) -> int:
         """How many keys are tracked (small + main; not the ghosts). Not ``__len__``: an empty policy is truthy."""
-        return len(self._small) + len(self._main)
+        return len(self._small) + len(self._main) + len(self._held)
 
     # ------------------------------------------------------------------ policy
     def on_insert(self, key: str) -> None:
@@ -130,11 +138,27 @@ class S3FIFOEviction(EvictionPolicy):
         if evicted_from_small:
             self._remember(key)
 
+    tracks_evictable = True
+
+    def set_evictable(self, key: str, evictable: bool) -> None:
+        if key not in self._freq:
+            return
+        if not evictable and key not in self._held:
+            small = key in self._small
+            (self._small if small else self._main).pop(key, None)
+            self._held[key] = small
+            self._held_small += small
+            self._named_small.discard(key)
+        elif evictable and key in self._held:
+            small = self._held.pop(key)
+            self._held_small -= small
+            (self._small if small else self._main)[key] = None
+
     def victim(self, protected: Container[str] = ()) -> str | None:
-        total = len(self._small) + len(self._main)
+        total = len(self._small) + len(self._main) + len(self._held)
         if total == 0:
             return None
-        if self._small and len(self._small) >= self.small_ratio * total:
+        if self._small and len(self._small) + self._held_small >= self.small_ratio * total:
             key = self._search_small(protected)
             return key if key is not None else self._search_main(protected)
         key = self._search_main(protected)
@@ -146,13 +170,14 @@ class S3FIFOEviction(EvictionPolicy):
     # ------------------------------------------------------------------ internals
     def _drop(self, key: str) -> None:
         self._freq.pop(key, None)
+        self._held_small -= self._held.pop(key, False)
         self._small.pop(key, None)
         self._main.pop(key, None)
         self._named_small.discard(key)
 
     def _remember(self, key: str) -> None:
         """Put an evicted key at the tail of the ghost FIFO, trimming it to its share of the resident entries."""
-        limit = int(self.ghost_ratio * max(len(self._small) + len(self._main), 1))
+        limit = int(self.ghost_ratio * max(self.tracked(), 1))
         if limit <= 0:
             self._ghost.clear()
             return

@@ -134,6 +134,7 @@ class KVStore:
         self.pool = getattr(self.tiers[0], "pool", None) if self.tiers[0].holds_blocks else None
         if self.pool is not None:
             self.pool.cache = self
+            self.pool.watcher = self.tiers[0]  # the pool tier keeps its evictable entries apart (pool_tier)
         for i, tier in enumerate(self.tiers):
             tier.bind_store(partial(self._resident_children, i), partial(self._is_copy, i))
             tier.last_in_store = i + 1 == len(self.tiers)
@@ -639,17 +640,22 @@ class KVStore:
         if node.tier == tier_idx:
             return
         self._note(key)
+        before = node.tier
+        node.tier = tier_idx
         if node.parent is not None:
             counts = self._child_tiers.get(node.parent)
             if counts is None:
                 counts = self._child_tiers[node.parent] = [0] * len(self.tiers)
-            if node.tier is not None:
-                counts[node.tier] -= 1
+            if before is not None:
+                counts[before] -= 1
             if tier_idx is not None:
                 counts[tier_idx] += 1
+            first = counts[0]
             if not any(counts):
                 del self._child_tiers[node.parent]
-        node.tier = tier_idx
+            # the pool tier's evictable queue follows its entries' cached children (leaves first)
+            if self.pool is not None and (before == 0) != (tier_idx == 0) and first == (tier_idx == 0):
+                self.tiers[0].children_changed(node.parent)
 
     def _is_copy(self, tier_idx: int, key: str) -> bool:
         """Whether tier ``tier_idx`` holds ``key`` as a write-through copy."""

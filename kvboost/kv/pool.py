@@ -17,7 +17,10 @@ rows of the block. Entries hold no references. A block is in one of three states
 
 - **free**: no reference, not cached; ``alloc`` hands it out first;
 - **idle**: no reference, cached: its contents stay (a later hit takes a reference on it again) until ``alloc``
-  needs it: then the pool's ``cache`` evicts the entries indexing it, in its eviction policy's order;
+  needs it: then the pool's ``cache`` evicts the entries indexing it, in its eviction policy's order. The pool
+  tells its ``watcher`` (the pool tier) each time a cached block turns idle or referenced, so the tier keeps its
+  evictable entries apart, in policy order (the idea of vLLM v1's free block queue): ``alloc`` takes the policy's
+  first evictable entry, without walking over entries requests or pins hold;
 - **in use**: referenced. A cached block is never written again (``BlockTable.prepare_write`` copies it).
 
 Invariants (``verify`` checks them): a block is free iff it has no reference and is not cached; ``alloc`` never
@@ -72,6 +75,16 @@ class BlockCache(Protocol):
 
     def reclaim(self, free_blocks: int) -> None:
         """Evict idle cached entries, in eviction order, until ``free_blocks`` blocks are free or none is left."""
+
+
+class BlockWatcher(Protocol):
+    """Told when cached blocks change between idle and referenced (``kvboost.cache.pool_tier.PoolTier``)."""
+
+    def blocks_referenced(self, ids: list[int]) -> None:
+        """These cached blocks were idle and now have a reference."""
+
+    def blocks_idle(self, ids: list[int]) -> None:
+        """These cached blocks lost their last reference (they stay cached)."""
 
 
 @dataclass
@@ -132,6 +145,8 @@ class KVPool:
         #: The cache whose entries index this pool's blocks (set by ``KVStore.attach_pool``): ``alloc`` asks it
         #: to evict idle entries when free blocks run short. None: the pool caches nothing.
         self.cache: BlockCache | None = None
+        #: Told when cached blocks turn idle or referenced (set by ``KVStore`` to its pool tier); None: no one.
+        self.watcher: BlockWatcher | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -245,26 +260,38 @@ class KVPool:
 
     def incref(self, ids: Iterable[int]) -> None:
         """One more reference to each block (a sequence that shares it, a hit on a cached block, a pin)."""
-        for b in ids:
-            refs = self._refs[b]
-            if refs <= 0:
-                if not self._cached[b]:
-                    raise RuntimeError(f"KV pool: incref of free block {b}")
-                self._num_idle -= 1  # a hit on an idle cached block
-            self._refs[b] = refs + 1
+        woken: list[int] = []
+        try:
+            for b in ids:
+                refs = self._refs[b]
+                if refs <= 0:
+                    if not self._cached[b]:
+                        raise RuntimeError(f"KV pool: incref of free block {b}")
+                    self._num_idle -= 1  # a hit on an idle cached block
+                    woken.append(b)
+                self._refs[b] = refs + 1
+        finally:  # the watcher hears of every block counted, even when a later one raised
+            if woken and self.watcher is not None:
+                self.watcher.blocks_referenced(woken)
 
     def decref(self, ids: Iterable[int]) -> None:
         """One reference fewer to each block; at 0 a cached block is idle, any other free."""
-        for b in ids:
-            refs = self._refs[b]
-            if refs <= 0:
-                raise RuntimeError(f"KV pool: block {b} released more often than it was referenced (double free)")
-            self._refs[b] = refs - 1
-            if refs == 1:
-                if self._cached[b]:
-                    self._num_idle += 1
-                else:
-                    self._release(b)
+        idle: list[int] = []
+        try:
+            for b in ids:
+                refs = self._refs[b]
+                if refs <= 0:
+                    raise RuntimeError(f"KV pool: block {b} released more often than it was referenced (double free)")
+                self._refs[b] = refs - 1
+                if refs == 1:
+                    if self._cached[b]:
+                        self._num_idle += 1
+                        idle.append(b)
+                    else:
+                        self._release(b)
+        finally:
+            if idle and self.watcher is not None:
+                self.watcher.blocks_idle(idle)
 
     def mark_cached(self, ids: Iterable[int]) -> None:
         """One more cache entry indexes each block (its rows are final: never written again). Only a referenced
