@@ -42,11 +42,13 @@ def test_a_shorter_answer_is_a_mismatch():
     assert not out["passed"] and out["mismatches"][0]["first_diff_token"] == 2
 
 
-def test_aging_check_fails_on_an_overtaken_request():
-    waits = [{"kind": "generate", "steps": s, "preempted": False, "preemptions": 0, "time": 0.0} for s in (0, 3, 40)]
-    clean = soak.aging_check({"waits": waits, "overtaken": [], "aging_steps": 32})
-    assert clean["passed"] and clean["wait_steps_max"] == 40 and clean["admissions_after_aging"] == 1
-    overtaken = [{"step": 50, "admitted_arrival": 45, "waiting_arrival": 10, "waiting_preempted": False}]
+def test_aging_check_fails_on_an_overtaken_request_and_counts_first_admissions_only():
+    waits = [{"kind": "generate", "steps": s, "resumed": r, "place": 2, "preemptions": int(r), "time": 0.0}
+             for s, r in ((0, False), (3, False), (40, False), (500, True))]  # fmt: skip
+    clean = soak.aging_check({"waits": waits, "overtaken": [], "aging_steps": 32, "step": 600})
+    assert clean["passed"] and clean["wait_steps_max"] == 40 and clean["first_admissions_after_aging"] == 1
+    assert clean["resumed_admissions"] == 1
+    overtaken = [{"admitted_place": [2, 45], "waiting_place": [1, 10]}]
     assert not soak.aging_check({"waits": waits, "overtaken": overtaken, "aging_steps": 32})["passed"]
 
 

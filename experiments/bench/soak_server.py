@@ -30,7 +30,7 @@ from typing import Any
 
 #: what the instruments collected (one server process)
 STATE: dict[str, Any] = {"faults": {"armed": False, "calls": 0, "raised_before": 0, "raised_after": 0},
-                         "waits": [], "overtaken": []}  # fmt: skip
+                         "waits": [], "overtaken": [], "lost_preempted_flag": []}  # fmt: skip
 _LOCK = threading.Lock()
 
 
@@ -63,34 +63,43 @@ def wrap_runner(engine: Any, rate: float, seed: int) -> None:
 
 
 def record_waits() -> None:
-    """Record every admission (see the module docstring) by wrapping two of the scheduler's methods."""
+    """Record every admission (see the module docstring) by wrapping two of the scheduler's methods.
+
+    Each request's place by the aging rule is read when the queue is ordered (``order_waiting``), since admission
+    clears ``preempted`` before it calls ``admitted``: (0, arrival) preempted, (1, arrival) aged, 2 neither. A
+    request queued again with ``started`` set but ``preempted`` clear (its resumption gave up its place) is
+    counted in ``lost_preempted_flag``."""
     from kvboost.engine.scheduler import Scheduler
 
     order_waiting, admitted = Scheduler.order_waiting, Scheduler.admitted
 
-    def order_waiting_noting_step(self: Any, step: int) -> None:
-        self._soak_step = step
-        order_waiting(self, step)
+    def place(self: Any, r: Any, step: int) -> tuple[int, int]:
+        aged = step - r.arrival_step >= self.aging_steps
+        return (0 if r.preempted else 1 if aged else 2, r.arrival_step)
 
-    def aged(self: Any, r: Any, step: int) -> bool:
-        return bool(r.preempted) or step - r.arrival_step >= self.aging_steps
+    def order_waiting_noting_places(self: Any, step: int) -> None:
+        order_waiting(self, step)
+        self._soak_step = step
+        self._soak_places = {id(r): (place(self, r, step), bool(r.started)) for r in self.waiting}
+        lost = [r for r in self.waiting if r.started and not r.preempted and r.phase == "waiting"]
+        if lost:
+            with _LOCK:
+                STATE["lost_preempted_flag"].append({"step": step, "requests": len(lost)})
 
     def admitted_recorded(self: Any, request: Any) -> None:
-        step = getattr(self, "_soak_step", 0)
-        # a request ahead of ``request`` by the aging rule: preempted before anything else, then aged, oldest first
-        key = (0 if request.preempted else 1 if aged(self, request, step) else 2, request.arrival_step)
-        passed = [r for r in self.waiting if r is not request and aged(self, r, step)
-                  and (0 if r.preempted else 1, r.arrival_step) < key]  # fmt: skip
+        places = getattr(self, "_soak_places", {})
+        mine, resumed = places.get(id(request), ((2, request.arrival_step), False))
+        ahead = [places[id(r)][0] for r in self.waiting if r is not request and id(r) in places]
+        passed = [p for p in ahead if p[0] < 2 and p < mine]  # an aged or preempted request that should go first
+        step = getattr(self, "_soak_step", request.arrival_step)
         with _LOCK:
-            STATE["waits"].append({"kind": request.kind, "steps": step - request.arrival_step,
-                                   "preempted": bool(request.preempted), "preemptions": request.preemptions,
-                                   "time": time.time()})  # fmt: skip
-            for r in passed:
-                STATE["overtaken"].append({"step": step, "admitted_arrival": request.arrival_step,
-                                           "waiting_arrival": r.arrival_step, "waiting_preempted": bool(r.preempted)})
+            STATE["waits"].append({"kind": request.kind, "steps": step - request.arrival_step, "resumed": resumed,
+                                   "place": mine[0], "preemptions": request.preemptions, "time": time.time()})
+            for p in passed:
+                STATE["overtaken"].append({"admitted_place": list(mine), "waiting_place": list(p)})
         admitted(self, request)
 
-    Scheduler.order_waiting, Scheduler.admitted = order_waiting_noting_step, admitted_recorded
+    Scheduler.order_waiting, Scheduler.admitted = order_waiting_noting_places, admitted_recorded
 
 
 def books(engine: Any) -> dict[str, Any]:
@@ -127,7 +136,8 @@ def add_routes(app: Any, loop: Any) -> None:
     async def waits() -> dict[str, Any]:
         with _LOCK:
             return {"waits": list(STATE["waits"]), "overtaken": list(STATE["overtaken"]),
-                    "aging_steps": loop.core.scheduler.aging_steps}  # fmt: skip
+                    "lost_preempted_flag": list(STATE["lost_preempted_flag"]),
+                    "aging_steps": loop.core.scheduler.aging_steps, "step": loop.core.steps}  # fmt: skip
 
     @app.get("/soak/faults")
     async def faults() -> dict[str, Any]:
