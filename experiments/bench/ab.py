@@ -199,7 +199,28 @@ def _worker_engine(cfg: dict[str, Any], options: dict[str, Any]) -> tuple[Any, l
                                          device=model.get("device"),
                                          **{k: v for k, v in options.items() if k not in ignored})  # fmt: skip
         return engine, ignored
-    return build_engine(cfg), []
+    cfg, ignored = _known_kv_events(cfg)
+    return build_engine(cfg), ignored
+
+
+def _known_kv_events(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``cfg`` without the ``engine.kv_events`` options the imported checkout does not know, while events are off (a
+    later checkout's config has more of them, and an older engine refuses unknown ones; off, they change nothing),
+    and their names as ``kv_events.NAME``."""
+    import dataclasses
+
+    engine = dict(cfg.get("engine") or {})
+    events = dict(engine.get("kv_events") or {})
+    try:
+        from kvboost.cache.events import KVEventsConfig
+    except ImportError:
+        return cfg, []
+    if events.get("enabled") or not dataclasses.is_dataclass(KVEventsConfig):
+        return cfg, []
+    known = {f.name for f in dataclasses.fields(KVEventsConfig)}
+    dropped = sorted(set(events) - known)
+    engine["kv_events"] = {k: v for k, v in events.items() if k in known}
+    return {**cfg, "engine": engine}, [f"kv_events.{k}" for k in dropped]
 
 
 class Worker:

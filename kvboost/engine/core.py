@@ -357,17 +357,13 @@ class EngineCore:
         if pool.num_available < need or pool.reclaim(need) < need:  # (nothing is evicted for a request that waits)
             plan.release()
             return "wait"
-        resumed = request.started
+        resumed, preempted = request.started, request.preempted
         if not resumed:
             request.clock.mark("looked_up")
         request.started, request.preempted, request.plan = True, False, plan
         self.scheduler.admitted(request)
-        if not resumed:
-            self.counters["prefix_query_tokens"] += len(request.ids)
-            self.counters["prompt_tokens"] += len(request.ids)
-        else:
-            self.counters["resumed_hit_tokens"] += plan.exact_prefix
         if plan.content_tokens:
+            self._count_start(request, resumed, plan)
             self.counters["prefill_tokens"] += prefill
             logits = pipeline.prefill_with_repair(engine, request)
             self._count_reuse(request)
@@ -380,8 +376,10 @@ class EngineCore:
             request.table = BlockTable(pool)
             self.scheduler.running.remove(request)
             self.scheduler.waiting.appendleft(request)
-            request.started = resumed
+            # as it was: counted when it starts, and a preempted request keeps its place ahead of the others
+            request.started, request.preempted = resumed, preempted
             return "wait"
+        self._count_start(request, resumed, plan)
         if not resumed:
             request.clock.mark("assembled")
         seq, _ = pipeline.sequence_of(engine, request)
@@ -395,6 +393,14 @@ class EngineCore:
         if not request.fed:  # a warm / store request whose every token is cached already
             self._prefilled(request, None)
         return 0
+
+    def _count_start(self, request: Request, resumed: bool, plan: Any) -> None:
+        """Count a request's start once it holds its blocks (a start that waits for them is not one)."""
+        if not resumed:
+            self.counters["prefix_query_tokens"] += len(request.ids)
+            self.counters["prompt_tokens"] += len(request.ids)
+        else:
+            self.counters["resumed_hit_tokens"] += plan.exact_prefix
 
     def _unadmittable(self, request: Request) -> str:
         pool = self.engine.pool
