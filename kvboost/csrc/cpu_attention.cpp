@@ -210,7 +210,9 @@ void check_rows(const c10::optional<at::Tensor>& t, const char* name, int64_t ba
 // are sorted by estimated cost, largest first, and each thread takes the next one from a shared counter
 // (longest-processing-time-first) instead of at::parallel_for's static contiguous split.
 // Invariance: every unit is computed by one thread with code that does not depend on the rest of the batch, so a
-// sequence's output does not either (on the GEMM path: as far as MKL gives the same bits for the same shapes).
+// sequence's output does not either (on the GEMM path: as far as MKL gives the same bits for the same shapes; MKL's
+// bits do follow the shape, so a prompt tile's rows differ from the same rows in a shorter call: `row_invariant`
+// keeps every tile on the direct path).
 // On the direct path a row's bits do not even depend on the other rows of its tile: its reductions run over its
 // own keys in a fixed order (scores: one reduction tree per key; parts: by absolute position, so a row sees the
 // same parts whatever the tile's furthest position; keys past its position add exact zeros).
