@@ -172,3 +172,7 @@ def test_the_paged_kernels_row_invariant_mode_gives_a_row_the_same_bits_however_
     whole = attend(0, n)
     pieces = torch.cat([attend(lo, hi) for lo, hi in ((0, 19), (19, 100), (100, 530), (530, 1099), (1099, 1100))])
     assert torch.equal(whole, pieces)
+    gemm = torch.empty(n, hq, dim)  # the default mode (GEMM tiles): the same attention up to fp32 rounding
+    ext.paged_forward(q, k, v, table, torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                      torch.arange(n, dtype=torch.int32), block, dim**-0.5, gemm, 32)  # fmt: skip
+    assert (whole - gemm).abs().max().item() < 1e-5
