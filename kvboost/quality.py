@@ -124,45 +124,76 @@ LOW_PRECISION_KL_TOLERANCE = 5e-2
 #: tokens): 1 of 3 checks parted, at token 11, cold-logit margin 0.19.
 NEAR_TIE_LOGITS = 0.5
 
-#: decode="quantized" with int16 activations (the CPU default for a GGUF model) rounds each decode row's activations
-#: to int16 codes per 32-value group (~1.5e-5 of the group's largest value), and stores the rows it generates. A
-#: prompt that reuses such rows (a chat's earlier answer) therefore agrees with a cold prefill less closely than
-#: over prefilled rows, still far inside the KL promise. Measured on the bundled model (fp32, a 48-token answer
-#: reused at turn 2, tests/test_retokenization.py): max |first-token logit difference| 4.4e-4 (KL 8e-9) against
-#: 2.3e-5 with fp32 activations and 2.0e-5 with the compiled dense step; the same 4.3964e-4 in CI and on a 2-core
-#: AVX2 EPYC (the kernel builds its AVX2 code on every CPU kind). The bound keeps ~4x margin for other prompts.
+#: decode="quantized" with int16 activations where the prompt rows stay on the dense weights (prefill="fused": a bf16
+#: model on a CPU with AMX, or asked for) rounds each decode row's activations to int16 codes per 32-value group
+#: (~1.5e-5 of the group's largest value) and stores the rows it generates. A prompt that reuses such rows (a chat's
+#: earlier answer) therefore agrees with a cold prefill less closely than over prefilled rows, still far inside the
+#: KL promise. Measured on the bundled model (fp32, prefill=fused, a 48-token answer reused at turn 2,
+#: tests/test_retokenization.py): max |first-token logit difference| 4.4e-4 (KL 8e-9) against 2.3e-5 with fp32
+#: activations and 2.0e-5 with the compiled dense step; the same 4.3964e-4 in CI and on a 2-core AVX2 EPYC. The bound
+#: keeps ~4x margin for other prompts.
 INT16_DECODE_LOGIT_DRIFT = 2e-3
 
-#: prefill="quantized" with int16 activations (what prefill=auto picks beside that decode step on an fp32 model)
-#: rounds every prompt row's activations too: a fp32 difference of the attention call's shape (reuse prefills only
-#: the suffix) flips some roundings, and the flips compound over the layers. Measured on the bundled model (fp32,
-#: 2-core AVX2 EPYC): verify_correctness's 3 default prompts, max |first-token logit difference| 6.9e-3 / 8.0e-3 /
-#: 8.0e-3 (KL 2.8e-7 / 2.1e-7 / 2.0e-7, same greedy tokens); the two-turn chat of tests/test_retokenization.py 5.3e-3.
-#: prefill="fused" (the dense weights) keeps fp32 rounding (<= 1e-4). The bound keeps ~4x margin.
+#: prefill="quantized_short" with int16 activations: forwards under SHORT_PREFILL_ROWS rows on the 4-bit step, longer
+#: ones on the dense weights, so a long cold prompt and a reuse's short suffix run different arithmetic, and the
+#: int16 roundings of the later layers amplify the difference. Measured on the bundled model when every prompt
+#: row's attention still rounded by the call's shape (fp32, 2-core AVX2 EPYC, verify_correctness's 3 default
+#: prompts): max |first-token logit difference| 6.9e-3 / 8.0e-3 / 8.0e-3 (KL ~2e-7, same greedy tokens). The bound
+#: keeps ~4x margin. prefill="quantized" (what auto picks beside that decode step on an fp32 model) is bit-exact
+#: instead (:func:`reuse_is_bit_exact`).
 INT16_PREFILL_LOGIT_DRIFT = 3e-2
 
 
-def _quantized_int16(engine: Any) -> tuple[bool, bool]:
-    """(decode, prefill) through the quantized step with int16 activations, as the runner actually runs them (it
-    falls back from "quantized" when the extension cannot be built), as decode_info() reports."""
+def _quantized_paths(engine: Any) -> tuple[str | None, int]:
+    """(the quantized step's activations where decode runs on it, else None; the rows below which a prompt forward
+    runs on it: 0 none, SHORT_PREFILL_ROWS or ALL_ROWS), as the runner actually runs them (it falls back from
+    "quantized" when the extension cannot be built), as decode_info() reports."""
     config = getattr(engine, "runner_config", None)
     runner = getattr(engine, "runner", None)
     decode = getattr(runner, "decode", getattr(config, "decode", None))
-    int16 = decode == "quantized" and getattr(config, "decode_activations", None) == "int16"
+    if decode != "quantized":
+        return None, 0
     rows = getattr(runner, "quantized_prefill_rows", getattr(config, "quantized_prefill_rows", 0))
-    return int16, int16 and rows > 0
+    return getattr(config, "decode_activations", None), int(rows or 0)
+
+
+def _quantized_int16(engine: Any) -> tuple[bool, bool]:
+    """(decode, prefill) through the quantized step with int16 activations (prefill: any prompt forward on it)."""
+    act, rows = _quantized_paths(engine)
+    return act == "int16", act == "int16" and rows > 0
 
 
 def decodes_with_int16_activations(engine: Any) -> bool:
     """Whether ``engine``'s decode step rounds activations to int16 (``decode="quantized"``, ``int16``): the rows it
-    generates then agree with a prefill's to :data:`INT16_DECODE_LOGIT_DRIFT`, not fp32 rounding."""
+    generates then agree with a prefill's to :data:`INT16_DECODE_LOGIT_DRIFT` unless the prompt rows run on the same
+    step (:func:`reuse_is_bit_exact`)."""
     return _quantized_int16(engine)[0]
+
+
+def reuse_is_bit_exact(engine: Any) -> bool:
+    """Whether exact reuse under ``engine``'s configuration gives a cold prefill's bits (first-token logits and every
+    stored K/V row equal): every forward without hooks runs on the 4-bit step (``decode="quantized"`` with
+    ``prefill="quantized"``, what ``auto`` picks for a GGUF model in fp32 on any CPU and in bf16 on a CPU without
+    AMX), with int16 or fp32 activations, and the KV quantizer is lossless. There a row's arithmetic does not
+    depend on how the prompt was split (prefilled whole, reused and extended, decoded): its products broadcast it
+    against the weights' tiles with exact integer group sums, and the paged attention runs every tile on its
+    row-invariant path (kvboost/csrc/cpu_attention.cpp, ``row_invariant``). Holds on every CPU kind and build (the
+    step calls no MKL); across CPU kinds the bits differ, which the cache key carries (quant_arithmetic_tag)."""
+    from kvboost.runtime.config import ALL_ROWS
+
+    act, rows = _quantized_paths(engine)
+    quantizer = getattr(engine, "quantizer", None)
+    lossless = quantizer is None or getattr(quantizer, "lossless", True)
+    return act in ("int16", "fp32") and rows == ALL_ROWS and lossless
 
 
 def reuse_logit_bound(engine: Any, *, over_generated_rows: bool = False) -> float:
     """The max |first-token logit difference| between reuse and a cold prefill that ``engine``'s fp32 configuration
-    keeps: 1e-4 (fp32 rounding), :data:`INT16_PREFILL_LOGIT_DRIFT` when prompt rows are rounded to int16, else
-    :data:`INT16_DECODE_LOGIT_DRIFT` when the reused rows include ones an int16 decode step generated."""
+    keeps: 0 where reuse is bit-exact (:func:`reuse_is_bit_exact`), :data:`INT16_PREFILL_LOGIT_DRIFT` where some
+    prompt rows are rounded to int16 and others not (``prefill="quantized_short"``), else
+    :data:`INT16_DECODE_LOGIT_DRIFT` when the reused rows include ones an int16 decode step generated, else 1e-4."""
+    if reuse_is_bit_exact(engine):
+        return 0.0
     decode, prefill = _quantized_int16(engine)
     if prefill:
         return INT16_PREFILL_LOGIT_DRIFT
@@ -180,12 +211,16 @@ class VerifiedCorrectness(CorrectnessReport):
     #: that step (None where they do not part, or where near ties are not accepted).
     tie_margins: list[float | None] = field(default_factory=list)
     near_tie: float | None = None  # accepted margin (bf16/fp16 without a batch-invariant backend), else None
+    #: Whether the configuration promises bit-equal reuse (:func:`reuse_is_bit_exact`): then each check's first-token
+    #: logits must equal cold's exactly (max abs difference 0), not only within the KL tolerance.
+    bit_exact: bool = False
 
     def check_ok(self, i: int) -> bool:
         c = self.checks[i]
         margin = self.tie_margins[i] if i < len(self.tie_margins) else None
         greedy = c.greedy_match or (self.near_tie is not None and margin is not None and margin <= self.near_tie)
-        return greedy and c.first_token_kl <= self.kl_tolerance
+        exact = not self.bit_exact or c.max_abs_logit_diff == 0.0
+        return greedy and exact and c.first_token_kl <= self.kl_tolerance
 
     @property
     def passed(self) -> bool:
@@ -193,7 +228,7 @@ class VerifiedCorrectness(CorrectnessReport):
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "dtype": self.dtype, "criterion": self.criterion, "tie_margins": self.tie_margins,
-                "near_tie": self.near_tie}  # fmt: skip
+                "near_tie": self.near_tie, "bit_exact": self.bit_exact}  # fmt: skip
 
     def __str__(self) -> str:
         lines = [f"verify_correctness: {'passed' if self.passed else 'FAILED'} ({self.dtype}; {self.criterion})"]
@@ -201,22 +236,42 @@ class VerifiedCorrectness(CorrectnessReport):
             margin = self.tie_margins[i] if i < len(self.tie_margins) else None
             tie = f" (near tie: margin {margin:.3f})" if margin is not None else ""
             parted = f"differs at {c.first_divergence}{tie}"
+            bits = f", max |logit diff| {c.max_abs_logit_diff:.2e} (== 0)" if self.bit_exact else ""
             lines.append(
                 f"  {'ok  ' if self.check_ok(i) else 'FAIL'} greedy {'equal' if c.greedy_match else parted}"
-                f", first-token KL {c.first_token_kl:.2e} (<= {self.kl_tolerance:.0e}), reuse {c.reuse_ratio:.2f}: "
-                f"{c.prompt[:48]!r}"
+                f", first-token KL {c.first_token_kl:.2e} (<= {self.kl_tolerance:.0e}){bits}, reuse "
+                f"{c.reuse_ratio:.2f}: {c.prompt[:48]!r}"
             )
         return "\n".join(lines)
 
 
 def exactness_promise(engine: Any) -> tuple[float, str]:
-    """(first-token KL tolerance, why) for what exact reuse can promise under ``engine``'s configuration."""
+    """(first-token KL tolerance, why) for what exact reuse can promise under ``engine``'s configuration.
+
+    What each default path gives (reuse against the same engine's cold prefill; measured by
+    ``python -m experiments.checks.exactness``, figures in experiments/results/exactness/):
+
+    - the 4-bit step for prompt and decode rows (a GGUF model such as the bundled SmolLM2 on the CPU: fp32 on every
+      CPU kind, bf16 on CPUs without AMX): bit-equal on every CPU kind and build (:func:`reuse_is_bit_exact`);
+    - fp32 on dense weights (other models on the CPU; ``prefill="fused"``): equal up to fp32 rounding, KL <= 1e-4;
+    - bf16 / fp16 on dense kernels (a GGUF model with ``dtype="auto"`` on a CPU with AMX, whose prompt rows stay on
+      oneDNN's AMX GEMMs; CUDA): equal up to that rounding (:data:`LOW_PRECISION_KL_TOLERANCE`, near ties);
+      bit-equal under ``attn=batch_invariant``.
+    """
     dtype = getattr(getattr(engine, "adapter", None), "dtype", torch.float32)
     backend = getattr(engine, "attention", None)
     invariant = bool(getattr(getattr(backend, "capabilities", None), "batch_invariant", False))
     quantizer = getattr(engine, "quantizer", None)
     lossy = quantizer is not None and not getattr(quantizer, "lossless", True)
     name = str(dtype).replace("torch.", "")
+    if reuse_is_bit_exact(engine):
+        act = _quantized_paths(engine)[0]
+        return FP32_KL_TOLERANCE, (
+            f"{name} on the 4-bit step (prompt and decode rows from the GGUF blocks, {act} activations): exact reuse "
+            "is bit-equal to a cold prefill (a row's arithmetic does not depend on how the prompt was split; on every "
+            "CPU kind and build), rows the decode step generated included: same greedy tokens, max |first-token "
+            "logit difference| 0"
+        )  # fmt: skip
     if dtype in (torch.float32, torch.float64):
         tol, why = FP32_KL_TOLERANCE, (
             f"{name}: exact reuse equals a cold prefill up to fp32 rounding (the suffix prefill's matmul shapes "
@@ -235,12 +290,17 @@ def exactness_promise(engine: Any) -> tuple[float, str]:
             f"(KL <= {FP32_KL_TOLERANCE:.0e}, same greedy tokens)"
         )
     decode16, prefill16 = _quantized_int16(engine)
-    if prefill16:
-        why += ("; prefill=quantized and decode=quantized round each row's activations to int16 codes: reuse agrees "
-                f"with cold to first-token logits within ~{INT16_PREFILL_LOGIT_DRIFT:.0e} (KL ~1e-7; engine.prefill="
-                "fused keeps fp32 rounding over prefilled rows)")  # fmt: skip
+    from kvboost.runtime.config import ALL_ROWS
+
+    if prefill16 and _quantized_paths(engine)[1] == ALL_ROWS:  # the 4-bit step everywhere, a lossy KV quantizer
+        why += "; prompt and decode rows on the 4-bit step: the reuse's own arithmetic is a cold prefill's bits"
+    elif prefill16:
+        why += ("; prefill=quantized_short runs short prompt forwards on the 4-bit step (int16 activations) and long "
+                f"ones dense: reuse agrees with cold to first-token logits within ~{INT16_PREFILL_LOGIT_DRIFT:.0e} "
+                "(KL ~1e-7; engine.prefill=quantized is bit-exact)")  # fmt: skip
     elif decode16:
-        why += ("; decode=quantized rounds each decode step's activations to int16 codes: reuse over rows the decode "
+        why += ("; decode=quantized rounds each decode step's activations to int16 codes while prompt rows stay dense "
+                "(engine.prefill=fused): reuse over rows the decode "
                 f"step generated (a chat's earlier answer) agrees with cold to first-token logits within "
                 f"~{INT16_DECODE_LOGIT_DRIFT:.0e} (KL ~1e-8), over prefilled rows within fp32 rounding")
     if not getattr(engine, "generated_rows_exact", True):
@@ -266,14 +326,19 @@ def verify_correctness(
     first-token KL(cold || reuse), first divergence, max abs logit difference.
 
     ``kl_tolerance=None`` takes the configuration's own (:func:`exactness_promise`): 1e-4 in fp32 and in bf16 under
-    a batch-invariant backend, :data:`LOW_PRECISION_KL_TOLERANCE` in bf16/fp16 otherwise. The report's ``criterion``
-    says which and why; ``str(report)`` prints it with a line per prompt.
+    a batch-invariant backend, :data:`LOW_PRECISION_KL_TOLERANCE` in bf16/fp16 otherwise; where the configuration
+    promises bit-equal reuse (:func:`reuse_is_bit_exact`: the 4-bit step for every row, the CPU default for a GGUF
+    model in fp32) each check must also show first-token logits equal to cold's bit for bit (``bit_exact``). An
+    explicit ``kl_tolerance`` replaces both. The report's ``criterion`` says which and why; ``str(report)`` prints it
+    with a line per prompt.
     """
     tolerance, criterion = exactness_promise(engine)
     rounded_decode = not getattr(engine, "generated_rows_exact", True)  # int8 activations in the decode step
     near_tie = NEAR_TIE_LOGITS if tolerance > FP32_KL_TOLERANCE or rounded_decode else None
+    bit_exact = reuse_is_bit_exact(engine)
     if kl_tolerance is not None:
         tolerance, criterion = float(kl_tolerance), f"first-token KL <= {kl_tolerance:.0e} as asked; {criterion}"
+        bit_exact = False
     prompts = list(prompts) if prompts is not None else list(DEFAULT_VERIFY_PROMPTS)
     if not prompts:
         raise ValueError("verify_correctness needs at least one prompt")
@@ -294,7 +359,7 @@ def verify_correctness(
         engine._requests, engine._prompt_tokens, engine._cached_tokens = saved_counters
     dtype = str(getattr(getattr(engine, "adapter", None), "dtype", "")).replace("torch.", "")
     return VerifiedCorrectness(checks=checks, kl_tolerance=tolerance, dtype=dtype, criterion=criterion,
-                               tie_margins=margins, near_tie=near_tie)  # fmt: skip
+                               tie_margins=margins, near_tie=near_tie, bit_exact=bit_exact)  # fmt: skip
 
 
 @contextmanager

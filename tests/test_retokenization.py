@@ -174,9 +174,9 @@ def test_two_turn_chat_on_the_bundled_model_reuses_the_whole_history():
         cold = engine.generate(prompt2, max_new_tokens=12, mode="cold")
         assert r2.output_ids == cold.output_ids
         # Turn 1's answer is reused from the rows the decode step wrote. A dense decode writes a prefill's rows up to
-        # fp32 rounding; the bundled model's CPU default (decode=quantized, int16 activations; on an fp32 model its
-        # prefill too) rounds each row's activations to int16 codes, so its rows agree less closely
-        # (kvboost.quality.INT16_DECODE_LOGIT_DRIFT, INT16_PREFILL_LOGIT_DRIFT).
+        # fp32 rounding; the bundled model's CPU default in fp32 (the 4-bit step for prompt and decode rows) writes
+        # them bit for bit (bound 0: kvboost.quality.reuse_is_bit_exact); a decode step beside a dense prefill
+        # agrees less closely (INT16_DECODE_LOGIT_DRIFT).
         bound = reuse_logit_bound(engine, over_generated_rows=True)
         assert float((r2.first_token_logits - cold.first_token_logits).abs().max()) <= bound
     finally:

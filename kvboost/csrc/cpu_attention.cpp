@@ -210,7 +210,9 @@ void check_rows(const c10::optional<at::Tensor>& t, const char* name, int64_t ba
 // are sorted by estimated cost, largest first, and each thread takes the next one from a shared counter
 // (longest-processing-time-first) instead of at::parallel_for's static contiguous split.
 // Invariance: every unit is computed by one thread with code that does not depend on the rest of the batch, so a
-// sequence's output does not either (on the GEMM path: as far as MKL gives the same bits for the same shapes).
+// sequence's output does not either (on the GEMM path: as far as MKL gives the same bits for the same shapes; MKL's
+// bits do follow the shape, so a prompt tile's rows differ from the same rows in a shorter call: `row_invariant`
+// keeps every tile on the direct path).
 // On the direct path a row's bits do not even depend on the other rows of its tile: its reductions run over its
 // own keys in a fixed order (scores: one reduction tree per key; parts: by absolute position, so a row sees the
 // same parts whatever the tile's furthest position; keys past its position add exact zeros).
@@ -450,7 +452,7 @@ inline float row_max(const float* row, int64_t n) {
 // unnormalised output o (rows x (D + 2) floats at `partial`), merged by merge_split once every part is done.
 template <typename T, int NC>
 void paged_unit_direct(const PagedProblem<T>& P, const PagedUnit& u, const int64_t* seen, float* partial,
-                       Scratch<float>& a_buf, Scratch<float>& s_buf, Scratch<float>& o_buf) {
+                       Scratch<float>& a_buf, Scratch<float>& s_buf, Scratch<float>& o_buf, Scratch<float>& inv_buf) {
   const int64_t D = P.D, tn = u.tn, rows = P.G * tn, lo = u.lo, n = u.hi - u.lo, bs = P.block_size;
   float* a = a_buf.get(rows * D);
   float* s = s_buf.get(rows * n);
@@ -468,7 +470,7 @@ void paged_unit_direct(const PagedProblem<T>& P, const PagedUnit& u, const int64
   for (int64_t j0 = 0; j0 < n; j0 += bs)
     score_block<NC>(a, rows, D, kh + P.slot(u.b, lo + j0) * P.ks1, P.ks1, std::min(bs, n - j0), s + j0, n);
   // Softmax per row over the keys of the range it sees; the rest of the row becomes 0 (adds nothing below).
-  float inv[kDirectMaxRows];
+  float* inv = inv_buf.get(rows);
   float* stats = partial ? partial + rows * D : nullptr;  // m (rows), then l (rows)
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * n;
@@ -590,8 +592,14 @@ void paged_unit_gemm(const PagedProblem<T>& P, const PagedUnit& u, const int64_t
     }
 }
 
+// row_invariant: every unit on the direct path (no MKL GEMM, whose bits follow the call's shape), in tiles of at most
+// kDirectMaxRows rows, split by absolute key position wherever it sees more than kSplitKeys keys: a query row's bits
+// then depend only on its own position and keys, not on how many queries share the call (a prompt prefilled whole,
+// a reuse's suffix, a decode row), which is what lets reuse equal a cold prefill to the bit (issue 61). Otherwise
+// tiles of more than kDirectMaxRows rows take the GEMM path (faster for long prompt chunks).
 template <typename T>
-void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile) {
+void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile, bool row_invariant) {
+  if (row_invariant) tile = std::max<int64_t>(1, std::min(tile, kDirectMaxRows / P.G));
   // Split direct-path units into parts of this many keys (a multiple of block_size), by absolute key position.
   const int64_t split_keys = std::max<int64_t>(1, kSplitKeys / P.block_size) * P.block_size;
   // Units, with the keys each tile sees: hi = one past the last key of its furthest-seeing query.
@@ -605,7 +613,8 @@ void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile) {
       max_tn = std::max(max_tn, tn);
       int64_t hi = 0;
       for (int64_t t = 0; t < tn; ++t) hi = std::max(hi, std::min(kv_len, P.q_pos[q0 + t0 + t] + int64_t{1}));
-      const int64_t parts = rows <= kDirectMaxRows && hi > split_keys ? (hi + split_keys - 1) / split_keys : 1;
+      const bool direct = row_invariant || rows <= kDirectMaxRows;
+      const int64_t parts = direct && hi > split_keys ? (hi + split_keys - 1) / split_keys : 1;
       for (int64_t g = 0; g < P.Hkv; ++g) {
         if (parts == 1) {
           units.push_back({b, g, t0, tn, 0, hi, (rows + kStreamRows) * hi});
@@ -645,15 +654,15 @@ void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile) {
         for (int64_t h = 0; h < P.G; ++h)
           for (int64_t t = 0; t < u.tn; ++t)
             std::fill_n(P.out + (q0 + t) * P.os0 + (u.g * P.G + h) * P.os1, P.D, T(0.f));
-      } else if (P.G * u.tn <= kDirectMaxRows) {
+      } else if (row_invariant || P.G * u.tn <= kDirectMaxRows) {
         switch (nc) {
-          case 2: paged_unit_direct<T, 2>(P, u, seen.data(), part, af, sf, of); break;
-          case 3: paged_unit_direct<T, 3>(P, u, seen.data(), part, af, sf, of); break;
-          case 4: paged_unit_direct<T, 4>(P, u, seen.data(), part, af, sf, of); break;
-          case 5: paged_unit_direct<T, 5>(P, u, seen.data(), part, af, sf, of); break;
-          case 6: paged_unit_direct<T, 6>(P, u, seen.data(), part, af, sf, of); break;
-          case 8: paged_unit_direct<T, 8>(P, u, seen.data(), part, af, sf, of); break;
-          default: paged_unit_direct<T, 0>(P, u, seen.data(), part, af, sf, of);
+          case 2: paged_unit_direct<T, 2>(P, u, seen.data(), part, af, sf, of, invf); break;
+          case 3: paged_unit_direct<T, 3>(P, u, seen.data(), part, af, sf, of, invf); break;
+          case 4: paged_unit_direct<T, 4>(P, u, seen.data(), part, af, sf, of, invf); break;
+          case 5: paged_unit_direct<T, 5>(P, u, seen.data(), part, af, sf, of, invf); break;
+          case 6: paged_unit_direct<T, 6>(P, u, seen.data(), part, af, sf, of, invf); break;
+          case 8: paged_unit_direct<T, 8>(P, u, seen.data(), part, af, sf, of, invf); break;
+          default: paged_unit_direct<T, 0>(P, u, seen.data(), part, af, sf, of, invf);
         }
         // The thread that finishes a split unit's last part merges it (acq_rel: it sees the other parts' writes).
         if (part && done[u.group].fetch_add(1, std::memory_order_acq_rel) == u.parts - 1)
@@ -663,7 +672,7 @@ void paged_kernel(const PagedProblem<T>& P, int64_t B, int64_t tile) {
       }
     }
   };
-  const bool direct_only = std::all_of(units.begin(), units.end(), [&](const PagedUnit& u) {
+  const bool direct_only = row_invariant || std::all_of(units.begin(), units.end(), [&](const PagedUnit& u) {
     return u.hi <= 0 || P.G * u.tn <= kDirectMaxRows;
   });
   KVB_RUN_WORKERS(workers, direct_only, worker);
@@ -717,7 +726,8 @@ at::Tensor cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, const
 at::Tensor cpu_paged_attention_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables, const at::Tensor& kv_lens,
                                        const at::Tensor& query_start, const at::Tensor& q_positions,
-                                       int64_t block_size, double scale, at::Tensor out, int64_t tile) {
+                                       int64_t block_size, double scale, at::Tensor out, int64_t tile,
+                                       bool row_invariant = false) {
   TORCH_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                         out.device().is_cpu(),
                     "paged_forward: tensors must be on the CPU");
@@ -766,7 +776,7 @@ at::Tensor cpu_paged_attention_forward(const at::Tensor& q, const at::Tensor& k_
                       qs, q_positions.data_ptr<int32_t>(), q.size(1), k_cache.size(0), q.size(1) / k_cache.size(0),
                       q.size(2), block_size, M, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                       v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
-    paged_kernel<U>(P, B, tile);
+    paged_kernel<U>(P, B, tile, row_invariant);
   };
   if (q.scalar_type() == at::kFloat) {
     run(static_cast<float*>(nullptr));
@@ -788,6 +798,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_forward", &cpu_paged_attention_forward,
         "CPU paged attention forward (kvboost/kernels_triton/paged_attention_reference.py contract)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("kv_lens"), py::arg("query_start"),
-        py::arg("q_positions"), py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("tile"));
+        py::arg("q_positions"), py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("tile"),
+        py::arg("row_invariant") = false);
 }
 #endif  // KVBOOST_CPU_ATTENTION_NO_MODULE

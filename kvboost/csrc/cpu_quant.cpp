@@ -1209,8 +1209,10 @@ void decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, c
     auto q = attention_input(x, w[0], eps, w[1], w[2], w[3], maybe(w[4]), cos, sin, heads, kv_heads, head_dim,
                              keys[l], values[l], slots, act);
     auto attn = torch::empty_like(q);
+    // row_invariant: a row's attention bits do not depend on the rows beside it in the call (prompt chunk, reuse
+    // suffix or decode row), as its products' do not: reuse then gives a cold prefill's bits (issue 61).
     cpu_paged_attention_forward(q, keys[l], values[l], block_tables, kv_lens, query_start, q_positions, block_size,
-                                scale, attn, 32);
+                                scale, attn, 32, /*row_invariant=*/true);
     mlp_block(x, attn, w[5], w[6], w[7], maybe(w[8]), w[9], eps, w[10], w[11], w[12], w[13], w[14], w[15],
               act);
   }

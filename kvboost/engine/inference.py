@@ -349,6 +349,7 @@ class InferenceEngine:
              f"{'-' + config.decode_activations if config.decode == 'quantized' else ''}{self._decode_build_tag()}"
              f"/prefill={config.prefill_path}"
              f"/weights={config.weights}"), f"formats={self._weight_formats}", f"block={self.pool.block_size}",
+            *self._dense_cpu_tag(),
         ])  # fmt: skip
         self._last_fingerprint = fp  # what the keys being built use; records written now carry it
         return fp
@@ -368,6 +369,17 @@ class InferenceEngine:
 
             return "-" + attention_build_tag()
         return ""
+
+    def _dense_cpu_tag(self) -> list[str]:
+        """``cpu=<capability[+amx]/vendor>`` where some stored rows come from torch's dense CPU kernels (every CPU path
+        but the 4-bit step for prompt and decode rows), whose bits follow the CPU's ISA and vendor
+        (:func:`kvboost.runtime.config.dense_cpu_tag`; issue 61); else nothing."""
+        config = self.runner_config
+        if self.adapter.device.type != "cpu" or (config.decode == "quantized" and config.prefill_path == "quantized"):
+            return []
+        from kvboost.runtime.config import dense_cpu_tag
+
+        return [f"cpu={dense_cpu_tag()}"]
 
     @property
     def approx_tag(self) -> str:

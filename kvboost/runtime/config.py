@@ -291,3 +291,30 @@ def build_runner(config: RunnerConfig, model: Any, pool: Any, attention: Any, **
                        graph_options=options if config.decode == "graphed" else None,
                        decode_activations=config.decode_activations,
                        quantized_prefill_rows=config.quantized_prefill_rows)  # fmt: skip
+
+
+def dense_cpu_tag() -> str:
+    """What of this CPU can change the bits torch's dense CPU kernels give (MKL's and oneDNN's GEMMs, ``at::vec``
+    reductions), for the engine's cache fingerprint where stored rows come from them (issue 61): torch's CPU capability
+    (the lanes its vector code reduces over: 8 under AVX2, 16 under AVX512), AMX (oneDNN's bf16 GEMMs run on its
+    tiles, another summation order than AVX-512 BF16's) and the vendor (MKL chooses its kernels by vendor as well as
+    by ISA). Two machines of one kind share entries; an AMX Xeon, a Zen 4 and an AVX2-only EPYC do not. The 4-bit step
+    for every row needs none of it (it calls neither MKL nor oneDNN; its build's lanes are in its own tag)."""
+    from kvboost.attention.cpu_ext import cpu_capability
+    from kvboost.env import has_amx
+
+    return f"{cpu_capability()}{'+amx' if has_amx() else ''}/{_cpu_vendor()}"
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (``GenuineIntel``, ``AuthenticAMD``), else the platform's processor name."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
