@@ -48,3 +48,17 @@ def smollm_tokenizer():
     from kvboost.models.loading import bundled_model_dir
 
     return AutoTokenizer.from_pretrained(bundled_model_dir())
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A private redis-server for a module's Redis examples (the engine state machines); None without
+    redis-server, and those examples then use the disk tier."""
+    from kvboost_testkit.redis_server import RedisServer, skip_reason
+
+    if skip_reason():
+        yield None
+        return
+    server = RedisServer()
+    yield server.url
+    server.close()

@@ -457,19 +457,6 @@ class CoreMachine(RuleBasedStateMachine):
             assert self.waited[id(request)] <= MAX_WAIT, f"{request} waited {self.waited[id(request)]} steps"
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    """A private redis-server for the Redis examples; None (those examples use the disk tier) without one."""
-    from kvboost_testkit.redis_server import RedisServer, skip_reason
-
-    if skip_reason():
-        yield None
-        return
-    server = RedisServer()
-    yield server.url
-    server.close()
-
-
 @pytest.mark.slow  # ~60 s of CPU (10,000 steps); the README's test command runs it
 @pytest.mark.timeout(3600)
 def test_pool_cache_and_core_keep_their_invariants(redis_url):

@@ -308,18 +308,6 @@ class ThreadedMachine(RuleBasedStateMachine):
             raise AssertionError(f"{exc}\n{self.lower} tier; rules so far:\n  " + "\n  ".join(self.log)) from exc
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    from kvboost_testkit.redis_server import RedisServer, skip_reason
-
-    if skip_reason():
-        yield None
-        return
-    server = RedisServer()
-    yield server.url
-    server.close()
-
-
 @pytest.mark.slow  # ~10 s of CPU, more of wall time (the rules wait on the loop thread)
 @pytest.mark.timeout(3600)
 def test_engine_loop_under_concurrent_clients_keeps_its_invariants(redis_url):
